@@ -1,0 +1,60 @@
+# aiprobe — every target sets up what it needs and is safe to run again.
+#   make run    install deps, build, run aiprobe on this host (`aiprobe check` until `top` lands)
+#   make test   install deps, build, run ruff and the whole test suite (as root)
+#   make bench  install deps, build, run benchmarks/ and print a table of ratios
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMPS := .make
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+# Build and test dependencies from Debian/Ubuntu. Nodes that only run aiprobe need libbpf1 alone.
+APT_PACKAGES := clang llvm libbpf-dev bpftool iproute2 make gcc libc6-dev python3-venv python3-pip \
+                tmux prometheus prometheus-alertmanager ruby
+
+.PHONY: run test bench setup deps venv bpf vmlinux lint clean
+
+run: setup
+	$(SUDO) $(BIN)/aiprobe check
+
+test: setup lint
+	$(BIN)/pytest -ra
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+lint: venv
+	$(BIN)/ruff check agent exporters tests benchmarks
+
+setup: deps venv bpf
+
+deps: $(STAMPS)/deps
+$(STAMPS)/deps: Makefile
+	@mkdir -p $(STAMPS)
+	@n=$$(dpkg-query -W -f='$${Status}\n' $(APT_PACKAGES) 2>/dev/null | grep -c 'install ok installed'); \
+	if [ "$$n" = "$(words $(APT_PACKAGES))" ]; then echo "apt packages: all installed"; else \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); \
+	fi
+	@touch $@
+
+venv: $(STAMPS)/venv
+$(STAMPS)/venv: pyproject.toml $(STAMPS)/deps
+	@mkdir -p $(STAMPS)
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $@
+
+# CO-RE objects: compiled once here, shipped inside the package (agent/bpf_objects/).
+bpf: deps
+	$(MAKE) -C bpf
+
+# Regenerate bpf/.output/vmlinux.h from this kernel's BTF (see bpf/README.md).
+vmlinux: deps
+	$(MAKE) -C bpf vmlinux
+
+clean:
+	$(MAKE) -C bpf clean
+	rm -rf $(STAMPS) tests/fixtures/build

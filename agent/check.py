@@ -1,0 +1,59 @@
+"""`aiprobe check`: what this kernel can do, and which strategy each probe would run."""
+
+from __future__ import annotations
+
+import click
+
+from . import __version__, libbpf
+from .cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
+from .features import probe_features
+from .probes import ProbePlan, plan, specs
+from .system import kernel_release, prepare_mounts
+
+
+def _short(detail: str) -> str:
+    """The first clause of a reason: what failed, without libbpf's trailing log."""
+    return detail.split(" — ")[0]
+
+
+def _print_text(report: dict, plans: list[ProbePlan]) -> None:
+    click.echo(f"aiprobe {report['version']} · kernel {report['kernel']} · libbpf {report['libbpf']}")
+    click.echo("\nKernel capabilities (each from a real load and attach):")
+    for name, feature in report["features"].items():
+        state = "yes" if feature["available"] else "no "
+        click.echo(f"  {name:<12} {state}  {_short(feature['detail'])}".rstrip())
+    click.echo("\nMounts:")
+    for name, mount in report["mounts"].items():
+        click.echo(f"  {name:<12} {mount['path']}: {mount['detail']}")
+    click.echo("\nProbes:")
+    for probe in plans:
+        if probe.available:
+            click.echo(f"  {probe.probe:<12} {probe.strategy:<12} {probe.span}")
+            for name, why in probe.skipped.items():
+                click.echo(f"  {'':<12} skipped {name}: {_short(why)}")
+        else:
+            click.echo(f"  {probe.probe:<12} {'unavailable':<12} {_short(probe.reason)}")
+
+
+@click.command()
+@json_option
+@friendly_errors
+def command(as_json: bool) -> None:
+    """Print the kernel capability matrix and the strategy each probe would use."""
+    require_privileges()
+    features = probe_features()
+    plans = [plan(spec, features) for spec in specs()]
+    report = {
+        "version": __version__,
+        "kernel": kernel_release(),
+        "libbpf": libbpf.version(),
+        "features": {name: f.as_dict() for name, f in features.items()},
+        "mounts": {name: vars(m) for name, m in prepare_mounts().items()},
+        "probes": {p.probe: p.as_dict() for p in plans},
+    }
+    if as_json:
+        emit_json(report)
+    else:
+        _print_text(report, plans)
+    if not any(p.available for p in plans):
+        raise AiprobeError("no probe can run on this host")

@@ -1,0 +1,172 @@
+"""Kernel capability matrix, found by trying: each feature is one real load and attach of a tiny
+program from features.bpf.o (or one map creation), never a guess from the kernel version.
+
+Network attachments are tried inside a private network namespace, on a veth pair that lives only
+as long as the probe, so checking never touches the host's interfaces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import libbpf
+from .btf import Btf
+from .libbpf import BpfError
+from .loader import BpfObject
+
+CLONE_NEWNET = 0x40000000
+FEATURE_OBJECT = "features"
+
+# Order is the order `aiprobe check` prints.
+FEATURES = (
+    "btf", "fentry", "kprobe", "tp_btf", "raw_tp", "tracepoint", "uprobe",
+    "xdp", "xdp_native", "xdp_generic", "xdp_link", "tc", "tcx", "tc_clsact", "ringbuf", "map_batch",
+)
+
+
+@dataclass
+class Feature:
+    available: bool
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _attempt(action: Callable[[], str | None]) -> Feature:
+    try:
+        return Feature(True, action() or "")
+    except (BpfError, OSError, KeyError) as exc:
+        return Feature(False, str(exc))
+
+
+# What a failure of these usually means; libbpf's own hints (e.g. "raise ulimit -l") mislead here.
+_HINTS = {
+    "probe_fentry": "the kernel refuses BPF trampolines (built without function tracer / direct calls)",
+    "probe_kprobe": "no kprobe PMU and no kprobe_events (kernel built without CONFIG_KPROBES)",
+}
+
+
+def _program(name: str, attach: Callable[[BpfObject], object] | None = None) -> Feature:
+    def run() -> None:
+        with BpfObject(FEATURE_OBJECT, programs=[name]) as obj:
+            obj.load()
+            (attach or (lambda o: o.programs[name].attach()))(obj)
+
+    feature = _attempt(run)
+    if not feature.available and name in _HINTS:
+        feature.detail = f"{_HINTS[name]}: {feature.detail}"
+    return feature
+
+
+def _btf() -> str:
+    path = Path("/sys/kernel/btf/vmlinux")
+    if not path.exists():
+        raise FileNotFoundError("no /sys/kernel/btf/vmlinux (kernel built without CONFIG_DEBUG_INFO_BTF)")
+    handle = libbpf.new_ptr("btf__load_vmlinux_btf")
+    try:
+        Btf(handle).find("task_struct", 4)
+    finally:
+        libbpf.lib().btf__free(handle)
+    return str(path)
+
+
+def libc_path() -> str:
+    """The libc this process maps: a uprobe target present on every host."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if "/libc.so" in path or "/libc-" in path:
+            return path
+    raise FileNotFoundError("libc not found in /proc/self/maps")
+
+
+def _uprobe() -> Feature:
+    return _program("probe_uprobe", lambda obj: obj.programs["probe_uprobe"].attach_uprobe(libc_path(), "getpid"))
+
+
+def _map_create(map_type: int, key: int, value: int, entries: int) -> int:
+    return libbpf.call("bpf_map_create", map_type, b"aiprobe_probe", key, value, entries, None)
+
+
+def _ringbuf() -> None:
+    os.close(_map_create(libbpf.BPF_MAP_TYPE_RINGBUF, 0, 0, 4096))
+
+
+def _map_batch() -> None:
+    fd = _map_create(libbpf.BPF_MAP_TYPE_HASH, 4, 4, 1)
+    try:
+        keys, values, token = (ctypes.c_uint32 * 1)(), (ctypes.c_uint32 * 1)(), ctypes.c_uint64()
+        count = ctypes.c_uint32(1)
+        opts = libbpf.sized(libbpf.MapBatchOpts)
+        rc = libbpf.lib().bpf_map_lookup_batch(
+            fd, None, ctypes.byref(token), keys, values, ctypes.byref(count), ctypes.byref(opts)
+        )
+        if rc not in (0, -errno.ENOENT):  # ENOENT: the (empty) map was read to its end
+            libbpf.check_rc(rc, "bpf_map_lookup_batch")
+    finally:
+        os.close(fd)
+
+
+def _network_features() -> dict[str, Feature]:
+    """XDP and tc attempts in a throwaway network namespace, owned by a short-lived thread
+    (namespaces are per thread, so the rest of the process stays where it was)."""
+    result: dict[str, Feature] = {}
+
+    def run() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            for name in ("xdp_native", "xdp_generic", "xdp_link", "tcx", "tc_clsact"):
+                result[name] = Feature(False, f"cannot create a private netns to test in: {errno.errorcode[err]}")
+            return
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:
+            ipr.link("add", ifname="aiprobe-p0", kind="veth", peer="aiprobe-p1")
+            veth = ipr.link_lookup(ifname="aiprobe-p0")[0]
+            xdp = lambda mode, ifx: lambda obj: obj.programs["probe_xdp"].attach_xdp(ifx, mode)  # noqa: E731
+            result["xdp_native"] = _program("probe_xdp", xdp("native", veth))
+            result["xdp_generic"] = _program("probe_xdp", xdp("generic", 1))
+            result["xdp_link"] = _program("probe_xdp", xdp(None, veth))
+            result["tcx"] = _program("probe_tc", lambda obj: obj.programs["probe_tc"].attach_tcx(veth, "egress"))
+            result["tc_clsact"] = _program(
+                "probe_tc",
+                lambda obj: obj.programs["probe_tc"].attach_tc_clsact(veth, "egress", handle=1, priority=1),
+            )
+
+    thread = threading.Thread(target=run, name="aiprobe-netns-probe")
+    thread.start()
+    thread.join()
+    return result
+
+
+def probe_features() -> dict[str, Feature]:
+    """Try every feature once. Requires privileges (see system.missing_privileges)."""
+    found = {
+        "btf": _attempt(_btf),
+        "fentry": _program("probe_fentry"),
+        "kprobe": _program("probe_kprobe"),
+        "tp_btf": _program("probe_tp_btf"),
+        "raw_tp": _program("probe_raw_tp"),
+        "tracepoint": _program("probe_tracepoint"),
+        "uprobe": _uprobe(),
+        "ringbuf": _attempt(_ringbuf),
+        "map_batch": _attempt(_map_batch),
+    }
+    found.update(_network_features())
+    found["xdp"] = _any(found, "xdp_native", "xdp_generic")
+    found["tc"] = _any(found, "tcx", "tc_clsact")
+    return {name: found[name] for name in FEATURES}
+
+
+def _any(found: dict[str, Feature], *names: str) -> Feature:
+    working = [n for n in names if found[n].available]
+    if working:
+        return Feature(True, "via " + ", ".join(working))
+    return Feature(False, "; ".join(f"{n}: {found[n].detail}" for n in names))

@@ -1,0 +1,466 @@
+"""Load CO-RE objects, attach their programs, read their maps — and close everything deterministically.
+
+A probe module (flows, sendlat, cuda, sched) declares an ordered list of `Strategy`s; `load_first`
+opens the object once per strategy with only that strategy's programs enabled, and keeps the first
+that loads *and* attaches, recording why each earlier one was skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import libbpf
+from .btf import Btf
+from .libbpf import BpfError
+
+_PERCPU_MAP_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
+_BATCH_CHUNK = 4096
+_ENOTSUPP = 524  # kernel-internal errno for 'operation not supported'
+_LOG_BUF_SIZE = 4 << 20
+
+
+class ProbeUnavailable(RuntimeError):
+    """No strategy of a probe could load and attach; `reasons` says why for each."""
+
+    def __init__(self, probe: str, reasons: dict[str, str]) -> None:
+        self.probe = probe
+        self.reasons = reasons
+        detail = "; ".join(f"{name}: {why}" for name, why in reasons.items()) or "no strategy declared"
+        super().__init__(f"{probe}: no strategy could run ({detail})")
+
+
+def objects_dir() -> Path:
+    """Where the compiled .bpf.o files live: inside the installed package, or $AIPROBE_BPF_DIR."""
+    override = os.environ.get("AIPROBE_BPF_DIR")
+    return Path(override) if override else Path(__file__).parent / "bpf_objects"
+
+
+def object_path(name: str) -> Path:
+    path = objects_dir() / f"{name}.bpf.o"
+    if not path.exists():
+        raise FileNotFoundError(f"BPF object {path} is missing; build it with `make bpf`")
+    return path
+
+
+class Link:
+    """One attachment. Closing it detaches; closing twice is harmless."""
+
+    def __init__(self, description: str, detach: Callable[[], None], fd: int = -1) -> None:
+        self.description = description
+        self.fd = fd
+        self._detach: Callable[[], None] | None = detach
+
+    def close(self) -> None:
+        detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
+
+    @property
+    def closed(self) -> bool:
+        return self._detach is None
+
+    def __repr__(self) -> str:
+        return f"<Link {self.description}{' closed' if self.closed else ''}>"
+
+
+def _libbpf_link(ptr: int, description: str) -> Link:
+    fd = libbpf.lib().bpf_link__fd(ptr)
+    return Link(description, lambda: libbpf.lib().bpf_link__destroy(ptr), fd)
+
+
+def _fd_link(fd: int, description: str) -> Link:
+    return Link(description, lambda: os.close(fd), fd)
+
+
+@dataclass
+class TestRun:
+    retval: int
+    duration_ns: int
+    data_out: bytes
+
+
+class Program:
+    def __init__(self, obj: BpfObject, ptr: int) -> None:
+        self._obj = obj
+        self._ptr = ptr
+        self.name = libbpf.lib().bpf_program__name(ptr).decode()
+        self.section = libbpf.lib().bpf_program__section_name(ptr).decode()
+        self._log_buf: ctypes.Array | None = None
+
+    @property
+    def fd(self) -> int:
+        return libbpf.lib().bpf_program__fd(self._ptr)
+
+    @property
+    def autoload(self) -> bool:
+        return bool(libbpf.lib().bpf_program__autoload(self._ptr))
+
+    @autoload.setter
+    def autoload(self, enabled: bool) -> None:
+        libbpf.lib().bpf_program__set_autoload(self._ptr, enabled)
+
+    def keep_verifier_log(self, level: int) -> None:
+        self._log_buf = ctypes.create_string_buffer(_LOG_BUF_SIZE)
+        libbpf.lib().bpf_program__set_log_buf(self._ptr, self._log_buf, _LOG_BUF_SIZE)
+        libbpf.lib().bpf_program__set_log_level(self._ptr, level)
+
+    @property
+    def verifier_log(self) -> str:
+        return self._log_buf.value.decode(errors="replace") if self._log_buf is not None else ""
+
+    def attach(self) -> Link:
+        """Attach as the SEC() name says (tracepoint, raw_tp, tp_btf, fentry, kprobe ...)."""
+        ptr = libbpf.new_ptr("bpf_program__attach", self._ptr)
+        return self._obj.own(_libbpf_link(ptr, f"{self.name} ({self.section})"))
+
+    def attach_uprobe(self, binary: str, func_name: str, *, retprobe: bool = False, pid: int = -1) -> Link:
+        """uprobe/uretprobe on `func_name` in `binary`, for every process (pid -1) that maps it."""
+        opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe, func_name=func_name.encode())
+        ptr = libbpf.new_ptr(
+            "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), 0, ctypes.byref(opts)
+        )
+        kind = "uretprobe" if retprobe else "uprobe"
+        return self._obj.own(_libbpf_link(ptr, f"{self.name} {kind} {binary}:{func_name}"))
+
+    def attach_xdp(self, ifindex: int, mode: str | None = None) -> Link:
+        """XDP through a bpf_link; mode 'native', 'generic' or None (kernel's choice)."""
+        flags = {"native": libbpf.XDP_FLAGS_DRV_MODE, "generic": libbpf.XDP_FLAGS_SKB_MODE, None: 0}[mode]
+        opts = libbpf.sized(libbpf.LinkCreateOpts, flags=flags)
+        fd = libbpf.call("bpf_link_create", self.fd, ifindex, libbpf.BPF_XDP, ctypes.byref(opts))
+        return self._obj.own(_fd_link(fd, f"{self.name} xdp/{mode or 'auto'} ifindex {ifindex}"))
+
+    def attach_tcx(self, ifindex: int, direction: str) -> Link:
+        """tc through a TCX bpf_link (kernel >= 6.6); direction 'ingress' or 'egress'."""
+        attach_type = libbpf.BPF_TCX_INGRESS if direction == "ingress" else libbpf.BPF_TCX_EGRESS
+        fd = libbpf.call("bpf_link_create", self.fd, ifindex, attach_type, None)
+        return self._obj.own(_fd_link(fd, f"{self.name} tcx/{direction} ifindex {ifindex}"))
+
+    def attach_tc_clsact(self, ifindex: int, direction: str, *, handle: int, priority: int) -> Link:
+        """Fallback for kernels without TCX: a direct-action filter with our own handle and priority
+        on the clsact qdisc. The qdisc is created when missing and never removed here: other tools may
+        have filters on it. Detaching removes only our filter."""
+        point = libbpf.BPF_TC_INGRESS if direction == "ingress" else libbpf.BPF_TC_EGRESS
+        hook = libbpf.sized(libbpf.TcHook, ifindex=ifindex, attach_point=point)
+        with contextlib.suppress(BpfError):  # EEXIST: clsact is already there
+            libbpf.call("bpf_tc_hook_create", ctypes.byref(hook))
+        opts = libbpf.sized(libbpf.TcOpts, prog_fd=self.fd, handle=handle, priority=priority)
+        libbpf.call("bpf_tc_attach", ctypes.byref(hook), ctypes.byref(opts))
+
+        def detach() -> None:
+            ours = libbpf.sized(libbpf.TcOpts, handle=handle, priority=priority)
+            with contextlib.suppress(BpfError):  # the interface may be gone already
+                libbpf.call("bpf_tc_detach", ctypes.byref(hook), ctypes.byref(ours))
+
+        return self._obj.own(Link(f"{self.name} clsact/{direction} ifindex {ifindex}", detach))
+
+    def test_run(self, data: bytes, repeat: int = 1) -> TestRun:
+        """BPF_PROG_TEST_RUN: run the program on `data`; duration is the mean per repetition."""
+        data_in = ctypes.create_string_buffer(data, len(data))
+        data_out = ctypes.create_string_buffer(len(data) + 256)
+        opts = libbpf.sized(
+            libbpf.TestRunOpts,
+            data_in=ctypes.cast(data_in, ctypes.c_void_p),
+            data_size_in=len(data),
+            data_out=ctypes.cast(data_out, ctypes.c_void_p),
+            data_size_out=len(data_out),
+            repeat=repeat,
+        )
+        libbpf.call("bpf_prog_test_run_opts", self.fd, ctypes.byref(opts))
+        return TestRun(opts.retval, opts.duration, data_out.raw[: opts.data_size_out])
+
+
+class Map:
+    """A BPF map with keys and values typed from BTF (raw byte arrays where BTF has none)."""
+
+    def __init__(self, obj: BpfObject, ptr: int) -> None:
+        lib = libbpf.lib()
+        self._ptr = ptr
+        self.name = lib.bpf_map__name(ptr).decode()
+        self.type = lib.bpf_map__type(ptr)
+        self.key_size = lib.bpf_map__key_size(ptr)
+        self.value_size = lib.bpf_map__value_size(ptr)
+        self.percpu = self.type in _PERCPU_MAP_TYPES
+        self.key_type = self._btf_type(obj.btf, lib.bpf_map__btf_key_type_id(ptr), self.key_size)
+        self.value_type = self._btf_type(obj.btf, lib.bpf_map__btf_value_type_id(ptr), self.value_size)
+        self._ncpus = lib.libbpf_num_possible_cpus() if self.percpu else 1
+        # Per-CPU values sit at an 8-byte stride, one per possible CPU.
+        self._stride = (self.value_size + 7) & ~7 if self.percpu else self.value_size
+        self._batch_ok = True
+
+    @staticmethod
+    def _btf_type(btf: Btf | None, type_id: int, size: int) -> type:
+        if btf is not None and type_id:
+            with contextlib.suppress(TypeError):  # e.g. bitfields: fall back to raw bytes
+                return btf.ctype(type_id)
+        return ctypes.c_uint8 * size
+
+    @property
+    def fd(self) -> int:
+        return libbpf.lib().bpf_map__fd(self._ptr)
+
+    @property
+    def max_entries(self) -> int:
+        return libbpf.lib().bpf_map__max_entries(self._ptr)
+
+    @max_entries.setter
+    def max_entries(self, value: int) -> None:
+        libbpf.call("bpf_map__set_max_entries", self._ptr, value)
+
+    def _value_buffer(self, count: int = 1) -> ctypes.Array:
+        return (ctypes.c_uint8 * (self._stride * self._ncpus * count))()
+
+    def _split(self, buf: ctypes.Array, index: int = 0) -> Any:
+        """One element's value: a ctypes value, or a list of them (one per CPU) for per-CPU maps."""
+        base = ctypes.addressof(buf) + index * self._stride * self._ncpus
+        values = [
+            self.value_type.from_buffer_copy(ctypes.string_at(base + cpu * self._stride, self.value_size))
+            for cpu in range(self._ncpus)
+        ]
+        return values if self.percpu else values[0]
+
+    def _key(self, key: Any) -> Any:
+        return key if isinstance(key, self.key_type) else self.key_type(key)
+
+    def lookup(self, key: Any) -> Any:
+        buf = self._value_buffer()
+        rc = libbpf.lib().bpf_map_lookup_elem(self.fd, ctypes.byref(self._key(key)), buf)
+        if rc == -errno.ENOENT:
+            return None
+        libbpf.check_rc(rc, f"lookup in map {self.name}")
+        return self._split(buf)
+
+    def update(self, key: Any, value: Any, flags: int = 0) -> None:
+        value = value if isinstance(value, self.value_type) else self.value_type(value)
+        rc = libbpf.lib().bpf_map_update_elem(self.fd, ctypes.byref(self._key(key)), ctypes.byref(value), flags)
+        libbpf.check_rc(rc, f"update in map {self.name}")
+
+    def delete(self, key: Any) -> bool:
+        rc = libbpf.lib().bpf_map_delete_elem(self.fd, ctypes.byref(self._key(key)))
+        if rc == -errno.ENOENT:
+            return False
+        libbpf.check_rc(rc, f"delete in map {self.name}")
+        return True
+
+    def keys(self) -> Iterator[Any]:
+        key = None
+        next_key = self.key_type()
+        while libbpf.lib().bpf_map_get_next_key(
+            self.fd, ctypes.byref(key) if key is not None else None, ctypes.byref(next_key)
+        ) == 0:
+            key = self.key_type.from_buffer_copy(next_key)
+            yield key
+
+    def items(self) -> list[tuple[Any, Any]]:
+        """Every (key, value), with batch lookups where the kernel has them."""
+        if self._batch_ok:
+            try:
+                return self._items_batch()
+            except BpfError as exc:
+                if exc.errno not in (errno.EINVAL, _ENOTSUPP, errno.EOPNOTSUPP):
+                    raise
+                self._batch_ok = False
+        return [(key, value) for key in self.keys() if (value := self.lookup(key)) is not None]
+
+    def _items_batch(self) -> list[tuple[Any, Any]]:
+        lib = libbpf.lib()
+        token_size = max(self.key_size, 8)
+        tokens = [ctypes.create_string_buffer(token_size), ctypes.create_string_buffer(token_size)]
+        keys = (self.key_type * _BATCH_CHUNK)()
+        values = self._value_buffer(_BATCH_CHUNK)
+        opts = libbpf.sized(libbpf.MapBatchOpts)
+        out: list[tuple[Any, Any]] = []
+        in_token, out_token = None, tokens[0]
+        while True:
+            count = ctypes.c_uint32(_BATCH_CHUNK)
+            rc = lib.bpf_map_lookup_batch(
+                self.fd, in_token, out_token, keys, values, ctypes.byref(count), ctypes.byref(opts)
+            )
+            if rc < 0 and rc != -errno.ENOENT:
+                libbpf.check_rc(rc, f"batch lookup in map {self.name}")
+            out.extend(
+                (self.key_type.from_buffer_copy(keys, i * self.key_size), self._split(values, i))
+                for i in range(count.value)
+            )
+            if rc == -errno.ENOENT:
+                return out
+            in_token, out_token = out_token, tokens[out_token is tokens[0]]
+
+    def delete_keys(self, keys: Iterable[Any]) -> None:
+        for key in keys:
+            self.delete(key)
+
+
+class RingBuffer:
+    """Poll a BPF ring buffer; `callback` gets each record as bytes (decode with an event ctype)."""
+
+    def __init__(self, ring_map: Map, callback: Callable[[bytes], None]) -> None:
+        self._callback = callback
+        self._error: BaseException | None = None
+        self._c_callback = libbpf.RINGBUF_SAMPLE_FN(self._on_sample)  # kept alive with self
+        self._ptr = libbpf.new_ptr("ring_buffer__new", ring_map.fd, self._c_callback, None, None)
+
+    def _on_sample(self, _ctx: int, data: int, size: int) -> int:
+        try:
+            self._callback(ctypes.string_at(data, size))
+        except BaseException as exc:  # surfaced by poll(); an exception must not cross into C
+            self._error = exc
+            return -1
+        return 0
+
+    def poll(self, timeout_ms: int = 100) -> int:
+        rc = libbpf.lib().ring_buffer__poll(self._ptr, timeout_ms)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if rc == -errno.EINTR:
+            return 0
+        return libbpf.check_rc(rc, "ring_buffer__poll")
+
+    @property
+    def epoll_fd(self) -> int:
+        return libbpf.lib().ring_buffer__epoll_fd(self._ptr)
+
+    def close(self) -> None:
+        ptr, self._ptr = self._ptr, None
+        if ptr:
+            libbpf.lib().ring_buffer__free(ptr)
+
+
+class BpfObject:
+    """One opened .bpf.o. Use as a context manager: links, ring buffers and the object close together.
+
+    `programs`, when given, names the only programs to load (the rest of the object stays unloaded).
+    `verifier_log` > 0 keeps each program's verifier log at that level (`program.verifier_log`).
+    """
+
+    def __init__(self, name: str, *, programs: Iterable[str] | None = None, verifier_log: int = 0) -> None:
+        self.name = name
+        self.path = object_path(name)
+        self._ptr = libbpf.new_ptr("bpf_object__open_file", str(self.path).encode(), None)
+        self._owned: list[Link | RingBuffer] = []
+        self.loaded = False
+        btf_ptr = libbpf.lib().bpf_object__btf(self._ptr)
+        self.btf = Btf(btf_ptr) if btf_ptr else None
+        self.programs = {p.name: p for p in self._each(Program, "bpf_object__next_program")}
+        self.maps = {m.name: m for m in self._each(Map, "bpf_object__next_map")}
+        if programs is not None:
+            wanted = set(programs)
+            unknown = wanted - self.programs.keys()
+            if unknown:
+                self.close()
+                raise KeyError(f"{name}.bpf.o has no program {', '.join(sorted(unknown))}")
+            for program in self.programs.values():
+                program.autoload = program.name in wanted
+        if verifier_log:
+            for program in self.programs.values():
+                program.keep_verifier_log(verifier_log)
+
+    def _each(self, cls: type, iterator: str) -> Iterator[Any]:
+        ptr = None
+        while ptr := getattr(libbpf.lib(), iterator)(self._ptr, ptr):
+            yield cls(self, ptr)
+
+    def set_rodata(self, **values: int) -> None:
+        """Set `const volatile` globals (in .rodata) before load: the programs' read-only config."""
+        if self.loaded:
+            raise RuntimeError(".rodata is frozen once the object is loaded")
+        rodata = next((m for m in self.maps.values() if m.name.endswith(".rodata")), None)
+        if rodata is None or self.btf is None:
+            raise KeyError(f"{self.name}.bpf.o has no .rodata")
+        size = ctypes.c_size_t()
+        base = libbpf.lib().bpf_map__initial_value(rodata._ptr, ctypes.byref(size))
+        variables = self.btf.datasec_vars(".rodata")
+        for var, value in values.items():
+            if var not in variables:
+                raise KeyError(f"{self.name}.bpf.o has no .rodata variable {var!r}")
+            offset, type_id = variables[var]
+            self.btf.ctype(type_id).from_address(base + offset).value = value
+
+    def load(self) -> None:
+        libbpf.call("bpf_object__load", self._ptr)
+        self.loaded = True
+
+    def own(self, resource: Link | RingBuffer) -> Any:
+        """Tie a link or ring buffer to this object's lifetime."""
+        self._owned.append(resource)
+        return resource
+
+    def ring_buffer(self, map_name: str, callback: Callable[[bytes], None]) -> RingBuffer:
+        return self.own(RingBuffer(self.maps[map_name], callback))
+
+    @property
+    def links(self) -> list[Link]:
+        return [r for r in self._owned if isinstance(r, Link) and not r.closed]
+
+    def close(self) -> None:
+        """Detach every link, free ring buffers, then unload programs and maps."""
+        while self._owned:
+            self._owned.pop().close()
+        ptr, self._ptr = self._ptr, None
+        if ptr:
+            libbpf.lib().bpf_object__close(ptr)
+
+    def __enter__(self) -> BpfObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a probe: which programs to load, which kernel features they need, and what
+    span of time or traffic they observe (reported to users so numbers are read correctly)."""
+
+    name: str
+    programs: tuple[str, ...] = ()
+    features: tuple[str, ...] = ()
+    span: str = ""
+
+
+@dataclass
+class Loaded:
+    obj: BpfObject
+    strategy: Strategy
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def attach_all(obj: BpfObject, strategy: Strategy) -> None:
+    """Default attach: every program of the strategy as its SEC() name says."""
+    for name in strategy.programs:
+        obj.programs[name].attach()
+
+
+def load_first(
+    probe: str,
+    object_name: str,
+    strategies: Iterable[Strategy],
+    *,
+    configure: Callable[[BpfObject, Strategy], None] | None = None,
+    attach: Callable[[BpfObject, Strategy], None] = attach_all,
+) -> Loaded:
+    """The first strategy that loads and attaches; raises ProbeUnavailable with every reason."""
+    skipped: dict[str, str] = {}
+    for strategy in strategies:
+        obj = BpfObject(object_name, programs=strategy.programs)
+        try:
+            if configure is not None:
+                configure(obj, strategy)
+            obj.load()
+            attach(obj, strategy)
+        except BpfError as exc:
+            obj.close()
+            skipped[strategy.name] = str(exc)
+            continue
+        except BaseException:
+            obj.close()
+            raise
+        return Loaded(obj, strategy, skipped)
+    raise ProbeUnavailable(probe, skipped)

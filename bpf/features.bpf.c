@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: GPL-2.0
+/* One tiny program per kernel feature. `aiprobe check` loads and attaches each one alone, so the
+ * capability matrix comes from real attempts rather than from kernel versions. */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include "common.h"
+#include "features.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} hits SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 4096);
+} events SEC(".maps");
+
+BTF_EXPORT(feature_event);
+
+/* Read-only config, set by user space before load (tests exercise .rodata through it). */
+const volatile __u64 hit_increment = 1;
+
+static __always_inline __u64 hit(void)
+{
+	__u32 zero = 0;
+	__u64 *count = bpf_map_lookup_elem(&hits, &zero);
+
+	if (!count)
+		return 0;
+	return __sync_fetch_and_add(count, hit_increment) + hit_increment;
+}
+
+SEC("fentry/tcp_sendmsg")
+int BPF_PROG(probe_fentry) { hit(); return 0; }
+
+SEC("kprobe/tcp_sendmsg")
+int BPF_KPROBE(probe_kprobe) { hit(); return 0; }
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(probe_tp_btf) { hit(); return 0; }
+
+SEC("raw_tp/sched_switch")
+int probe_raw_tp(void *ctx) { hit(); return 0; }
+
+SEC("tracepoint/sched/sched_switch")
+int probe_tracepoint(void *ctx) { hit(); return 0; }
+
+SEC("uprobe")
+int BPF_KPROBE(probe_uprobe)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	struct feature_event *event = bpf_ringbuf_reserve(&events, sizeof(*event), 0);
+
+	if (!event)
+		return 0;
+	event->pid = pid_tgid >> 32;
+	event->tid = (__u32)pid_tgid;
+	event->hits = hit();
+	bpf_ringbuf_submit(event, 0);
+	return 0;
+}
+
+SEC("xdp")
+int probe_xdp(struct xdp_md *ctx) { hit(); return XDP_PASS; }
+
+SEC("tc")
+int probe_tc(struct __sk_buff *skb) { hit(); return TC_ACT_UNSPEC; }
