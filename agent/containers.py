@@ -1,0 +1,111 @@
+"""Who is behind a pid or a cgroup id: the process name, its container and its pod.
+
+BPF programs record `bpf_get_current_cgroup_id()` / `bpf_skb_cgroup_id()`: on cgroup v2 that is the
+inode number of the cgroup's directory, so a walk of /sys/fs/cgroup maps ids back to paths. The path
+names the container runtime's scope: containerd, CRI-O and Docker, under both the systemd and the
+cgroupfs drivers, and plain host processes (no container).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def cgroup2_root(mounts: Path = Path("/proc/self/mounts")) -> Path:
+    """Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup, or /sys/fs/cgroup/unified on
+    hybrid hosts."""
+    for line in mounts.read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            return Path(fields[1])
+    return Path("/sys/fs/cgroup")
+
+_CONTAINER_ID = r"([0-9a-f]{64})"
+# Leaf names of a container's cgroup, by runtime and driver.
+_CONTAINER_PATTERNS = (
+    re.compile(rf"cri-containerd-{_CONTAINER_ID}\.scope$"),  # containerd, systemd driver
+    re.compile(rf"crio-(?:conmon-)?{_CONTAINER_ID}\.scope$"),  # CRI-O, systemd driver
+    re.compile(rf"docker-{_CONTAINER_ID}\.scope$"),  # Docker, systemd driver
+    re.compile(rf"^{_CONTAINER_ID}$"),  # cgroupfs driver: the bare id under kubepods/... or docker/
+)
+# systemd: kubepods-burstable-pod<uid with _>.slice; cgroupfs: pod<uid with ->
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice)?$")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The container and pod a cgroup belongs to; empty strings for host processes."""
+
+    cgroup: str
+    container_id: str = ""
+    pod_uid: str = ""
+
+    @property
+    def container(self) -> str:
+        """The label value: a short container id, or "host"."""
+        return self.container_id[:12] if self.container_id else "host"
+
+
+def workload_of(cgroup_path: str) -> Workload:
+    """Parse a cgroup path such as /kubepods.slice/.../cri-containerd-<id>.scope."""
+    container_id = pod_uid = ""
+    for part in cgroup_path.strip("/").split("/"):
+        for pattern in _CONTAINER_PATTERNS:
+            match = pattern.search(part)
+            if match:
+                container_id = match.group(1)
+        pod = _POD_UID.search(part)
+        if pod:
+            pod_uid = pod.group(1).replace("_", "-")
+    return Workload(cgroup_path or "/", container_id, pod_uid)
+
+
+def cgroup_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """The cgroup v2 path of a process, or None when it is gone."""
+    try:
+        text = (proc / str(pid) / "cgroup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+class CgroupIndex:
+    """cgroup id (inode) -> cgroup path, rebuilt when an unknown id shows up — at most once per
+    `min_rebuild_seconds`, so ids of cgroups already gone don't trigger a walk on every read."""
+
+    def __init__(self, root: Path | None = None, min_rebuild_seconds: float = 2.0) -> None:
+        self._root = root or cgroup2_root()
+        self._paths: dict[int, str] = {}
+        self._min_rebuild = min_rebuild_seconds
+        self._rebuilt_at = -min_rebuild_seconds
+
+    def _rebuild(self) -> None:
+        paths: dict[int, str] = {}
+        stack = [str(self._root)]
+        while stack:
+            directory = stack.pop()
+            try:
+                paths[os.stat(directory).st_ino] = "/" + os.path.relpath(directory, self._root).removeprefix(".")
+                with os.scandir(directory) as entries:
+                    stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue  # a cgroup removed while walking
+        self._paths = {ino: path.replace("//", "/") for ino, path in paths.items()}
+
+    def path(self, cgroup_id: int) -> str | None:
+        now = time.monotonic()
+        if cgroup_id and cgroup_id not in self._paths and now - self._rebuilt_at >= self._min_rebuild:
+            self._rebuilt_at = now
+            self._rebuild()
+        return self._paths.get(cgroup_id)
+
+    def workload(self, cgroup_id: int) -> Workload:
+        path = self.path(cgroup_id)
+        return workload_of(path) if path is not None else Workload("", "", "")

@@ -1,0 +1,76 @@
+"""Cumulative histograms as (le_seconds, count) buckets: quantiles and windows of recent changes."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, count), ascending
+
+
+def quantile(buckets: Buckets, q: float) -> float | None:
+    """The q-quantile, interpolated inside its bucket as Prometheus' histogram_quantile does
+    (log2 buckets: a bucket's lower bound is half its upper bound). None without observations."""
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank = q * total
+    previous_le, previous_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return previous_le
+            lower = previous_le if previous_le else le / 2
+            in_bucket = count - previous_count
+            fraction = (rank - previous_count) / in_bucket if in_bucket else 1.0
+            return lower + (le - lower) * fraction
+        previous_le, previous_count = le, count
+    return previous_le
+
+
+class WindowedHistograms:
+    """Per-source change of cumulative histograms over the last `window_seconds`, so alert rules
+    judge recent behaviour rather than everything since start."""
+
+    def __init__(self, window_seconds: float) -> None:
+        self._window = window_seconds
+        self._history: dict[Hashable, deque[tuple[float, tuple[float, ...]]]] = {}
+        self._bounds: dict[Hashable, tuple[float, ...]] = {}
+
+    def observe(self, source: Hashable, buckets: Buckets, now: float) -> list[tuple[float, float]]:
+        """Record the current cumulative buckets; return the buckets of what changed in the window."""
+        bounds = tuple(le for le, _ in buckets)
+        counts = tuple(count for _, count in buckets)
+        history = self._history.setdefault(source, deque())
+        if self._bounds.get(source) != bounds or (history and any(c < p for c, p in zip(counts, history[-1][1],
+                                                                                        strict=True))):
+            history.clear()  # new layout or a reset: start over
+        self._bounds[source] = bounds
+        history.append((now, counts))
+        while len(history) > 1 and now - history[1][0] >= self._window:
+            history.popleft()
+        oldest = history[0][1] if len(history) > 1 else tuple(0.0 for _ in counts)
+        return [(le, c - o) for le, c, o in zip(bounds, counts, oldest, strict=True)]
+
+    def forget(self, keep: set[Hashable]) -> None:
+        for source in set(self._history) - keep:
+            del self._history[source]
+            self._bounds.pop(source, None)
+
+
+class Rates:
+    """Per-second rate of cumulative counters, per source, between consecutive observations."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, tuple[float, float]] = {}
+
+    def rate(self, source: Hashable, value: float, now: float) -> float:
+        last = self._last.get(source)
+        self._last[source] = (now, value)
+        if last is None or now <= last[0] or value < last[1]:
+            return 0.0
+        return (value - last[1]) / (now - last[0])
+
+    def forget(self, keep: set[Hashable]) -> None:
+        self._last = {k: v for k, v in self._last.items() if k in keep}
