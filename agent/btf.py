@@ -165,7 +165,7 @@ def decode(value: Any) -> Any:
             if not name.startswith("_pad")
         }
     if isinstance(value, ctypes.Array):
-        if value._type_ in (ctypes.c_uint8, ctypes.c_char):
+        if value._type_ in (ctypes.c_uint8, ctypes.c_int8, ctypes.c_char):  # incl. C `char` arrays
             return bytes(value)
         return [decode(item) for item in value]
     return value

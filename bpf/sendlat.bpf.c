@@ -1,0 +1,310 @@
+// SPDX-License-Identifier: GPL-2.0
+/* TCP send latency: how long each send to a TCP socket takes, per process (tgid, cgroup) as a log2
+ * histogram, per flow as counters, and each send slower than a threshold as a ring-buffer event.
+ *
+ * Three ways to find a send's start and end, one per strategy (agent/sendlat.py), best first:
+ *   fentry/fexit on tcp_sendmsg, kprobe/kretprobe on tcp_sendmsg, and for kernels with neither the
+ *   send syscalls' entry (raw sys_enter) up to sock:sock_send_length, which fires when the socket's
+ *   sendmsg returns and says whether that socket is TCP. All three end in record_send(). */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_endian.h>
+#include "common.h"
+#include "sendlat.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+#define AF_INET 2
+#define AF_INET6 10
+
+/* The syscalls that send on a socket (send(2) is sendto on these ABIs). */
+#if defined(__TARGET_ARCH_x86)
+#define NR_WRITE 1
+#define NR_WRITEV 20
+#define NR_SENDTO 44
+#define NR_SENDMSG 46
+#define NR_SENDMMSG 307
+#define SYSCALL_NR(regs) ((regs)->orig_ax)
+#elif defined(__TARGET_ARCH_arm64)
+#define NR_WRITE 64
+#define NR_WRITEV 66
+#define NR_SENDTO 206
+#define NR_SENDMSG 211
+#define NR_SENDMMSG 269
+#define SYSCALL_NR(regs) ((regs)->syscallno)
+#else
+#error "sendlat: add this architecture's send syscall numbers"
+#endif
+
+/* Set by user space before load. */
+const volatile __u64 slow_threshold_ns = 10 * 1000 * 1000;
+const volatile __u32 target_tgid = 0;	/* 0: every process */
+
+/* Where a thread's send in progress started. */
+struct sendlat_start {
+	__u64 start_ns;
+	__u64 sk;		/* kprobe/fentry: the socket, for the return probe */
+	long syscall_nr;	/* tracepoint: the syscall that started it */
+};
+
+/* One entry per thread in a send (fentry/kprobe: deleted on return) or that made a send syscall
+ * (tracepoint: deleted when the thread exits). LRU: a full map evicts rather than drops. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32);
+	__type(value, struct sendlat_start);
+} starts SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 10240);
+	__type(key, struct sendlat_proc_key);
+	__type(value, struct sendlat_proc_stats);
+} procs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct sendlat_flow_key);
+	__type(value, struct sendlat_flow_stats);
+} flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} slow_sends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, COUNTER_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+BTF_EXPORT(slow_send_event);
+
+/* Initial values for new map entries (never written). */
+static struct sendlat_proc_stats zero_proc;
+static struct sendlat_flow_stats zero_flow;
+
+static __always_inline bool traced(__u64 pid_tgid)
+{
+	return !target_tgid || (pid_tgid >> 32) == target_tgid;
+}
+
+static __always_inline void count(enum sendlat_counter index)
+{
+	__u32 key = index;
+	__u64 *value = bpf_map_lookup_elem(&counters, &key);
+
+	if (value)
+		__sync_fetch_and_add(value, 1);
+}
+
+static __always_inline void send_begin(__u64 pid_tgid, struct sock *sk, long syscall_nr)
+{
+	struct sendlat_start start = {
+		.start_ns = bpf_ktime_get_ns(),
+		.sk = (__u64)sk,
+		.syscall_nr = syscall_nr,
+	};
+	__u32 tid = pid_tgid;
+
+	bpf_map_update_elem(&starts, &tid, &start, BPF_ANY);
+}
+
+static __always_inline void read_flow(struct sendlat_flow_key *flow, struct sock *sk, __u32 tgid)
+{
+	flow->tgid = tgid;
+	flow->family = BPF_CORE_READ(sk, __sk_common.skc_family);
+	flow->local_port = BPF_CORE_READ(sk, __sk_common.skc_num);
+	flow->remote_port = bpf_ntohs(BPF_CORE_READ(sk, __sk_common.skc_dport));
+	if (flow->family == AF_INET) {
+		bpf_core_read(flow->local_addr, 4, &sk->__sk_common.skc_rcv_saddr);
+		bpf_core_read(flow->remote_addr, 4, &sk->__sk_common.skc_daddr);
+	} else {
+		bpf_core_read(flow->local_addr, 16, &sk->__sk_common.skc_v6_rcv_saddr);
+		bpf_core_read(flow->remote_addr, 16, &sk->__sk_common.skc_v6_daddr);
+	}
+}
+
+/* The entry of `key` in a stats map, created from `zero` on first use. */
+static __always_inline void *lookup_or_init(void *map, const void *key, const void *zero, bool *created)
+{
+	void *value = bpf_map_lookup_elem(map, key);
+
+	*created = false;
+	if (value)
+		return value;
+	*created = !bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(map, key);
+}
+
+static __always_inline struct sendlat_proc_stats *proc_stats_of(__u64 pid_tgid)
+{
+	struct sendlat_proc_key key = { .tgid = pid_tgid >> 32, .cgroup_id = bpf_get_current_cgroup_id() };
+	struct sendlat_proc_stats *stats;
+	struct task_struct *leader;
+	bool created;
+
+	stats = lookup_or_init(&procs, &key, &zero_proc, &created);
+	if (stats && created) {
+		/* The process name, not the sending thread's: threads often carry their own names. */
+		leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
+		bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
+	}
+	return stats;
+}
+
+static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct sendlat_proc_stats *stats, __u64 pid_tgid,
+					   __u64 bytes, __u64 duration_ns)
+{
+	struct slow_send_event *event = bpf_ringbuf_reserve(&slow_sends, sizeof(*event), 0);
+
+	if (!event) {
+		count(COUNTER_LOST_EVENTS);
+		return;
+	}
+	event->flow = *flow;
+	event->tid = (__u32)pid_tgid;
+	event->pad = 0;
+	event->cgroup_id = bpf_get_current_cgroup_id();
+	event->bytes = bytes;
+	event->duration_ns = duration_ns;
+	__builtin_memcpy(event->comm, stats->comm, sizeof(event->comm));
+	bpf_ringbuf_submit(event, 0);
+}
+
+/* One send of `ret` bytes (negative: an error) on `sk` that took `duration_ns`. */
+static __always_inline void record_send(struct sock *sk, long ret, __u64 duration_ns, __u64 pid_tgid)
+{
+	__u64 bytes = ret > 0 ? ret : 0;
+	struct sendlat_flow_key flow = {};
+	struct sendlat_flow_stats *flow_stats;
+	struct sendlat_proc_stats *stats;
+	bool created;
+
+	stats = proc_stats_of(pid_tgid);
+	if (!stats)
+		return;
+	hist_add(&stats->latency, duration_ns);
+	__sync_fetch_and_add(&stats->bytes, bytes);
+
+	read_flow(&flow, sk, pid_tgid >> 32);
+	flow_stats = lookup_or_init(&flows, &flow, &zero_flow, &created);
+	if (flow_stats) {
+		__sync_fetch_and_add(&flow_stats->count, 1);
+		__sync_fetch_and_add(&flow_stats->bytes, bytes);
+		__sync_fetch_and_add(&flow_stats->sum_ns, duration_ns);
+	}
+	if (duration_ns >= slow_threshold_ns)
+		emit_slow_send(&flow, stats, pid_tgid, bytes, duration_ns);
+}
+
+/* --- fentry / kprobe: tcp_sendmsg entry to return --- */
+
+static __always_inline void send_end(long ret)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tid = pid_tgid;
+	struct sendlat_start *start = bpf_map_lookup_elem(&starts, &tid);
+
+	if (!start)
+		return;
+	record_send((struct sock *)start->sk, ret, bpf_ktime_get_ns() - start->start_ns, pid_tgid);
+	bpf_map_delete_elem(&starts, &tid);
+}
+
+SEC("fentry/tcp_sendmsg")
+int BPF_PROG(sendlat_fentry, struct sock *sk)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+
+	if (traced(pid_tgid))
+		send_begin(pid_tgid, sk, 0);
+	return 0;
+}
+
+SEC("fexit/tcp_sendmsg")
+int BPF_PROG(sendlat_fexit, struct sock *sk, struct msghdr *msg, size_t size, int ret)
+{
+	send_end(ret);
+	return 0;
+}
+
+SEC("kprobe/tcp_sendmsg")
+int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+
+	if (traced(pid_tgid))
+		send_begin(pid_tgid, sk, 0);
+	return 0;
+}
+
+SEC("kretprobe/tcp_sendmsg")
+int BPF_KRETPROBE(sendlat_kretprobe, int ret)
+{
+	send_end(ret);
+	return 0;
+}
+
+/* --- tracepoint: send syscall entry to the end of the socket's sendmsg --- */
+
+static __always_inline bool is_send_syscall(long id)
+{
+	return id == NR_WRITE || id == NR_WRITEV || id == NR_SENDTO || id == NR_SENDMSG || id == NR_SENDMMSG;
+}
+
+SEC("tp_btf/sys_enter")
+int BPF_PROG(sendlat_sys_enter, struct pt_regs *regs, long id)
+{
+	__u64 pid_tgid;
+
+	if (!is_send_syscall(id))
+		return 0;
+	pid_tgid = bpf_get_current_pid_tgid();
+	if (traced(pid_tgid))
+		send_begin(pid_tgid, NULL, id);
+	return 0;
+}
+
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
+{
+	__u64 pid_tgid, now;
+	struct sendlat_start *start;
+	struct pt_regs *regs;
+	__u32 tid;
+
+	if (BPF_CORE_READ(sk, sk_protocol) != IPPROTO_TCP || BPF_CORE_READ(sk, sk_type) != SOCK_STREAM)
+		return 0;
+	pid_tgid = bpf_get_current_pid_tgid();
+	tid = pid_tgid;
+	start = bpf_map_lookup_elem(&starts, &tid);
+	if (!start)
+		return 0;
+	/* The entry may be left from an earlier syscall (a write to a file never reaches here); a
+	 * send from elsewhere (sendfile, io_uring) is not one we timed from its start. */
+	regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+	if (SYSCALL_NR(regs) != start->syscall_nr)
+		return 0;
+	now = bpf_ktime_get_ns();
+	record_send(sk, ret, now - start->start_ns, pid_tgid);
+	/* sendmmsg sends several messages in one syscall: time the next one from here. */
+	start->start_ns = now;
+	return 0;
+}
+
+/* Threads that exit take their start entry with them, so the map tracks live threads only. */
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(sendlat_thread_exit)
+{
+	__u32 tid = bpf_get_current_pid_tgid();
+
+	bpf_map_delete_elem(&starts, &tid);
+	return 0;
+}
