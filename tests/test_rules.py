@@ -1,0 +1,62 @@
+"""Bottleneck rules: pending -> firing -> resolved, `for` durations, hysteresis, vanished targets."""
+
+from __future__ import annotations
+
+from aiprobe.config import DEFAULT_RULES, RuleConfig
+from aiprobe.rules import RuleEngine, Signal
+
+
+def engine(**rule: float) -> RuleEngine:
+    rules = dict(DEFAULT_RULES)
+    rules["network_send_stall"] = RuleConfig(**{"threshold": 0.05, "clear": 0.02, "for_seconds": 10, **rule})
+    return RuleEngine(rules)
+
+
+def stall(value: float) -> list[Signal]:
+    return [Signal("network_send_stall", "app@host", value, {"send_p99_seconds": value})]
+
+
+def test_pending_then_firing_after_for_then_resolved() -> None:
+    rules = engine()
+    assert [a.state for a in rules.evaluate(stall(0.3), now=0)] == ["pending"]
+    assert rules.evaluate(stall(0.3), now=5) == []
+    fired = rules.evaluate(stall(0.4), now=10)
+    assert [(a.state, a.value, a.evidence) for a in fired] == [("firing", 0.4, {"send_p99_seconds": 0.4})]
+    assert "0.4s" in fired[0].summary
+    assert [a.target for a in rules.firing] == ["app@host"]
+    resolved = rules.evaluate(stall(0.01), now=20)
+    assert [(a.state, a.resolved_at) for a in resolved] == [("resolved", 20)]
+    assert rules.firing == [] and len(rules.resolved) == 1
+
+
+def test_hysteresis_keeps_firing_between_clear_and_threshold() -> None:
+    rules = engine(for_seconds=0)
+    assert [a.state for a in rules.evaluate(stall(0.06), now=0)] == ["pending", "firing"]
+    assert rules.evaluate(stall(0.03), now=1) == []  # below threshold, above clear: still firing
+    assert [a.state for a in rules.evaluate(stall(0.019), now=2)] == ["resolved"]
+    assert [a.state for a in rules.evaluate(stall(0.03), now=3)] == []  # needs the threshold again
+
+
+def test_pending_that_clears_becomes_inactive_without_firing() -> None:
+    rules = engine()
+    rules.evaluate(stall(0.3), now=0)
+    assert [a.state for a in rules.evaluate(stall(0.0), now=1)] == ["inactive"]
+    assert rules.resolved == []
+
+
+def test_vanished_target_resolves() -> None:
+    rules = engine(for_seconds=0)
+    rules.evaluate(stall(0.3), now=0)
+    assert [a.state for a in rules.evaluate([], now=1)] == ["resolved"]
+
+
+def test_rules_that_fire_below_and_disabled_rules() -> None:
+    rules = dict(DEFAULT_RULES)
+    rules["gpu_idle_with_traffic"] = RuleConfig(threshold=0.1, clear=0.25, for_seconds=0)
+    rules["gpu_saturated"] = RuleConfig(enabled=False)
+    engine_ = RuleEngine(rules)
+    signals = [Signal("gpu_idle_with_traffic", "gpu0", 0.05), Signal("gpu_saturated", "gpu0", 1.0)]
+    assert [(a.rule, a.state) for a in engine_.evaluate(signals, now=0)] == [
+        ("gpu_idle_with_traffic", "pending"), ("gpu_idle_with_traffic", "firing")]
+    assert engine_.evaluate([Signal("gpu_idle_with_traffic", "gpu0", 0.2)], now=1) == []
+    assert [a.state for a in engine_.evaluate([Signal("gpu_idle_with_traffic", "gpu0", 0.3)], now=2)] == ["resolved"]
