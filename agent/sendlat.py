@@ -327,8 +327,9 @@ def command(duration: float | None, pid: int | None, threshold_ms: float, as_jso
     if pid is not None and not _process_exists(pid):
         raise AiprobeError(f"no process with pid {pid}")
     with SendLatencyProbe(threshold_ms=threshold_ms, pid=pid) as probe:
+        # Status on stderr (stdout is the data): also tells a caller that the probe is attached.
+        click.echo(f"Tracing TCP sends ({probe.strategy}: {probe.loaded.strategy.span}); Ctrl-C to end.", err=True)
         if not as_json:
-            click.echo(f"Tracing TCP sends ({probe.strategy}: {probe.loaded.strategy.span}); Ctrl-C to end.")
             click.echo(f"Sends slower than {threshold_ms:g} ms:\n{_SLOW_HEADER}")
         for _ in ticks(duration, 0.2):
             for send in probe.poll(0):
