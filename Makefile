@@ -1,5 +1,5 @@
 # aiprobe — every target sets up what it needs and is safe to run again.
-#   make run    install deps, build, run aiprobe on this host (`aiprobe check` until `top` lands)
+#   make run    install deps, build, run `aiprobe top` on this host (interactive: processes, flows, GPUs, alerts)
 #   make test   install deps, build, run ruff and the whole test suite (as root)
 #   make bench  install deps, build, run benchmarks/ and print a table of ratios
 
@@ -16,7 +16,7 @@ APT_PACKAGES := clang llvm libbpf-dev bpftool iproute2 make gcc libc6-dev python
 .PHONY: run test bench setup deps venv bpf vmlinux lint clean
 
 run: setup
-	$(SUDO) $(BIN)/aiprobe check
+	$(SUDO) $(BIN)/aiprobe top
 
 test: setup lint
 	$(BIN)/pytest -ra

@@ -1,0 +1,214 @@
+"""What `aiprobe top` shows: the header and four views (processes, flows, GPUs, alerts), declared as
+columns over docs/snapshot.md fields. The interactive screen and `--batch` text both render these."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import top_format
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    key: str  # the row field shown and sorted on; its name implies the unit (top_format.formatter_for)
+    width: int
+    numeric: bool = True  # right-aligned
+    text: Callable[[Any], str] | None = None  # a formatter other than the one the key's unit implies
+
+    def cell(self, row: dict) -> str:
+        value = row.get(self.key)
+        if value is None:
+            return top_format.MISSING
+        return self.text(value) if self.text else top_format.field(self.key, value)
+
+    def fit(self, text: str) -> str:
+        """`text` padded or cut to the column width (batch text tables)."""
+        if len(text) > self.width:
+            text = text[: self.width - 1] + "…"
+        return text.rjust(self.width) if self.numeric else text.ljust(self.width)
+
+
+@dataclass(frozen=True)
+class View:
+    name: str
+    title: str
+    columns: tuple[Column, ...]
+    sort_key: str  # the default sort column
+    descending: bool
+    probes: tuple[str, ...]  # probes whose data fills this view: a down one says why in the view
+    rows: Callable[[dict], list[dict]]
+
+    def column_index(self, key: str) -> int:
+        return next(i for i, column in enumerate(self.columns) if column.key == key)
+
+    def cells(self, row: dict) -> list[str]:
+        return [column.cell(row) for column in self.columns]
+
+
+def _endpoint(address: str | None, port: int | None) -> str | None:
+    if address is None:
+        return None
+    host = f"[{address}]" if ":" in address else address
+    return f"{host}:{port}" if port else host
+
+
+def _flow_rows(snapshot: dict) -> list[dict]:
+    return [
+        {
+            **flow,
+            "local": _endpoint(flow.get("local_address"), flow.get("local_port")),
+            "remote": _endpoint(flow.get("remote_address"), flow.get("remote_port")),
+            "dir": {"ingress": "in", "egress": "out"}.get(flow.get("direction"), flow.get("direction")),
+        }
+        for flow in snapshot.get("flows") or []
+    ]
+
+
+def _evidence(evidence: dict) -> str:
+    """`send_p99=310 ms threshold=50 ms`: each value in its unit, the unit suffix dropped from the name."""
+    return " ".join(f"{top_format.without_unit(key)}={top_format.field(key, value)}" for key, value in evidence.items())
+
+
+def _alert_rows(snapshot: dict) -> list[dict]:
+    now = (snapshot.get("host") or {}).get("time")
+    return [
+        {
+            **alert,
+            "age_seconds": None if now is None or alert.get("since") is None else now - alert["since"],
+            "evidence_text": _evidence(alert.get("evidence") or {}),
+        }
+        for alert in snapshot.get("alerts") or []
+    ]
+
+
+def _listed(field: str) -> Callable[[dict], list[dict]]:
+    return lambda snapshot: list(snapshot.get(field) or [])
+
+
+VIEWS: dict[str, View] = {
+    view.name: view
+    for view in (
+        View(
+            "processes", "Processes",
+            (
+                Column("COMM", "comm", 15, numeric=False),
+                Column("PID", "pid", 7, text=str),
+                Column("CONTAINER", "container", 12, numeric=False),
+                Column("SEND p50", "send_p50_seconds", 9),
+                Column("SEND p99", "send_p99_seconds", 9),
+                Column("SEND", "send_bytes_per_second", 10),
+                Column("CTXSW", "cuda_context_switches_per_second", 8),
+                Column("LAUNCH", "cuda_kernel_launches_per_second", 8),
+                Column("RUNQ p99", "runqueue_delay_p99_seconds", 9),
+                Column("GPU", "gpu_utilization_ratio", 5),
+                Column("GPU MEM", "gpu_memory_used_bytes", 9),
+            ),
+            "send_bytes_per_second", True, ("sendlat", "cuda", "sched", "nvml"), _listed("processes"),
+        ),
+        View(
+            "flows", "Flows",
+            (
+                Column("DIR", "dir", 3, numeric=False),
+                Column("PROTO", "protocol", 5, numeric=False),
+                Column("LOCAL", "local", 21, numeric=False),
+                Column("REMOTE", "remote", 21, numeric=False),
+                Column("RATE", "bytes_per_second", 10),
+                Column("PKTS", "packets_per_second", 7),
+                Column("TOTAL", "bytes", 9),
+                Column("PACKETS", "packets", 8),
+                Column("IFACE", "interface", 10, numeric=False),
+                Column("CONTAINER", "container", 12, numeric=False),
+            ),
+            "bytes_per_second", True, ("flows",), _flow_rows,
+        ),
+        View(
+            "gpus", "GPUs",
+            (
+                Column("GPU", "index", 3, text=str),
+                Column("NAME", "name", 16, numeric=False),
+                Column("UTIL", "utilization_gpu_ratio", 5),
+                Column("MEM%", "utilization_memory_ratio", 5),
+                Column("MEM USED", "memory_used_bytes", 9),
+                Column("MEM TOTAL", "memory_total_bytes", 9),
+                Column("POWER", "power_watts", 8),
+                Column("TEMP", "temperature_celsius", 6),
+                Column("SM CLK", "sm_clock_hz", 9),
+                Column("MEM CLK", "memory_clock_hz", 9),
+                Column("THROTTLE", "clock_event_reasons", 20, numeric=False),
+            ),
+            "index", False, ("nvml",), _listed("gpus"),
+        ),
+        View(
+            "alerts", "Alerts",
+            (
+                Column("SINCE", "age_seconds", 6, text=top_format.age),
+                Column("STATE", "state", 7, numeric=False),
+                Column("RULE", "rule", 25, numeric=False),
+                Column("TARGET", "target", 18, numeric=False),
+                Column("EVIDENCE", "evidence_text", 44, numeric=False),
+                Column("SEVERITY", "severity", 8, numeric=False),
+            ),
+            "age_seconds", False, (), _alert_rows,
+        ),
+    )
+}
+
+
+def sort_rows(rows: list[dict], key: str, descending: bool) -> list[dict]:
+    """Rows ordered by raw field values (not their text); rows without the value always go last."""
+    present = [row for row in rows if row.get(key) is not None]
+    missing = [row for row in rows if row.get(key) is None]
+    return sorted(present, key=lambda row: row[key], reverse=descending) + missing
+
+
+def matches(view: View, row: dict, query: str) -> bool:
+    """A row matches a filter when any of its cells, as shown, contains the query (case-insensitive)."""
+    query = query.lower()
+    return any(query in cell.lower() for cell in view.cells(row))
+
+
+def visible_rows(view: View, snapshot: dict, sort_key: str, descending: bool, query: str = "") -> list[dict]:
+    rows = [row for row in view.rows(snapshot) if not query or matches(view, row, query)]
+    return sort_rows(rows, sort_key, descending)
+
+
+def header_lines(snapshot: dict) -> list[str]:
+    """Host, kernel, GPU count and alerts; then the strategy each probe runs (or that it is down)."""
+    host = snapshot.get("host") or {}
+    alerts = snapshot.get("alerts") or []
+    states = [alert.get("state") for alert in alerts]
+    gpus = len(snapshot.get("gpus") or [])
+    probes = " ".join(
+        f"{name}:{probe.get('strategy') if probe.get('up') else 'DOWN'}"
+        for name, probe in (snapshot.get("probes") or {}).items()
+    )
+    return [
+        f"{host.get('hostname', '?')} · kernel {host.get('kernel', '?')} · {gpus} GPU{'s' if gpus != 1 else ''}"
+        f" · alerts: {states.count('firing')} firing, {states.count('pending')} pending",
+        f"probes: {probes or 'none'}",
+    ]
+
+
+def probe_notices(view: View, snapshot: dict) -> list[str]:
+    """One line per probe this view needs that is down, with its reason."""
+    probes = snapshot.get("probes") or {}
+    return [
+        f"{name} probe down: {probes[name].get('reason') or 'no reason given'}"
+        for name in view.probes
+        if name in probes and not probes[name].get("up")
+    ]
+
+
+def text_report(snapshot: dict) -> str:
+    """One snapshot as plain text, every view a table in its default order (`top --batch`)."""
+    lines = header_lines(snapshot)
+    for view in VIEWS.values():
+        lines += ["", f"{view.title.upper()}", *probe_notices(view, snapshot)]
+        lines.append(" ".join(column.fit(column.title) for column in view.columns).rstrip())
+        for row in visible_rows(view, snapshot, view.sort_key, view.descending):
+            cells = zip(view.columns, view.cells(row), strict=True)
+            lines.append(" ".join(column.fit(cell) for column, cell in cells).rstrip())
+    return "\n".join(lines)
