@@ -18,6 +18,7 @@ from . import __version__
 # subcommand -> "module:attribute"; each probe module owns its command.
 SUBCOMMANDS = {
     "check": "aiprobe.check:command",
+    "flows": "aiprobe.flows:command",
     "top": "aiprobe.top:command",
     "agent": "aiprobe.daemon:command",
     "sendlat": "aiprobe.sendlat:command",

@@ -119,6 +119,25 @@ class TestRunOpts(ctypes.Structure):
     ]
 
 
+class BpfProgInfo(ctypes.Structure):
+    """The head of struct bpf_prog_info, up to the name: the kernel fills as much as we ask for."""
+
+    _fields_ = [
+        ("type", c_uint32),
+        ("id", c_uint32),
+        ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", c_uint32),
+        ("xlated_prog_len", c_uint32),
+        ("jited_prog_insns", c_uint64),
+        ("xlated_prog_insns", c_uint64),
+        ("load_time", c_uint64),
+        ("created_by_uid", c_uint32),
+        ("nr_map_ids", c_uint32),
+        ("map_ids", c_uint64),
+        ("name", ctypes.c_char * 16),
+    ]
+
+
 class BtfType(ctypes.Structure):
     _fields_ = [("name_off", c_uint32), ("info", c_uint32), ("size_or_type", c_uint32)]
 
@@ -181,6 +200,8 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
      [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), c_void_p]),
     ("bpf_map_delete_batch", c_int, [c_int, c_void_p, POINTER(c_uint32), c_void_p]),
     ("bpf_prog_test_run_opts", c_int, [c_int, c_void_p]),
+    ("bpf_prog_get_fd_by_id", c_int, [c_uint32]),
+    ("bpf_obj_get_info_by_fd", c_int, [c_int, c_void_p, POINTER(c_uint32)]),
     ("btf__load_vmlinux_btf", c_void_p, []),
     ("btf__free", None, [c_void_p]),
     ("btf__type_by_id", POINTER(BtfType), [c_void_p, c_uint32]),

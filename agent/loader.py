@@ -146,17 +146,15 @@ class Program:
         """Fallback for kernels without TCX: a direct-action filter with our own handle and priority
         on the clsact qdisc. The qdisc is created when missing and never removed here: other tools may
         have filters on it. Detaching removes only our filter."""
-        point = libbpf.BPF_TC_INGRESS if direction == "ingress" else libbpf.BPF_TC_EGRESS
-        hook = libbpf.sized(libbpf.TcHook, ifindex=ifindex, attach_point=point)
+        hook = _tc_hook(ifindex, direction)
         with contextlib.suppress(BpfError):  # EEXIST: clsact is already there
             libbpf.call("bpf_tc_hook_create", ctypes.byref(hook))
         opts = libbpf.sized(libbpf.TcOpts, prog_fd=self.fd, handle=handle, priority=priority)
         libbpf.call("bpf_tc_attach", ctypes.byref(hook), ctypes.byref(opts))
 
         def detach() -> None:
-            ours = libbpf.sized(libbpf.TcOpts, handle=handle, priority=priority)
             with contextlib.suppress(BpfError):  # the interface may be gone already
-                libbpf.call("bpf_tc_detach", ctypes.byref(hook), ctypes.byref(ours))
+                tc_clsact_detach(ifindex, direction, handle=handle, priority=priority)
 
         return self._obj.own(Link(f"{self.name} clsact/{direction} ifindex {ifindex}", detach))
 
@@ -174,6 +172,42 @@ class Program:
         )
         libbpf.call("bpf_prog_test_run_opts", self.fd, ctypes.byref(opts))
         return TestRun(opts.retval, opts.duration, data_out.raw[: opts.data_size_out])
+
+
+def _tc_hook(ifindex: int, direction: str) -> libbpf.TcHook:
+    point = libbpf.BPF_TC_INGRESS if direction == "ingress" else libbpf.BPF_TC_EGRESS
+    return libbpf.sized(libbpf.TcHook, ifindex=ifindex, attach_point=point)
+
+
+def tc_clsact_query(ifindex: int, direction: str, *, handle: int, priority: int) -> int | None:
+    """The id of the program in the clsact filter with this handle and priority, None if there is none."""
+    opts = libbpf.sized(libbpf.TcOpts, handle=handle, priority=priority)
+    rc = libbpf.lib().bpf_tc_query(ctypes.byref(_tc_hook(ifindex, direction)), ctypes.byref(opts))
+    if rc in (-errno.ENOENT, -errno.EINVAL):  # no such filter, or no clsact qdisc at all
+        return None
+    libbpf.check_rc(rc, f"tc filter query on ifindex {ifindex}")
+    return opts.prog_id
+
+
+def tc_clsact_detach(ifindex: int, direction: str, *, handle: int, priority: int) -> None:
+    """Remove the clsact filter with exactly this handle and priority (and nothing else)."""
+    opts = libbpf.sized(libbpf.TcOpts, handle=handle, priority=priority)
+    libbpf.call("bpf_tc_detach", ctypes.byref(_tc_hook(ifindex, direction)), ctypes.byref(opts))
+
+
+def program_name(prog_id: int) -> str | None:
+    """The name of a loaded program (any owner), None when it no longer exists."""
+    rc = libbpf.lib().bpf_prog_get_fd_by_id(prog_id)
+    if rc == -errno.ENOENT:
+        return None
+    fd = libbpf.check_rc(rc, f"open program id {prog_id}")
+    try:
+        info = libbpf.BpfProgInfo()
+        size = ctypes.c_uint32(ctypes.sizeof(info))
+        libbpf.call("bpf_obj_get_info_by_fd", fd, ctypes.byref(info), ctypes.byref(size))
+        return info.name.decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 class Map:
@@ -394,6 +428,12 @@ class BpfObject:
 
     def ring_buffer(self, map_name: str, callback: Callable[[bytes], None]) -> RingBuffer:
         return self.own(RingBuffer(self.maps[map_name], callback))
+
+    def release(self, resource: Link | RingBuffer) -> None:
+        """Close one owned resource before the object closes (e.g. a link to a vanished interface)."""
+        resource.close()
+        if resource in self._owned:
+            self._owned.remove(resource)
 
     @property
     def links(self) -> list[Link]:

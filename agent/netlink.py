@@ -1,0 +1,136 @@
+"""Network interfaces as they come and go: a netlink (rtnetlink) dump plus a background watcher.
+
+Probes that attach per interface (flows) follow pod veths through RTM_NEWLINK / RTM_DELLINK
+events instead of polling, so a new interface is seen within milliseconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+
+log = logging.getLogger(__name__)
+
+IFF_UP = 0x1
+IFF_LOOPBACK = 0x8
+ARPHRD_ETHER = 1
+NETLINK_ROUTE = 0
+RTMGRP_LINK = 0x1
+_POLL_SECONDS = 0.2
+_RECV_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    index: int
+    name: str
+    up: bool
+    loopback: bool
+    ethernet: bool  # frames start with an Ethernet header (what XDP and tc parsers expect)
+
+
+def _link_info(msg: dict) -> LinkInfo:
+    flags = msg["flags"]
+    return LinkInfo(
+        index=msg["index"],
+        name=msg.get_attr("IFLA_IFNAME") or "",
+        up=bool(flags & IFF_UP),
+        loopback=bool(flags & IFF_LOOPBACK),
+        ethernet=msg["ifi_type"] == ARPHRD_ETHER,
+    )
+
+
+def current_links() -> list[LinkInfo]:
+    with IPRoute() as ipr:
+        return [_link_info(msg) for msg in ipr.get_links()]
+
+
+def xdp_program_id(index: int) -> int | None:
+    """The id of the XDP program attached to an interface (by anyone), None if there is none."""
+    with IPRoute() as ipr:
+        links = ipr.get_links(index)
+    xdp = links[0].get_attr("IFLA_XDP") if links else None
+    prog_id = xdp.get_attr("IFLA_XDP_PROG_ID") if xdp else None
+    return prog_id or None
+
+
+class LinkWatcher:
+    """Calls `on_link` for every interface that appears or changes, `on_removed` with the index of
+    one that vanished. Callbacks run on the watcher's thread, after `run_in_background`.
+
+    Events come through a plain rtnetlink socket subscribed to RTMGRP_LINK (decoded by pyroute2's
+    marshal): a blocking receive with a timeout, which stop() can always interrupt."""
+
+    def __init__(self, on_link: Callable[[LinkInfo], None], on_removed: Callable[[int], None]) -> None:
+        self._on_link = on_link
+        self._on_removed = on_removed
+        self._stop = threading.Event()
+        self._socket: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._known: set[int] = set()
+
+    def start(self) -> list[LinkInfo]:
+        """Subscribe, then list the current interfaces: subscribing first means no interface falls
+        between the list and the first event (one listed and announced is handled twice, harmlessly)."""
+        self._socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+        self._socket.bind((0, RTMGRP_LINK))
+        self._socket.settimeout(_POLL_SECONDS)
+        links = current_links()
+        self._known = {link.index for link in links}
+        return links
+
+    def run_in_background(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="aiprobe-link-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._socket is not None
+        marshal = MarshalRtnl()
+        while not self._stop.is_set():
+            try:
+                data = self._socket.recv(_RECV_BYTES)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                self._resync()  # events were dropped: compare against a fresh list instead
+                continue
+            for msg in marshal.parse(data):
+                self._dispatch(msg)
+
+    def _dispatch(self, msg: dict) -> None:
+        event = msg.get("event")
+        try:
+            if event == "RTM_NEWLINK":
+                self._known.add(msg["index"])
+                self._on_link(_link_info(msg))
+            elif event == "RTM_DELLINK":
+                self._known.discard(msg["index"])
+                self._on_removed(msg["index"])
+        except Exception:  # one bad interface must not stop the watcher
+            log.exception("handling %s for ifindex %s", event, msg.get("index"))
+
+    def _resync(self) -> None:
+        links = current_links()
+        for index in self._known - {link.index for link in links}:
+            self._on_removed(index)
+        self._known = {link.index for link in links}
+        for link in links:
+            self._on_link(link)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            sock.close()

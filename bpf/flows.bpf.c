@@ -1,0 +1,293 @@
+// SPDX-License-Identifier: GPL-2.0
+/* Per-flow throughput: XDP counts what arrives, tc counts what leaves. Both share one parser and
+ * one flow table; the hot path (a known flow) is one per-CPU hash lookup and plain adds. */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "common.h"
+#include "flows.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+/* uapi #defines, absent from vmlinux.h */
+#define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
+#define ETH_P_8021Q 0x8100
+#define ETH_P_8021AD 0x88A8
+/* IPv6 extension header numbers (uapi/linux/in6.h) */
+#define IPPROTO_HOPOPTS 0
+#define IPPROTO_ROUTING 43
+#define IPPROTO_FRAGMENT 44
+#define IPPROTO_DSTOPTS 60
+#define IP_OFFSET 0x1FFF
+#define IPV6_FRAG_OFFSET 0xFFF8
+#define TCP_FLAG_FIN 0x01
+#define TCP_FLAG_SYN 0x02
+#define TCP_FLAG_RST 0x04
+
+#define MAX_VLAN_TAGS 2
+#define MAX_IPV6_EXT_HEADERS 6
+/* Enough linear bytes for two VLAN tags, IPv6 with extension headers and the ports. */
+#define PULL_BYTES 256
+
+enum parse_result {
+	PARSE_FLOW,
+	PARSE_NOT_IP,
+	PARSE_MALFORMED,
+};
+
+/* Sized by user space (max_flows) before load. Not preallocated: memory follows the flows
+ * present, not max_flows x CPUs. Full means inserts fail and are counted; user space expires
+ * idle flows and evicts the stalest ones before that happens. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 16384);
+	__type(key, struct flow_key);
+	__type(value, struct flow_counters);
+} flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct iface_key);
+	__type(value, struct iface_counters);
+} unattributed SEC(".maps");
+
+struct header_cursor {
+	void *pos;
+	void *end;
+};
+
+/* Ports and TCP flags. A transport header cut short is malformed: no flow gets made-up ports. */
+static __always_inline int parse_ports(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+{
+	__u16 src, dst;
+
+	if (key->protocol == IPPROTO_TCP) {
+		struct tcphdr *tcp = c->pos;
+
+		if ((void *)(tcp + 1) > c->end)
+			return PARSE_MALFORMED;
+		src = tcp->source;
+		dst = tcp->dest;
+		*tcp_flags = ((__u8 *)tcp)[13];
+	} else if (key->protocol == IPPROTO_UDP) {
+		struct udphdr *udp = c->pos;
+
+		if ((void *)(udp + 1) > c->end)
+			return PARSE_MALFORMED;
+		src = udp->source;
+		dst = udp->dest;
+	} else {
+		return PARSE_FLOW;
+	}
+	key->local_port = bpf_ntohs(egress ? src : dst);
+	key->remote_port = bpf_ntohs(egress ? dst : src);
+	return PARSE_FLOW;
+}
+
+static __always_inline int parse_ipv4(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+{
+	struct iphdr *ip = c->pos;
+
+	if ((void *)(ip + 1) > c->end || ip->version != 4 || ip->ihl < 5)
+		return PARSE_MALFORMED;
+	key->family = 4;
+	key->protocol = ip->protocol;
+	__builtin_memcpy(key->local_addr, egress ? &ip->saddr : &ip->daddr, 4);
+	__builtin_memcpy(key->remote_addr, egress ? &ip->daddr : &ip->saddr, 4);
+	if (ip->frag_off & bpf_htons(IP_OFFSET))
+		return PARSE_FLOW; /* a later fragment: the ports are in the first one */
+	c->pos = (void *)ip + ip->ihl * 4;
+	return parse_ports(c, egress, key, tcp_flags);
+}
+
+static __always_inline int parse_ipv6(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+{
+	struct ipv6hdr *ip6 = c->pos;
+	__u8 next;
+
+	if ((void *)(ip6 + 1) > c->end || ip6->version != 6)
+		return PARSE_MALFORMED;
+	key->family = 6;
+	__builtin_memcpy(key->local_addr, egress ? &ip6->saddr : &ip6->daddr, 16);
+	__builtin_memcpy(key->remote_addr, egress ? &ip6->daddr : &ip6->saddr, 16);
+	next = ip6->nexthdr;
+	c->pos = ip6 + 1;
+
+	/* Walk the extension headers to the transport header; after MAX_IPV6_EXT_HEADERS the flow
+	 * is keyed by the last header number seen, without ports. */
+#pragma unroll
+	for (int i = 0; i < MAX_IPV6_EXT_HEADERS; i++) {
+		struct ipv6_opt_hdr *opt = c->pos;
+
+		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS &&
+		    next != IPPROTO_FRAGMENT && next != IPPROTO_AH)
+			break;
+		if ((void *)(opt + 1) > c->end)
+			return PARSE_MALFORMED;
+		if (next == IPPROTO_FRAGMENT) {
+			struct frag_hdr *frag = c->pos;
+
+			if ((void *)(frag + 1) > c->end)
+				return PARSE_MALFORMED;
+			next = frag->nexthdr;
+			if (frag->frag_off & bpf_htons(IPV6_FRAG_OFFSET)) {
+				key->protocol = next;
+				return PARSE_FLOW; /* a later fragment: no transport header */
+			}
+			c->pos = frag + 1;
+		} else {
+			/* AH counts its length in 4-byte units minus 2, the others in 8-byte units minus 1. */
+			__u32 len = next == IPPROTO_AH ? (opt->hdrlen + 2) * 4 : (opt->hdrlen + 1) * 8;
+
+			next = opt->nexthdr;
+			c->pos += len;
+		}
+	}
+	key->protocol = next;
+	return parse_ports(c, egress, key, tcp_flags);
+}
+
+static __always_inline int parse_frame(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+{
+	struct ethhdr *eth = c->pos;
+	__u16 proto;
+
+	if ((void *)(eth + 1) > c->end)
+		return PARSE_MALFORMED;
+	proto = eth->h_proto;
+	c->pos = eth + 1;
+#pragma unroll
+	for (int i = 0; i < MAX_VLAN_TAGS; i++) {
+		struct vlan_hdr *vlan = c->pos;
+
+		if (proto != bpf_htons(ETH_P_8021Q) && proto != bpf_htons(ETH_P_8021AD))
+			break;
+		if ((void *)(vlan + 1) > c->end)
+			return PARSE_MALFORMED;
+		proto = vlan->h_vlan_encapsulated_proto;
+		c->pos = vlan + 1;
+	}
+	if (proto == bpf_htons(ETH_P_IP))
+		return parse_ipv4(c, egress, key, tcp_flags);
+	if (proto == bpf_htons(ETH_P_IPV6))
+		return parse_ipv6(c, egress, key, tcp_flags);
+	return PARSE_NOT_IP;
+}
+
+/* Cold path: frames no flow can hold still count toward their interface's totals. */
+static __noinline void count_unattributed(__u32 ifindex, __u32 direction, __u64 len, bool malformed,
+					  bool insert_failed)
+{
+	struct iface_key key = { .ifindex = ifindex, .direction = direction };
+	struct iface_counters *counters = bpf_map_lookup_elem(&unattributed, &key);
+
+	if (!counters) {
+		struct iface_counters first = {};
+
+		bpf_map_update_elem(&unattributed, &key, &first, BPF_NOEXIST);
+		counters = bpf_map_lookup_elem(&unattributed, &key);
+		if (!counters)
+			return;
+	}
+	counters->packets++;
+	counters->bytes += len;
+	counters->malformed += malformed;
+	counters->insert_failures += insert_failed;
+}
+
+static __always_inline void count_tcp_flags(struct flow_counters *counters, __u8 flags)
+{
+	counters->tcp_syn += !!(flags & TCP_FLAG_SYN);
+	counters->tcp_fin += !!(flags & TCP_FLAG_FIN);
+	counters->tcp_rst += !!(flags & TCP_FLAG_RST);
+}
+
+/* Parsed flow -> counters. BPF_ANY on insert is race-free for per-CPU values: another CPU that
+ * inserted the same flow first keeps its own slot; only this CPU's (empty) slot is written. */
+static __always_inline void count_flow(struct flow_key *key, __u64 len, __u8 tcp_flags, struct __sk_buff *skb)
+{
+	struct flow_counters *counters = bpf_map_lookup_elem(&flows, key);
+	__u64 now = bpf_ktime_get_coarse_ns();
+
+	if (counters) {
+		counters->packets++;
+		counters->bytes += len;
+		counters->last_seen_ns = now;
+		if (tcp_flags)
+			count_tcp_flags(counters, tcp_flags);
+		if (skb && !counters->cgroup_id)
+			counters->cgroup_id = bpf_skb_cgroup_id(skb);
+		return;
+	}
+
+	struct flow_counters fresh = {
+		.packets = 1,
+		.bytes = len,
+		.first_seen_ns = now,
+		.last_seen_ns = now,
+		.cgroup_id = skb ? bpf_skb_cgroup_id(skb) : 0,
+	};
+	count_tcp_flags(&fresh, tcp_flags);
+	if (bpf_map_update_elem(&flows, key, &fresh, BPF_ANY))
+		count_unattributed(key->ifindex, key->direction, len, false, true);
+}
+
+SEC("xdp")
+int flows_xdp(struct xdp_md *ctx)
+{
+	struct header_cursor c = { (void *)(long)ctx->data, (void *)(long)ctx->data_end };
+	__u64 len = c.end - c.pos;
+	struct flow_key key = {};
+	__u8 tcp_flags = 0;
+	int parsed = parse_frame(&c, false, &key, &tcp_flags);
+
+	if (parsed == PARSE_FLOW) {
+		key.ifindex = ctx->ingress_ifindex;
+		key.direction = FLOW_INGRESS;
+		count_flow(&key, len, tcp_flags, NULL);
+	} else {
+		count_unattributed(ctx->ingress_ifindex, FLOW_INGRESS, len, parsed == PARSE_MALFORMED, false);
+	}
+	return XDP_PASS;
+}
+
+static __always_inline int parse_skb(struct __sk_buff *skb, struct flow_key *key, __u8 *tcp_flags)
+{
+	struct header_cursor c = { (void *)(long)skb->data, (void *)(long)skb->data_end };
+
+	return parse_frame(&c, true, key, tcp_flags);
+}
+
+SEC("tc")
+int flows_tc(struct __sk_buff *skb)
+{
+	struct flow_key key = {};
+	__u8 tcp_flags = 0;
+	int parsed = parse_skb(skb, &key, &tcp_flags);
+
+	/* Headers beyond the linear part are not malformed: pull them in once and look again. */
+	if (parsed == PARSE_MALFORMED && skb->len > skb->data_end - skb->data &&
+	    !bpf_skb_pull_data(skb, skb->len < PULL_BYTES ? skb->len : PULL_BYTES)) {
+		__builtin_memset(&key, 0, sizeof(key));
+		tcp_flags = 0;
+		parsed = parse_skb(skb, &key, &tcp_flags);
+	}
+	if (parsed == PARSE_FLOW) {
+		key.ifindex = skb->ifindex;
+		key.direction = FLOW_EGRESS;
+		count_flow(&key, skb->len, tcp_flags, skb);
+	} else {
+		count_unattributed(skb->ifindex, FLOW_EGRESS, skb->len, parsed == PARSE_MALFORMED, false);
+	}
+	return TC_ACT_UNSPEC; /* TCX_NEXT / continue: later programs and filters still run */
+}
+
+/* Baselines for benchmarks/bench_flows.py: the same hooks doing nothing. */
+SEC("xdp")
+int flows_xdp_empty(struct xdp_md *ctx) { return XDP_PASS; }
+
+SEC("tc")
+int flows_tc_empty(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }

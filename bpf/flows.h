@@ -1,0 +1,54 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+#ifndef AIPROBE_FLOWS_H
+#define AIPROBE_FLOWS_H
+
+/* flow_key.direction: the hook that saw the frame (XDP sees ingress, tc sees egress). */
+enum flow_direction {
+	FLOW_INGRESS = 0,
+	FLOW_EGRESS = 1,
+};
+
+/* One flow per interface and direction. "local" is this host's side: the destination of an
+ * ingress frame, the source of an egress one. IPv4 addresses fill the first 4 bytes of the
+ * 16-byte fields. Ports are host byte order, 0 where the protocol has none (or for non-first
+ * fragments). Every byte is an explicit field: the key is hashed whole, padding included. */
+struct flow_key {
+	__u32 ifindex;
+	__u8 direction;
+	__u8 family; /* 4 or 6 */
+	__u8 protocol; /* IPPROTO_* of the transport header */
+	__u8 pad;
+	__u16 local_port;
+	__u16 remote_port;
+	__u8 local_addr[16];
+	__u8 remote_addr[16];
+};
+
+/* Per-CPU: user space sums packets, bytes and flag counts, takes the earliest first_seen and the
+ * latest last_seen (CLOCK_MONOTONIC, coarse) over CPUs that saw the flow. */
+struct flow_counters {
+	__u64 packets;
+	__u64 bytes; /* L2 frame length as seen at the hook, as the interface counters count it */
+	__u64 first_seen_ns;
+	__u64 last_seen_ns;
+	__u64 cgroup_id; /* egress only: the sending socket's cgroup v2 id, 0 if none */
+	__u32 tcp_syn;
+	__u32 tcp_fin;
+	__u32 tcp_rst;
+	__u32 pad;
+};
+
+/* Per interface and direction: frames that are in no flow, so interface totals stay exact. */
+struct iface_key {
+	__u32 ifindex;
+	__u32 direction;
+};
+
+struct iface_counters {
+	__u64 packets; /* frames in no flow: not IP, malformed, or the flow table was full */
+	__u64 bytes;
+	__u64 malformed; /* truncated or inconsistent headers */
+	__u64 insert_failures; /* a new flow found the flow table full */
+};
+
+#endif
