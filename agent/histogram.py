@@ -42,15 +42,16 @@ class WindowedHistograms:
         """Record the current cumulative buckets; return the buckets of what changed in the window."""
         bounds = tuple(le for le, _ in buckets)
         counts = tuple(count for _, count in buckets)
-        history = self._history.setdefault(source, deque())
-        if self._bounds.get(source) != bounds or (history and any(c < p for c, p in zip(counts, history[-1][1],
-                                                                                        strict=True))):
-            history.clear()  # new layout or a reset: start over
+        history = self._history.get(source)
+        if history is None or self._bounds.get(source) != bounds or any(
+                c < p for c, p in zip(counts, history[-1][1], strict=True)):
+            # New source, new layout or a reset: everything counted so far is recent.
+            history = self._history[source] = deque([(now, tuple(0.0 for _ in counts))])
         self._bounds[source] = bounds
         history.append((now, counts))
         while len(history) > 1 and now - history[1][0] >= self._window:
             history.popleft()
-        oldest = history[0][1] if len(history) > 1 else tuple(0.0 for _ in counts)
+        oldest = history[0][1]
         return [(le, c - o) for le, c, o in zip(bounds, counts, oldest, strict=True)]
 
     def forget(self, keep: set[Hashable]) -> None:

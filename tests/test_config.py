@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from aiprobe.config import Config, ConfigError, from_dict, load
 
 ROOT = Path(__file__).resolve().parent.parent

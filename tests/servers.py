@@ -1,0 +1,128 @@
+"""Real servers for integration tests: the aiprobe agent, Prometheus and Alertmanager (Debian packages),
+each on a free loopback port with its state in a temporary directory, stopped on exit."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from conftest import free_port, wait_until
+
+AIPROBE = str(Path(sys.executable).parent / "aiprobe")
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+class Server:
+    """A subprocess with a URL; `stop()` sends SIGTERM and returns the exit status."""
+
+    def __init__(self, cmd: list[str], url: str, ready_path: str, log: Path, env: dict | None = None,
+                 ready_timeout: float = 60.0) -> None:
+        self.url = url
+        self.log = log
+        self._log_file = log.open("ab")
+        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
+        if not wait_until(lambda: self.process.poll() is not None or http_get(url + ready_path)[0] == 200,
+                          timeout=ready_timeout, interval=0.1) or self.process.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"{cmd[0]} did not become ready: {log.read_text()[-2000:]}")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log_file.close()
+        return self.process.returncode
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Agent(Server):
+    def __init__(self, workdir: Path, config: str = "", env: dict | None = None) -> None:
+        port = free_port()
+        self.config_path = workdir / f"aiprobe-{port}.toml"
+        self.config_path.write_text(f'listen = "127.0.0.1:{port}"\nalert_log = "{workdir}/alerts-{port}.jsonl"\n'
+                                    + config)
+        self.alert_log = workdir / f"alerts-{port}.jsonl"
+        self.target = f"127.0.0.1:{port}"
+        super().__init__([AIPROBE, "agent", "--config", str(self.config_path)], f"http://{self.target}", "/healthz",
+                         workdir / f"agent-{port}.log", env=env)
+
+    def metrics(self) -> str:
+        return http_get(self.url + "/metrics")[1].decode()
+
+    def snapshot(self) -> dict:
+        return json.loads(http_get(self.url + "/api/v1/snapshot")[1])
+
+
+class Prometheus(Server):
+    def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = ()) -> None:
+        port = free_port()
+        config = workdir / "prometheus.yml"
+        config.write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [{"job_name": "aiprobe", "static_configs": [{"targets": targets}]}],
+        }))
+        super().__init__(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            f"http://127.0.0.1:{port}", "/-/ready", workdir / "prometheus.log")
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        status, body = http_get(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+        if status != 200:
+            raise AssertionError(f"query {promql!r} failed ({status}): {body[:300]!r}")
+        return json.loads(body)["data"]["result"]
+
+    def wait_for_series(self, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = []
+
+        def has_series() -> bool:
+            nonlocal result
+            result = self.query(promql)
+            return bool(result)
+
+        wait_until(has_series, timeout=timeout, interval=0.5)
+        return result
+
+
+class Alertmanager(Server):
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        config = workdir / "alertmanager.yml"
+        config.write_text(json.dumps({
+            "route": {"receiver": "null", "group_wait": "1s", "group_interval": "1s"},
+            "receivers": [{"name": "null"}],
+        }))
+        super().__init__(
+            ["prometheus-alertmanager", f"--config.file={config}", f"--storage.path={workdir / 'am'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="],
+            f"http://127.0.0.1:{self.port}", "/-/ready", workdir / "alertmanager.log")
+
+    def alerts(self) -> list[dict[str, Any]]:
+        status, body = http_get(self.url + "/api/v2/alerts")
+        return json.loads(body) if status == 200 else []
