@@ -11,9 +11,11 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,23 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
     if result.returncode != 0 and kwargs.get("check", True):
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip()}")
     return result
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll `predicate` until it is truthy or `timeout` passes; returns whether it became truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 def unique(prefix: str) -> str:
