@@ -106,28 +106,45 @@ static __always_inline void count(enum sendlat_counter index)
 
 static __always_inline void send_begin(__u64 pid_tgid, struct sock *sk, long syscall_nr)
 {
-	struct sendlat_start start = {
-		.start_ns = bpf_ktime_get_ns(),
-		.sk = (__u64)sk,
-		.syscall_nr = syscall_nr,
-	};
 	__u32 tid = pid_tgid;
+	struct sendlat_start *start = bpf_map_lookup_elem(&starts, &tid);
+	struct sendlat_start fresh = { .sk = (__u64)sk, .syscall_nr = syscall_nr };
 
-	bpf_map_update_elem(&starts, &tid, &start, BPF_ANY);
+	/* In place when the thread has an entry: an LRU update would allocate a new element. */
+	if (start) {
+		start->sk = (__u64)sk;
+		start->syscall_nr = syscall_nr;
+		start->start_ns = bpf_ktime_get_ns();
+		return;
+	}
+	fresh.start_ns = bpf_ktime_get_ns();
+	bpf_map_update_elem(&starts, &tid, &fresh, BPF_ANY);
 }
 
-static __always_inline void read_flow(struct sendlat_flow_key *flow, struct sock *sk, __u32 tgid)
+/* `trusted`: sk is a BTF pointer (tp_btf, fexit) read by plain loads; otherwise (kprobe) every
+ * read goes through bpf_probe_read_kernel, several times slower. A constant at each call site,
+ * so each program keeps only its own branch. */
+#define SK_READ(trusted, sk, field) ((trusted) ? (sk)->field : BPF_CORE_READ(sk, field))
+#define SK_COPY(trusted, dst, sk, field, size)						\
+	do {										\
+		if (trusted)								\
+			__builtin_memcpy(dst, &(sk)->field, size);			\
+		else									\
+			bpf_core_read(dst, size, &(sk)->field);				\
+	} while (0)
+
+static __always_inline void read_flow(struct sendlat_flow_key *flow, struct sock *sk, bool trusted, __u32 tgid)
 {
 	flow->tgid = tgid;
-	flow->family = BPF_CORE_READ(sk, __sk_common.skc_family);
-	flow->local_port = BPF_CORE_READ(sk, __sk_common.skc_num);
-	flow->remote_port = bpf_ntohs(BPF_CORE_READ(sk, __sk_common.skc_dport));
+	flow->family = SK_READ(trusted, sk, __sk_common.skc_family);
+	flow->local_port = SK_READ(trusted, sk, __sk_common.skc_num);
+	flow->remote_port = bpf_ntohs(SK_READ(trusted, sk, __sk_common.skc_dport));
 	if (flow->family == AF_INET) {
-		bpf_core_read(flow->local_addr, 4, &sk->__sk_common.skc_rcv_saddr);
-		bpf_core_read(flow->remote_addr, 4, &sk->__sk_common.skc_daddr);
+		SK_COPY(trusted, flow->local_addr, sk, __sk_common.skc_rcv_saddr, 4);
+		SK_COPY(trusted, flow->remote_addr, sk, __sk_common.skc_daddr, 4);
 	} else {
-		bpf_core_read(flow->local_addr, 16, &sk->__sk_common.skc_v6_rcv_saddr);
-		bpf_core_read(flow->remote_addr, 16, &sk->__sk_common.skc_v6_daddr);
+		SK_COPY(trusted, flow->local_addr, sk, __sk_common.skc_v6_rcv_saddr, 16);
+		SK_COPY(trusted, flow->remote_addr, sk, __sk_common.skc_v6_daddr, 16);
 	}
 }
 
@@ -179,7 +196,7 @@ static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct
 }
 
 /* One send of `ret` bytes (negative: an error) on `sk` that took `duration_ns`. */
-static __always_inline void record_send(struct sock *sk, long ret, __u64 duration_ns, __u64 pid_tgid)
+static __always_inline void record_send(struct sock *sk, bool trusted, long ret, __u64 duration_ns, __u64 pid_tgid)
 {
 	__u64 bytes = ret > 0 ? ret : 0;
 	struct sendlat_flow_key flow = {};
@@ -193,7 +210,7 @@ static __always_inline void record_send(struct sock *sk, long ret, __u64 duratio
 	hist_add(&stats->latency, duration_ns);
 	__sync_fetch_and_add(&stats->bytes, bytes);
 
-	read_flow(&flow, sk, pid_tgid >> 32);
+	read_flow(&flow, sk, trusted, pid_tgid >> 32);
 	flow_stats = lookup_or_init(&flows, &flow, &zero_flow, &created);
 	if (flow_stats) {
 		__sync_fetch_and_add(&flow_stats->count, 1);
@@ -206,15 +223,21 @@ static __always_inline void record_send(struct sock *sk, long ret, __u64 duratio
 
 /* --- fentry / kprobe: tcp_sendmsg entry to return --- */
 
-static __always_inline void send_end(long ret)
+/* sk: fexit's own (trusted) argument, or NULL for the one kprobe saved at entry. */
+static __always_inline void send_end(struct sock *sk, long ret)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tid = pid_tgid;
 	struct sendlat_start *start = bpf_map_lookup_elem(&starts, &tid);
+	__u64 duration_ns;
 
 	if (!start)
 		return;
-	record_send((struct sock *)start->sk, ret, bpf_ktime_get_ns() - start->start_ns, pid_tgid);
+	duration_ns = bpf_ktime_get_ns() - start->start_ns;
+	if (sk)
+		record_send(sk, true, ret, duration_ns, pid_tgid);
+	else
+		record_send((struct sock *)start->sk, false, ret, duration_ns, pid_tgid);
 	bpf_map_delete_elem(&starts, &tid);
 }
 
@@ -231,7 +254,7 @@ int BPF_PROG(sendlat_fentry, struct sock *sk)
 SEC("fexit/tcp_sendmsg")
 int BPF_PROG(sendlat_fexit, struct sock *sk, struct msghdr *msg, size_t size, int ret)
 {
-	send_end(ret);
+	send_end(sk, ret);
 	return 0;
 }
 
@@ -248,7 +271,7 @@ int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
 SEC("kretprobe/tcp_sendmsg")
 int BPF_KRETPROBE(sendlat_kretprobe, int ret)
 {
-	send_end(ret);
+	send_end(NULL, ret);
 	return 0;
 }
 
@@ -280,7 +303,7 @@ int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 	struct pt_regs *regs;
 	__u32 tid;
 
-	if (BPF_CORE_READ(sk, sk_protocol) != IPPROTO_TCP || BPF_CORE_READ(sk, sk_type) != SOCK_STREAM)
+	if (sk->sk_protocol != IPPROTO_TCP || sk->sk_type != SOCK_STREAM)
 		return 0;
 	pid_tgid = bpf_get_current_pid_tgid();
 	tid = pid_tgid;
@@ -293,7 +316,7 @@ int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 	if (SYSCALL_NR(regs) != start->syscall_nr)
 		return 0;
 	now = bpf_ktime_get_ns();
-	record_send(sk, ret, now - start->start_ns, pid_tgid);
+	record_send(sk, true, ret, now - start->start_ns, pid_tgid);
 	/* sendmmsg sends several messages in one syscall: time the next one from here. */
 	start->start_ns = now;
 	return 0;

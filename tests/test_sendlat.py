@@ -14,14 +14,14 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from aiprobe.containers import cgroup2_root
 from aiprobe.loader import ProbeUnavailable
 from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot, log2_buckets
-from conftest import VethPair, unique
+from conftest import unique
+from fixtures.sendlat_peer import build, send, sender_cmd, sink
 
 BLOCK_MS = 300
 SLOW_MS = 100  # the module's probe reports sends slower than this
@@ -29,58 +29,13 @@ SLOW_MS = 100  # the module's probe reports sends slower than this
 
 @pytest.fixture(scope="module")
 def peer(cbuild) -> str:
-    return str(cbuild("sendlat_peer", "sendlat_peer.c"))
+    return build(cbuild)
 
 
 @pytest.fixture(scope="module")
 def probe() -> Iterator[SendLatencyProbe]:
     with SendLatencyProbe(threshold_ms=SLOW_MS) as running:
         yield running
-
-
-@dataclass
-class Sink:
-    """A sendlat_peer sink process: the port it listens on, and each connection's byte count."""
-
-    process: subprocess.Popen
-    address: str
-    port: int
-
-    def received(self) -> int:
-        line = self.process.stdout.readline().split()
-        assert line[:1] == ["received"], f"sink said {line}"
-        return int(line[1])
-
-
-@contextlib.contextmanager
-def sink(peer: str, address: str, pause_ms: int = 0, veth: VethPair | None = None) -> Iterator[Sink]:
-    cmd = [peer, "sink", address, str(pause_ms)]
-    process = subprocess.Popen(veth.ns_cmd(cmd) if veth else cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        line = process.stdout.readline().split()
-        assert line[:1] == ["port"], f"sink did not start: {line}"
-        yield Sink(process, address, int(line[1]))
-    finally:
-        process.kill()
-        process.wait()
-
-
-@dataclass
-class Sent:
-    pid: int
-    calls: int
-    bytes: int
-    elapsed_seconds: float
-
-
-def send(peer: str, to: Sink, count: int, size: int, method: str = "send") -> Sent:
-    """One sender process: connect, `count` calls of `method` with `size` bytes, exit."""
-    process = subprocess.Popen([peer, "send", to.address, str(to.port), str(count), str(size), method],
-                               stdout=subprocess.PIPE, text=True)
-    out, _ = process.communicate(timeout=60)
-    assert process.returncode == 0, out
-    _, calls, nbytes, elapsed_ns = out.split()
-    return Sent(process.pid, int(calls), int(nbytes), int(elapsed_ns) / 1e9)
 
 
 def records_of(snapshot: SendLatencySnapshot, pid: int) -> list[ProcessSendLatency]:
@@ -180,7 +135,7 @@ def test_counts_every_tcp_send_exactly(probe: SendLatencyProbe, peer: str, reque
     veth = request.getfixturevalue("veth") if path == "veth" else None
     servers = (veth.peer_ip4, veth.peer_ip6) if veth else ("127.0.0.1", "::1")
     server = servers[0] if family == 4 else servers[1]
-    with sink(peer, server, veth=veth) as to:
+    with sink(peer, server, netns_cmd=veth.ns_cmd if veth else None) as to:
         for method, count in (("send", 31), ("sendmsg", 37), ("write", 41)):
             sent = send(peer, to, count, 100, method)
             assert to.received() == count * 100
@@ -231,7 +186,7 @@ def child_cgroup() -> Iterator[Path]:
 @pytest.mark.bpf
 def test_sends_are_attributed_to_the_senders_cgroup(probe: SendLatencyProbe, peer: str, child_cgroup: Path) -> None:
     with sink(peer, "127.0.0.1") as to:
-        sender = subprocess.Popen([peer, "send", to.address, str(to.port), "12", "64", "write", "wait"],
+        sender = subprocess.Popen(sender_cmd(peer, to, 12, 64, "write", wait=True),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         (child_cgroup / "cgroup.procs").write_text(str(sender.pid))
         out, _ = sender.communicate("go\n", timeout=30)
@@ -244,7 +199,7 @@ def test_sends_are_attributed_to_the_senders_cgroup(probe: SendLatencyProbe, pee
 @pytest.mark.bpf
 def test_survives_a_sender_killed_mid_send(probe: SendLatencyProbe, peer: str) -> None:
     with sink(peer, "127.0.0.1", pause_ms=10_000) as stalled:
-        sender = subprocess.Popen([peer, "send", stalled.address, str(stalled.port), "1", "64000000", "send"],
+        sender = subprocess.Popen(sender_cmd(peer, stalled, 1, 64_000_000),
                                   stdout=subprocess.DEVNULL)
         assert wait_for(lambda: sender.pid in start_tids(probe)), "the send never started"
         # Its send syscall started, and it sleeps: blocked on the full socket buffer.
@@ -273,7 +228,7 @@ def test_hundred_short_lived_senders_leave_no_start_entries(probe: SendLatencyPr
 @pytest.mark.bpf
 def test_cli_json_document_for_one_pid(aiprobe_cli: list[str], peer: str) -> None:
     with sink(peer, "127.0.0.1") as to:
-        sender = subprocess.Popen([peer, "send", to.address, str(to.port), "5", "1000", "sendmsg", "wait"],
+        sender = subprocess.Popen(sender_cmd(peer, to, 5, 1000, "sendmsg", wait=True),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         cli = subprocess.Popen(
             [*aiprobe_cli, "sendlat", "--pid", str(sender.pid), "--threshold-ms", "0", "--duration", "2", "--json"],
