@@ -12,7 +12,6 @@ import math
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 from aiprobe.containers import cgroup2_root
 from aiprobe.loader import ProbeUnavailable
 from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot, log2_buckets
-from conftest import unique
+from conftest import unique, wait_until
 from fixtures.sendlat_peer import build, send, sender_cmd, sink
 
 BLOCK_MS = 300
@@ -48,15 +47,6 @@ def start_tids(probe: SendLatencyProbe) -> set[int]:
 
 def same_address(a: str, b: str) -> bool:
     return ipaddress.ip_address(a) == ipaddress.ip_address(b)
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 # --- pure functions ---
@@ -178,7 +168,7 @@ def child_cgroup() -> Iterator[Path]:
         yield path
     finally:
         # The kernel frees a cgroup shortly after its last process is reaped.
-        wait_for(lambda: not (path / "cgroup.procs").read_text().strip())
+        wait_until(lambda: not (path / "cgroup.procs").read_text().strip())
         with contextlib.suppress(OSError):
             path.rmdir()
 
@@ -201,12 +191,12 @@ def test_survives_a_sender_killed_mid_send(probe: SendLatencyProbe, peer: str) -
     with sink(peer, "127.0.0.1", pause_ms=10_000) as stalled:
         sender = subprocess.Popen(sender_cmd(peer, stalled, 1, 64_000_000),
                                   stdout=subprocess.DEVNULL)
-        assert wait_for(lambda: sender.pid in start_tids(probe)), "the send never started"
+        assert wait_until(lambda: sender.pid in start_tids(probe)), "the send never started"
         # Its send syscall started, and it sleeps: blocked on the full socket buffer.
-        assert wait_for(lambda: Path(f"/proc/{sender.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S")
+        assert wait_until(lambda: Path(f"/proc/{sender.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S")
         sender.kill()
         sender.wait()
-        assert wait_for(lambda: sender.pid not in start_tids(probe)), "the killed thread's entry stayed"
+        assert wait_until(lambda: sender.pid not in start_tids(probe)), "the killed thread's entry stayed"
     with sink(peer, "127.0.0.1") as to:
         sent = send(peer, to, 5, 10)
     [record] = records_of(probe.read(), sent.pid)
