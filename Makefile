@@ -11,7 +11,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Build and test dependencies from Debian/Ubuntu. Nodes that only run aiprobe need libbpf1 alone.
 APT_PACKAGES := clang llvm libbpf-dev bpftool iproute2 make gcc libc6-dev python3-venv python3-pip \
-                tmux prometheus prometheus-alertmanager ruby
+                tmux prometheus prometheus-alertmanager ruby wrk
 
 .PHONY: run test bench setup deps venv bpf vmlinux lint clean
 
