@@ -24,7 +24,8 @@ from .cli import AiprobeError, friendly_errors, interval_option, ticks
 from .top_source import DEFAULT_URL, SnapshotError, SnapshotSource, open_source
 from .top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
 
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# Signals that end top like `q` does: terminal restored first, then the probes closed.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 @dataclass
@@ -64,7 +65,6 @@ class TopApp(App[None]):
     #notice { height: auto; max-height: 5; color: $warning; }
     #table { height: 1fr; }
     #filter { height: 1; border: none; padding: 0 1; display: none; }
-    #filter.-active { display: block; }
     #status { height: 1; background: $primary-background; }
     """
     BINDINGS = [
@@ -75,7 +75,8 @@ class TopApp(App[None]):
         Binding("s", "reverse_sort", "reverse sort order"),
         Binding("less_than_sign", "sort_column(-1)", "sort by the column to the left", key_display="<"),
         Binding("greater_than_sign", "sort_column(1)", "sort by the column to the right", key_display=">"),
-        Binding("slash", "filter", "filter rows (Enter keeps, Esc clears)", key_display="/"),
+        # priority: runs before the keys typed right after it are routed, so they land in the filter box
+        Binding("slash", "filter", "filter rows (Enter keeps, Esc clears)", key_display="/", priority=True),
         Binding("space", "pause", "pause / resume updates", key_display="space"),
         Binding("question_mark", "help", "this help", key_display="?"),
         Binding("q,ctrl+c", "quit", "quit", key_display="q"),
@@ -108,7 +109,7 @@ class TopApp(App[None]):
 
     def on_mount(self) -> None:
         loop = asyncio.get_running_loop()
-        for signum in EXIT_SIGNALS:  # leave through exit(): terminal restored, then the probes closed
+        for signum in EXIT_SIGNALS:
             loop.add_signal_handler(signum, self.exit)
         self.set_interval(self.interval, self.poll)
         self.call_later(self.poll)
@@ -207,8 +208,9 @@ class TopApp(App[None]):
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.value = self.state.query
-        box.add_class("-active")
-        box.focus()
+        box.display = True
+        # focus now, not at the next idle (Widget.focus): keys typed right after / belong to the filter
+        self.screen.set_focus(box)
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self.state.query = event.value
@@ -219,13 +221,13 @@ class TopApp(App[None]):
 
     def key_escape(self) -> None:
         box = self.query_one("#filter", Input)
-        if box.has_class("-active"):
+        if box.display:
             box.value = ""  # Input.Changed clears the filter
             self._close_filter()
 
     def _close_filter(self) -> None:
-        self.query_one("#filter", Input).remove_class("-active")
-        self.query_one("#table", DataTable).focus()
+        self.query_one("#filter", Input).display = False
+        self.screen.set_focus(self.query_one("#table", DataTable))
 
     def action_pause(self) -> None:
         self.paused = not self.paused
