@@ -200,6 +200,7 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
      [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), c_void_p]),
     ("bpf_map_delete_batch", c_int, [c_int, c_void_p, POINTER(c_uint32), c_void_p]),
     ("bpf_prog_test_run_opts", c_int, [c_int, c_void_p]),
+    ("bpf_prog_query", c_int, [c_int, c_int, c_uint32, c_void_p, c_void_p, POINTER(c_uint32)]),
     ("bpf_prog_get_fd_by_id", c_int, [c_uint32]),
     ("bpf_obj_get_info_by_fd", c_int, [c_int, c_void_p, POINTER(c_uint32)]),
     ("btf__load_vmlinux_btf", c_void_p, []),

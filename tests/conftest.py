@@ -7,6 +7,7 @@ Names carry a random suffix so test runs (and parallel sessions) never collide.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -149,6 +150,22 @@ def prog_ids() -> set[int]:
 
 def link_ids() -> set[int]:
     return {link["id"] for link in bpftool_json("link", "show")}
+
+
+def programs_on(interface: str) -> set[str]:
+    """Names of the programs on an interface's XDP and tc hooks: `bpftool net` for XDP and clsact,
+    BPF_PROG_QUERY for TCX (bpftool 7.1 predates TCX listings)."""
+    from aiprobe.libbpf import BPF_TCX_EGRESS, BPF_TCX_INGRESS, lib
+    from aiprobe.loader import program_name
+
+    (net,) = bpftool_json("net", "show", "dev", interface)
+    ids = [entry["id"] for entry in net["xdp"] + net["tc"]]
+    ifindex = int(Path(f"/sys/class/net/{interface}/ifindex").read_text())
+    for attach_type in (BPF_TCX_INGRESS, BPF_TCX_EGRESS):
+        prog_ids, count = (ctypes.c_uint32 * 64)(), ctypes.c_uint32(64)
+        if lib().bpf_prog_query(ifindex, attach_type, 0, None, prog_ids, ctypes.byref(count)) == 0:
+            ids += prog_ids[: count.value]
+    return {name for prog_id in ids if (name := program_name(prog_id))}
 
 
 def fd_id(fd: int, field: str) -> int:

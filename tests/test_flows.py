@@ -7,7 +7,6 @@ Every probe here watches only the test's own interfaces, so traffic of parallel 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -22,10 +21,8 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.flows import TC_HANDLE, FlowRecord, FlowsProbe, FlowsSnapshot
-from aiprobe.libbpf import BPF_TCX_EGRESS, BPF_TCX_INGRESS
-from aiprobe.libbpf import lib as _libbpf_lib
-from aiprobe.loader import BpfObject, program_name
-from conftest import VethPair, bpftool_json, run, unique
+from aiprobe.loader import BpfObject
+from conftest import VethPair, programs_on, run, unique
 from fixtures import flows_frames as frames
 
 pytestmark = pytest.mark.bpf
@@ -274,19 +271,6 @@ def test_idle_flows_expire_and_interface_totals_keep_them(veth: VethPair) -> Non
 # --- detaching: SIGTERM, SIGKILL, foreign programs ---
 
 
-def _programs_on(interface: str) -> set[str]:
-    """Names of the programs on an interface's XDP and tc hooks: `bpftool net` for XDP and clsact,
-    BPF_PROG_QUERY for TCX (bpftool 7.1 here predates TCX listings)."""
-    (net,) = bpftool_json("net", "show", "dev", interface)
-    ids = [entry["id"] for entry in net["xdp"] + net["tc"]]
-    ifindex = int(Path(f"/sys/class/net/{interface}/ifindex").read_text())
-    for attach_type in (BPF_TCX_INGRESS, BPF_TCX_EGRESS):
-        prog_ids, count = (ctypes.c_uint32 * 64)(), ctypes.c_uint32(64)
-        if _libbpf_lib().bpf_prog_query(ifindex, attach_type, 0, None, prog_ids, ctypes.byref(count)) == 0:
-            ids += prog_ids[: count.value]
-    return {name for prog_id in ids if (name := program_name(prog_id))}
-
-
 def _start_cli(aiprobe_cli: list[str], interface: str, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([*aiprobe_cli, "flows", "--interfaces", interface, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -298,13 +282,13 @@ def _start_cli(aiprobe_cli: list[str], interface: str, *extra: str) -> subproces
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_cli_leaves_no_program_attached_after_signal(veth: VethPair, aiprobe_cli: list[str], sig: int) -> None:
     proc = _start_cli(aiprobe_cli, veth.host, "--json")
-    assert {"flows_xdp", "flows_tc"} <= _programs_on(veth.host)
+    assert {"flows_xdp", "flows_tc"} <= programs_on(veth.host)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=10)
     if sig == signal.SIGTERM:
         assert proc.returncode == 0, err
         assert isinstance(json.loads(out)["flows"], list)
-    assert _wait_for(lambda: not {"flows_xdp", "flows_tc"} & _programs_on(veth.host), timeout=3)
+    assert _wait_for(lambda: not {"flows_xdp", "flows_tc"} & programs_on(veth.host), timeout=3)
 
 
 def test_cli_json_after_duration(veth: VethPair, aiprobe_cli: list[str]) -> None:
@@ -338,7 +322,7 @@ sys.exit(-rc)
 
 def test_foreign_xdp_program_is_reported_and_left_attached(veth: VethPair) -> None:
     subprocess.run([sys.executable, "-c", FOREIGN_XDP, str(veth.host_ifindex)], check=True)
-    assert _programs_on(veth.host) == {"probe_xdp"}
+    assert programs_on(veth.host) == {"probe_xdp"}
     with FlowsProbe([veth.host]) as probe:
         (state,) = probe.attachments()
         assert state.xdp is None and "another XDP program" in state.xdp_error and "probe_xdp" in state.xdp_error
@@ -347,7 +331,7 @@ def test_foreign_xdp_program_is_reported_and_left_attached(veth: VethPair) -> No
             sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
             port = sock.getsockname()[1]
         assert _flow(probe.read(), "egress", "udp", port, 9).packets == 1
-    assert _wait_for(lambda: _programs_on(veth.host) == {"probe_xdp"})
+    assert _wait_for(lambda: programs_on(veth.host) == {"probe_xdp"})
 
 
 # --- the clsact fallback ---
@@ -377,7 +361,7 @@ def test_clsact_fallback_counts_and_removes_stale_filters_only(veth: VethPair, c
     killed.wait()
     ours = f"handle 0x{TC_HANDLE:x}"
     assert ours in _egress_filters(veth.host)  # netlink attachments outlive a SIGKILL ...
-    assert _wait_for(lambda: _programs_on(veth.host) == {"flows_tc"}, timeout=3)  # ... bpf_links do not
+    assert _wait_for(lambda: programs_on(veth.host) == {"flows_tc"}, timeout=3)  # ... bpf_links do not
 
     with caplog.at_level(logging.WARNING, logger="aiprobe.flows"), \
             FlowsProbe([veth.host], strategy="xdp+clsact") as probe:
