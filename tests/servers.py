@@ -79,13 +79,18 @@ class Agent(Server):
 
 
 class Prometheus(Server):
-    def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = ()) -> None:
+    def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = (),
+                 target_labels: dict[str, str] | None = None, relabel_configs: list[dict] = ()) -> None:
+        """`target_labels` and `relabel_configs` stand in for what service discovery and its
+        relabeling (e.g. a ServiceMonitor's) give a target."""
         port = free_port()
         config = workdir / "prometheus.yml"
         config.write_text(json.dumps({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": "aiprobe", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": "aiprobe",
+                                "static_configs": [{"targets": targets, "labels": target_labels or {}}],
+                                "relabel_configs": list(relabel_configs)}],
         }))
         super().__init__(
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
