@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "top": "aiprobe.top:command",
     "agent": "aiprobe.daemon:command",
     "sendlat": "aiprobe.sendlat:command",
+    "cuda": "aiprobe.cuda:command",
+    "gpus": "aiprobe.nvml:command",
 }
 
 

@@ -1,26 +1,343 @@
-"""NVIDIA GPUs through NVML (pynvml): utilization, memory, power, processes."""
+"""NVIDIA GPUs through NVML (pynvml): utilization, memory, power, clocks, PCIe, processes, GPM.
+
+Every value is converted to base units (ratio 0..1, bytes, watts, hertz, celsius, bytes/s). A
+metric that a GPU answers with NOT_SUPPORTED (or an old driver lacks) is disabled for that GPU
+only and never asked again; other errors leave the value None for that read. Without a driver
+the collector is simply unavailable (`reason` says why) and everything else keeps running.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import pynvml
+
+from .cli import AiprobeError, emit_json, json_option
 from .loader import Strategy
 from .probes import ProbeSpec
+
+T = TypeVar("T")
+
+PERCENT = 0.01
+MILLIWATT = 0.001
+MEGAHERTZ = 1_000_000
+KIBIBYTE = 1024  # NVML's PCIe throughput is in KB/s of 1024 bytes
+GPM_SAMPLE_GAP = 0.2  # seconds between the two GPM samples of a one-shot view (NVML wants >= 0.1)
+
+_PERMANENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+_HINTS = {
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: "libnvidia-ml.so.1 not found (no NVIDIA driver installed)",
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: "the NVIDIA kernel driver is not loaded",
+    pynvml.NVML_ERROR_NO_PERMISSION: "no permission to open the NVIDIA device files",
+}
+
+CLOCK_EVENT_REASONS = {
+    pynvml.nvmlClocksEventReasonGpuIdle: "gpu_idle",
+    pynvml.nvmlClocksEventReasonApplicationsClocksSetting: "applications_clocks_setting",
+    pynvml.nvmlClocksEventReasonSwPowerCap: "sw_power_cap",
+    pynvml.nvmlClocksEventReasonHwSlowdown: "hw_slowdown",
+    pynvml.nvmlClocksEventReasonSyncBoost: "sync_boost",
+    pynvml.nvmlClocksEventReasonSwThermalSlowdown: "sw_thermal_slowdown",
+    pynvml.nvmlClocksEventReasonHwThermalSlowdown: "hw_thermal_slowdown",
+    pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown: "hw_power_brake_slowdown",
+    pynvml.nvmlClocksEventReasonDisplayClockSetting: "display_clock_setting",
+}
+COMPUTE_MODES = {
+    pynvml.NVML_COMPUTEMODE_DEFAULT: "default",
+    pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "exclusive_thread",
+    pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited",
+    pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
+}
+# GPM (Hopper and newer), graphics engine 0: field -> (metric id, scale to base units).
+GPM_METRICS = {
+    "gpm_context_switch_requests": (pynvml.NVML_GPM_METRIC_GR0_CTXSW_REQUESTS, 1.0),
+    "gpm_context_switch_cycles_per_request": (pynvml.NVML_GPM_METRIC_GR0_CTXSW_CYCLES_PER_REQ, 1.0),
+    "gpm_context_switch_active_ratio": (pynvml.NVML_GPM_METRIC_GR0_CTXSW_ACTIVE_PCT, PERCENT),
+}
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    utilization_gpu_ratio: float | None = None
+    utilization_memory_ratio: float | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    sm_clock_hz: int | None = None
+    memory_clock_hz: int | None = None
+    clock_event_reasons: list[str] | None = None
+    pcie_tx_bytes_per_second: int | None = None
+    pcie_rx_bytes_per_second: int | None = None
+    compute_mode: str | None = None
+    # GPM, between this read and the previous one (None on the first read or without GPM).
+    gpm_context_switch_requests: float | None = None
+    gpm_context_switch_cycles_per_request: float | None = None
+    gpm_context_switch_active_ratio: float | None = None
+
+
+@dataclass
+class GpuProcess:
+    pid: int  # host pid namespace
+    comm: str
+    gpu_index: int
+    gpu_uuid: str
+    used_memory_bytes: int | None
+    sm_utilization_ratio: float | None = None
+
+
+@dataclass
+class GpuSnapshot:
+    available: bool
+    reason: str = ""
+    gpus: list[GpuInfo] = field(default_factory=list)
+    processes: list[GpuProcess] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _reason(exc: pynvml.NVMLError) -> str:
+    return "NVML unavailable: " + _HINTS.get(exc.value, str(exc))
+
+
+class _Gpu:
+    """One device handle, with the metrics it has refused and its GPM state."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.uuid = pynvml.nvmlDeviceGetUUID(self.handle)
+        self.name = pynvml.nvmlDeviceGetName(self.handle)
+        self.disabled: set[str] = set()
+        self.last_process_sample = 0  # NVML timestamp (us) of the newest per-process sample seen
+        self.gpm_sample: Any = None
+
+    def query(self, metric: str, call: Callable[[], T]) -> T | None:
+        """`call()`, or None when this GPU does not support `metric` (remembered) or it failed."""
+        if metric in self.disabled:
+            return None
+        try:
+            return call()
+        except pynvml.NVMLError as exc:
+            if exc.value in _PERMANENT:
+                self.disabled.add(metric)
+            return None
+
+    def free_gpm(self) -> None:
+        sample, self.gpm_sample = self.gpm_sample, None
+        if sample is not None:
+            pynvml.nvmlGpmSampleFree(sample)
+
+
+def _scaled(value: float | None, scale: float, cast: Callable[[float], Any] = float) -> Any:
+    """`value` in base units, or None where NVML gave none."""
+    return None if value is None else cast(value * scale)
+
+
+class NvmlCollector:
+    """NVML's view of the GPUs. `available` is False (with `reason`) without a working driver."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self._gpus: list[_Gpu] = []
+        self._initialized = False
+        try:
+            pynvml.nvmlInit()
+            self._initialized = True
+            self._gpus = [_Gpu(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except pynvml.NVMLError as exc:
+            self.reason = _reason(exc)
+            self.close()
+
+    @property
+    def available(self) -> bool:
+        return self._initialized
+
+    @property
+    def has_gpm(self) -> bool:
+        """Whether a GPU takes GPM samples: its metrics need two reads, apart in time."""
+        return any(gpu.gpm_sample is not None for gpu in self._gpus)
+
+    def read(self) -> GpuSnapshot:
+        if not self.available:
+            return GpuSnapshot(False, self.reason)
+        return GpuSnapshot(
+            True,
+            gpus=[self._gpu_info(gpu) for gpu in self._gpus],
+            processes=[proc for gpu in self._gpus for proc in self._processes(gpu)],
+        )
+
+    def _gpu_info(self, gpu: _Gpu) -> GpuInfo:
+        h = gpu.handle
+        utilization = gpu.query("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
+        memory = gpu.query("memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
+        reasons = gpu.query("clock_event_reasons", lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+        mode = gpu.query("compute_mode", lambda: pynvml.nvmlDeviceGetComputeMode(h))
+        pcie = {
+            name: _scaled(gpu.query(name, lambda c=counter: pynvml.nvmlDeviceGetPcieThroughput(h, c)), KIBIBYTE, int)
+            for name, counter in (("pcie_tx", pynvml.NVML_PCIE_UTIL_TX_BYTES),
+                                  ("pcie_rx", pynvml.NVML_PCIE_UTIL_RX_BYTES))
+        }
+        clocks = {
+            name: _scaled(gpu.query(name, lambda c=clock: pynvml.nvmlDeviceGetClockInfo(h, c)), MEGAHERTZ, int)
+            for name, clock in (("sm_clock", pynvml.NVML_CLOCK_SM), ("memory_clock", pynvml.NVML_CLOCK_MEM))
+        }
+        return GpuInfo(
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=gpu.name,
+            utilization_gpu_ratio=None if utilization is None else utilization.gpu * PERCENT,
+            utilization_memory_ratio=None if utilization is None else utilization.memory * PERCENT,
+            memory_total_bytes=None if memory is None else memory.total,
+            memory_used_bytes=None if memory is None else memory.used,
+            memory_free_bytes=None if memory is None else memory.free,
+            power_watts=_scaled(gpu.query("power", lambda: pynvml.nvmlDeviceGetPowerUsage(h)), MILLIWATT),
+            temperature_celsius=gpu.query(
+                "temperature", lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
+            ),
+            sm_clock_hz=clocks["sm_clock"],
+            memory_clock_hz=clocks["memory_clock"],
+            clock_event_reasons=None if reasons is None else [n for b, n in CLOCK_EVENT_REASONS.items() if reasons & b],
+            pcie_tx_bytes_per_second=pcie["pcie_tx"],
+            pcie_rx_bytes_per_second=pcie["pcie_rx"],
+            compute_mode=None if mode is None else COMPUTE_MODES.get(mode, str(mode)),
+            **self._gpm(gpu),
+        )
+
+    def _gpm(self, gpu: _Gpu) -> dict[str, float | None]:
+        """GPM metrics between the previous read's sample and a new one (None the first time)."""
+        values: dict[str, float | None] = dict.fromkeys(GPM_METRICS)
+        support = gpu.query("gpm", lambda: pynvml.nvmlGpmQueryDeviceSupport(gpu.handle))
+        if support is None or not support.isSupportedDevice:
+            gpu.disabled.add("gpm")
+            return values
+        sample = gpu.query("gpm", lambda: pynvml.nvmlGpmSampleGet(gpu.handle, pynvml.nvmlGpmSampleAlloc()))
+        if sample is None:
+            return values
+        previous, gpu.gpm_sample = gpu.gpm_sample, sample
+        if previous is None:
+            return values
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = previous, sample
+        for slot, (metric_id, _) in zip(request.metrics, GPM_METRICS.values(), strict=False):
+            slot.metricId = metric_id
+        if gpu.query("gpm", lambda: pynvml.nvmlGpmMetricsGet(request)) is not None:
+            for slot, (name, (_, scale)) in zip(request.metrics, GPM_METRICS.items(), strict=False):
+                if slot.nvmlReturn == pynvml.NVML_SUCCESS:
+                    values[name] = slot.value * scale
+        pynvml.nvmlGpmSampleFree(previous)
+        return values
+
+    def _processes(self, gpu: _Gpu) -> list[GpuProcess]:
+        running = gpu.query("processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)) or []
+        sm = self._sm_utilization(gpu)
+        return [
+            GpuProcess(p.pid, _comm(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory, sm.get(p.pid))
+            for p in running
+        ]
+
+    @staticmethod
+    def _sm_utilization(gpu: _Gpu) -> dict[int, float]:
+        """pid -> SM utilization from the samples NVML took since the last read."""
+        samples = gpu.query(
+            "process_utilization",
+            lambda: pynvml.nvmlDeviceGetProcessUtilization(gpu.handle, gpu.last_process_sample),
+        ) or []
+        newest: dict[int, Any] = {}
+        for sample in samples:
+            if sample.pid not in newest or sample.timeStamp > newest[sample.pid].timeStamp:
+                newest[sample.pid] = sample
+        if newest:
+            gpu.last_process_sample = max(s.timeStamp for s in newest.values())
+        return {pid: s.smUtil * PERCENT for pid, s in newest.items()}
+
+    def close(self) -> None:
+        for gpu in self._gpus:
+            gpu.free_gpm()
+        self._gpus = []
+        if self._initialized:
+            self._initialized = False
+            pynvml.nvmlShutdown()
+
+    def __enter__(self) -> NvmlCollector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def nvml_unavailable() -> str | None:
     """Why NVML cannot be used here, or None."""
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return f"NVML unavailable: {exc}"
-    pynvml.nvmlShutdown()
-    return None
+    with NvmlCollector() as collector:
+        return None if collector.available else collector.reason
 
 
 SPEC = ProbeSpec(
     name="nvml",
     description="GPU utilization, memory, power, clocks and processes from NVML",
-    strategies=(Strategy("nvml", span="NVML samples"),),
+    strategies=(Strategy("nvml", span="NVML samples at each read"),),
     requirement=nvml_unavailable,
 )
+
+
+# ---- `aiprobe gpus` ----
+
+
+def _fmt(value: Any, scale: float = 1.0, unit: str = "", digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}{unit}"
+
+
+def print_text(snapshot: GpuSnapshot) -> None:
+    for g in snapshot.gpus:
+        click.echo(f"GPU {g.index}  {g.name}  {g.uuid}")
+        click.echo(
+            f"  util {_fmt(g.utilization_gpu_ratio, 100, '%')}  mem-util {_fmt(g.utilization_memory_ratio, 100, '%')}"
+            f"  memory {_fmt(g.memory_used_bytes, 2**-20, ' MiB')} / {_fmt(g.memory_total_bytes, 2**-20, ' MiB')}"
+            f"  power {_fmt(g.power_watts, 1, ' W', 1)}  temp {_fmt(g.temperature_celsius, 1, ' C')}"
+        )
+        click.echo(
+            f"  clocks sm {_fmt(g.sm_clock_hz, 1e-6, ' MHz')} mem {_fmt(g.memory_clock_hz, 1e-6, ' MHz')}"
+            f"  pcie tx {_fmt(g.pcie_tx_bytes_per_second, 2**-20, ' MiB/s', 1)}"
+            f" rx {_fmt(g.pcie_rx_bytes_per_second, 2**-20, ' MiB/s', 1)}"
+            f"  mode {g.compute_mode or 'n/a'}  clock events {','.join(g.clock_event_reasons or []) or 'none'}"
+        )
+    click.echo(f"\n{'GPU':>3} {'PID':>8} {'COMM':<16} {'MEMORY':>12} {'SM':>5}")
+    for p in snapshot.processes:
+        click.echo(f"{p.gpu_index:>3} {p.pid:>8} {p.comm:<16} {_fmt(p.used_memory_bytes, 2**-20, ' MiB'):>12}"
+                   f" {_fmt(p.sm_utilization_ratio, 100, '%'):>5}")
+
+
+@click.command()
+@json_option
+def command(as_json: bool) -> None:
+    """Print NVML's view of the GPUs and their processes once."""
+    with NvmlCollector() as collector:
+        if not collector.available:
+            raise AiprobeError(collector.reason)
+        snapshot = collector.read()
+        if collector.has_gpm:
+            time.sleep(GPM_SAMPLE_GAP)
+            snapshot = collector.read()
+    if as_json:
+        emit_json(snapshot.to_dict())
+    else:
+        print_text(snapshot)
