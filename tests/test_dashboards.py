@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FIXTURE_BUILD, CBuild, make_veth_pair, remove_veth_pair, wait_until
+from conftest import FIXTURE_BUILD, FIXTURES, CBuild, make_veth_pair, remove_veth_pair, wait_until
 from servers import Agent, Prometheus
 from test_agent import STALL_RULES, blocked_sender, send_tcp, tcp_sink
 from test_metrics_doc import documented
@@ -36,6 +36,10 @@ OPERATOR_RELABELINGS = [{"source_labels": [f"__meta_kubernetes_{meta}"], "target
                         for meta, label in (("namespace", "namespace"), ("service_name", "service"),
                                             ("pod_name", "pod"), ("pod_container_name", "container"))]
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "service"}
+# GPU and CUDA panels need the fake NVML and CUDA driver (tests/fixtures/); the others do not.
+GPU_FIXTURES_READY = all((FIXTURES / source).exists()
+                         for source in ("nvml_libnvidia_ml.c", "cuda_libcuda.c", "cuda_driver.c"))
+GPU_METRIC = re.compile(r"\baiprobe_(gpu|cuda)_")
 
 
 def load_generator():
@@ -185,19 +189,20 @@ def keep_busy(stop: threading.Event, work, interval: float) -> threading.Thread:
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iterator[Prometheus]:
     workdir = tmp_path_factory.mktemp("dashboards")
-    driver = gpu_fixtures(cbuild)
+    driver = gpu_fixtures(cbuild) if GPU_FIXTURES_READY else None
     env = {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_CUDA_SYNC_US": "2000"}
     veth = make_veth_pair(secrets.randbelow(250))
     sink = tcp_sink(veth, 9000)
     stop = threading.Event()
-    config = (f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows", "sendlat", "cuda", "nvml"]\n'
-              + STALL_RULES)
+    probes = '"flows", "sendlat", "cuda", "nvml"' if driver else '"flows", "sendlat"'
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = [{probes}]\n' + STALL_RULES
     try:
         with Agent(workdir, config, env=env) as agent, \
                 Prometheus(workdir, [agent.target], target_labels=POD,
                            relabel_configs=OPERATOR_RELABELINGS + servicemonitor_relabelings()) as prom:
-            threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3),
-                       keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2)]
+            threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3)]
+            if driver:
+                threads.append(keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2))
             sender = blocked_sender(stall=0.6)  # a network_send_stall bottleneck for "Active bottlenecks"
             try:
                 yield prom
@@ -239,28 +244,44 @@ def test_servicemonitor_labels_reach_the_series(prometheus: Prometheus) -> None:
         assert labels["container"] != "aiprobe" and "exported_container" not in labels
 
 
-@pytest.mark.bpf
-def test_every_panel_returns_data_from_a_real_agent(prometheus: Prometheus) -> None:
+def panel_queries(prom: Prometheus, gpu: bool) -> dict[tuple[str, str, str], str]:
+    """(dashboard, panel, refId) -> PromQL with the variables resolved, for the GPU/CUDA panels or the others."""
     queries = {}
     for board in dashboards().values():
-        assert wait_until(lambda b=board: variable_values(prometheus, b), timeout=30, interval=1), board["title"]
-        values = variable_values(prometheus, board)
+        targets = [(panel["title"], target) for panel in board["panels"] for target in panel["targets"]
+                   if bool(GPU_METRIC.search(target["expr"])) == gpu]
+        if not targets:
+            continue
+        assert wait_until(lambda b=board: variable_values(prom, b), timeout=30, interval=1), board["title"]
+        values = variable_values(prom, board)
         assert (values["node"], values["namespace"], values["pod"]) == ("gpu-node-1", "aiprobe", "aiprobe-x7k2p")
-        for panel in board["panels"]:
-            for target in panel["targets"]:
-                queries[(board["title"], panel["title"], target["refId"])] = substitute(target["expr"], values)
+        for title, target in targets:
+            queries[(board["title"], title, target["refId"])] = substitute(target["expr"], values)
+    return queries
 
-    def finite(promql: str) -> bool:
-        # A parse error is an HTTP 400, which query() raises on.
-        return any(not math.isnan(float(s["value"][1])) for s in prometheus.query(promql))
 
+def assert_all_return_data(prom: Prometheus, queries: dict[tuple[str, str, str], str]) -> None:
+    """Each query returns a sample that is a number (not NaN) at least once within a minute of traffic;
+    a query that does not parse is an HTTP 400, which Prometheus.query() raises on."""
+    assert queries
     pending = dict(queries)
 
     def all_answered() -> bool:
         for key, promql in list(pending.items()):
-            if finite(promql):
+            if any(not math.isnan(float(s["value"][1])) for s in prom.query(promql)):
                 del pending[key]
         return not pending
 
     wait_until(all_answered, timeout=60, interval=1)
     assert not pending, "no data for: " + "; ".join(f"{k[0]} / {k[1]} ({k[2]}): {q}" for k, q in pending.items())
+
+
+@pytest.mark.bpf
+def test_every_network_and_host_panel_returns_data(prometheus: Prometheus) -> None:
+    assert_all_return_data(prometheus, panel_queries(prometheus, gpu=False))
+
+
+@pytest.mark.bpf
+@pytest.mark.skipif(not GPU_FIXTURES_READY, reason="fake NVML / libcuda fixtures not in tests/fixtures yet")
+def test_every_gpu_and_cuda_panel_returns_data(prometheus: Prometheus) -> None:
+    assert_all_return_data(prometheus, panel_queries(prometheus, gpu=True))
