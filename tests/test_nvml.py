@@ -1,0 +1,117 @@
+"""The NVML collector through the real pynvml, loading a fake libnvidia-ml.so.1
+(tests/fixtures/nvml_libnvidia_ml.c) by the normal dynamic loader (LD_LIBRARY_PATH)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aiprobe.nvml import NvmlCollector
+from conftest import FIXTURE_BUILD
+
+GIB = 1 << 30
+OTHER_PID = 4343  # a pid the fake reports on GPU 1 that need not exist
+
+
+@pytest.fixture(scope="module")
+def nvml_env(cbuild) -> dict[str, str]:
+    """Environment under which pynvml finds the fake NVML, reporting this test's pid on GPU 0."""
+    cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
+    return {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_NVML_PIDS": f"{os.getpid()},{OTHER_PID}"}
+
+
+def _no_real_nvml() -> None:
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this host has a real NVML library")
+
+
+def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> None:
+    out = subprocess.run([*aiprobe_cli, "gpus", "--json"], env=nvml_env, capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    h100, a100 = report["gpus"]
+    assert h100 == {
+        "index": 0, "uuid": "GPU-11111111-2222-3333-4444-555555555555", "name": "NVIDIA H100 80GB HBM3",
+        "utilization_gpu_ratio": 0.87, "utilization_memory_ratio": 0.42,
+        "memory_total_bytes": 80 * GIB, "memory_used_bytes": 32 * GIB, "memory_free_bytes": 48 * GIB,
+        "power_watts": 312.5, "temperature_celsius": 71, "sm_clock_hz": 1_980_000_000,
+        "memory_clock_hz": 2_619_000_000, "clock_event_reasons": ["sw_power_cap", "sw_thermal_slowdown"],
+        "pcie_tx_bytes_per_second": 123456 * 1024, "pcie_rx_bytes_per_second": 654321 * 1024,
+        "compute_mode": "exclusive_process",
+        # GPM, between the two samples `aiprobe gpus` takes on a GPU that has it.
+        "gpm_context_switch_requests": 250.0, "gpm_context_switch_cycles_per_request": 100.0,
+        "gpm_context_switch_active_ratio": 0.025,
+    }
+    # GPU 1 answers NOT_SUPPORTED for power and PCIe throughput and has no GPM: None, not zero.
+    assert (a100["index"], a100["name"], a100["memory_total_bytes"], a100["sm_clock_hz"]) == \
+        (1, "NVIDIA A100-SXM4-40GB", 40 * GIB, 1_410_000_000)
+    assert a100["power_watts"] is a100["pcie_tx_bytes_per_second"] is a100["gpm_context_switch_requests"] is None
+    assert (a100["clock_event_reasons"], a100["compute_mode"]) == (["gpu_idle"], "default")
+    # Processes are joined to the GPU that runs them, by host pid.
+    mine, other = report["processes"]
+    assert mine == {"pid": os.getpid(), "comm": Path("/proc/self/comm").read_text().strip(), "gpu_index": 0,
+                    "gpu_uuid": h100["uuid"], "used_memory_bytes": GIB, "sm_utilization_ratio": 0.55}
+    assert (other["pid"], other["gpu_index"], other["gpu_uuid"], other["used_memory_bytes"]) == \
+        (OTHER_PID, 1, a100["uuid"], 2 * GIB)
+    assert other["sm_utilization_ratio"] is None
+
+
+def test_gpus_text_view(nvml_env, aiprobe_cli) -> None:
+    out = subprocess.run([*aiprobe_cli, "gpus"], env=nvml_env, capture_output=True, text=True, check=True).stdout
+    assert "GPU 0  NVIDIA H100 80GB HBM3" in out
+    assert "power 312.5 W" in out
+    assert "power n/a" in out
+
+
+def test_not_supported_metric_is_disabled_for_that_gpu_only(nvml_env) -> None:
+    script = """
+import ctypes, json
+from aiprobe.nvml import NvmlCollector
+with NvmlCollector() as collector:
+    powers = [[gpu.power_watts for gpu in collector.read().gpus] for _ in range(3)]
+fake = ctypes.CDLL("libnvidia-ml.so.1")
+calls = [fake.fake_nvml_calls(f"nvmlDeviceGetPowerUsage/{i}".encode()) for i in (0, 1)]
+print(json.dumps({"powers": powers, "calls": calls}))
+"""
+    result = json.loads(subprocess.run([sys.executable, "-c", script], env=nvml_env, capture_output=True,
+                                       text=True, check=True).stdout)
+    assert result["powers"] == [[312.5, None]] * 3
+    assert result["calls"] == [3, 1]  # GPU 1 was asked once, then never again
+
+
+def test_without_nvml_gpus_exits_1_with_one_line(aiprobe_cli) -> None:
+    _no_real_nvml()
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    result = subprocess.run([*aiprobe_cli, "gpus"], env=env, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "aiprobe: NVML unavailable: libnvidia-ml.so.1 not found (no NVIDIA driver installed)"
+    ]
+
+
+def test_without_nvml_collector_is_unavailable_and_reads_empty() -> None:
+    _no_real_nvml()
+    collector = NvmlCollector()  # this process was started without the fake on its library path
+    assert not collector.available
+    assert "libnvidia-ml.so.1 not found" in collector.reason
+    assert collector.read().to_dict() == {"available": False, "reason": collector.reason, "gpus": [],
+                                          "processes": []}
+    collector.close()
+    collector.close()
+
+
+@pytest.mark.bpf
+def test_without_nvml_check_says_why_and_the_rest_runs(aiprobe_cli) -> None:
+    _no_real_nvml()
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    result = subprocess.run([*aiprobe_cli, "check", "--json"], env=env, capture_output=True, text=True, check=True)
+    probes = json.loads(result.stdout)["probes"]
+    assert not probes["nvml"]["available"]
+    assert "libnvidia-ml.so.1 not found" in probes["nvml"]["reason"]
+    assert probes["cuda"]["available"]
+    assert probes["sched"]["strategy"] == "tp_btf"
