@@ -229,8 +229,11 @@ def gpu_cuda() -> dict:
         Panel("Clocks (drops under load = throttling)", [
             Target(gauge("aiprobe_gpu_sm_clock_hertz"), "SM " + GPU_LEGEND),
             Target(gauge("aiprobe_gpu_memory_clock_hertz"), "memory " + GPU_LEGEND)], unit="hertz",
-              description="An SM clock that falls while utilization stays high is power or thermal throttling; "
-                          "`aiprobe top` and the snapshot name the reason (clock_event_reasons)."),
+              description="An SM clock that falls while utilization stays high is power or thermal throttling."),
+        Panel("Throttling: active clock event reasons", [
+            Target(gauge("aiprobe_gpu_clock_event_reason_active"), GPU_LEGEND + " {{reason}}")], unit="short",
+              description="1 while NVML reports the reason for lowered clocks: power cap, thermal or hardware "
+                          "slowdown, power brake; gpu_idle is not throttling."),
         Panel("PCIe throughput", [
             Target(gauge("aiprobe_gpu_pcie_tx_bytes_per_second"), "tx " + GPU_LEGEND),
             Target(gauge("aiprobe_gpu_pcie_rx_bytes_per_second"), "rx " + GPU_LEGEND)], unit="Bps"),

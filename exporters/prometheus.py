@@ -209,7 +209,7 @@ class AgentCollector(Collector):
         families += field_families(GPU_METRICS, GPU_LABELS, gpus)
         if self._dcgm:
             families += field_families(DCGM_METRICS, DCGM_LABELS, gpus)
-        families += self._gpu_process_metrics(readings.gpus)
+        families += [_clock_event_reasons(gpus), *self._gpu_process_metrics(readings.gpus)]
         families += field_families(TCP_COUNTERS, (), [readings.tcp] if readings.tcp else [])
         families.append(self._bottlenecks(readings.alerts))
         with self._lock:
@@ -335,6 +335,22 @@ class AgentCollector(Collector):
             if alert["state"] == "firing":
                 active.add_metric([alert["rule"], alert["severity"], alert["target"]], 1)
         return active
+
+
+def _clock_event_reasons(gpus: list[dict]) -> Metric:
+    """Every known reason per GPU as 0/1, so the series set stays fixed while reasons come and go."""
+    from aiprobe.nvml import CLOCK_EVENT_REASONS
+
+    active = GaugeMetricFamily("aiprobe_gpu_clock_event_reason_active",
+                               "1 while NVML reports this reason for lowered clocks (throttling), else 0.",
+                               labels=["gpu", "uuid", "reason"])
+    for gpu in gpus:
+        reasons = gpu.get("clock_event_reasons")
+        if reasons is None:  # NOT_SUPPORTED on this GPU
+            continue
+        for reason in CLOCK_EVENT_REASONS.values():
+            active.add_metric([str(gpu["index"]), str(gpu.get("uuid", "")), reason], 1 if reason in reasons else 0)
+    return active
 
 
 def _accumulate(sums: dict[tuple[str, str], list[float]], key: tuple[str, str], delta: Sequence[float]) -> None:

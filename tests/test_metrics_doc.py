@@ -20,7 +20,7 @@ def every_kind_of_reading() -> Readings:
     gpu = {"index": 0, "uuid": "u", "name": "n", "utilization_gpu_ratio": 0.5, "utilization_memory_ratio": 0.5,
            "memory_used_bytes": 1, "memory_total_bytes": 2, "memory_free_bytes": 1, "power_watts": 1,
            "temperature_celsius": 1, "sm_clock_hz": 1, "memory_clock_hz": 1, "pcie_tx_bytes_per_second": 1,
-           "pcie_rx_bytes_per_second": 1}
+           "pcie_rx_bytes_per_second": 1, "clock_event_reasons": ["sw_power_cap"]}
     process = {"pid": 1, "comm": "x", "container": "host"}
     return Readings(
         flows={"flows": [flow], "interfaces": [{"interface": "eth0", "direction": "ingress", "bytes": 10,
