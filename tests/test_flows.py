@@ -22,22 +22,13 @@ import pytest
 from aiprobe.btf import decode
 from aiprobe.flows import TC_HANDLE, FlowRecord, FlowsProbe, FlowsSnapshot
 from aiprobe.loader import BpfObject
-from conftest import VethPair, programs_on, run, unique
+from conftest import VethPair, programs_on, run, unique, wait_until
 from fixtures import flows_frames as frames
 
 pytestmark = pytest.mark.bpf
 
 UDP_PAYLOAD = 300
 COUNT = 25
-
-
-def _wait_for(predicate, timeout: float = 5.0, step: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return False
 
 
 def _flow(snapshot: FlowsSnapshot, direction: str, protocol: str, local_port: int, remote_port: int) -> FlowRecord:
@@ -136,7 +127,7 @@ def test_vlan_tagged_frames_counted_exactly_each_way(veth: VethPair, vlans: tupl
 def test_rates_cover_the_interval_since_the_previous_read(veth: VethPair) -> None:
     with FlowsProbe([veth.host]) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
-        _wait_for(lambda: any(f.direction == "egress" and f.protocol == "udp" for f in probe.read().flows))
+        wait_until(lambda: any(f.direction == "egress" and f.protocol == "udp" for f in probe.read().flows))
         port = sock.getsockname()[1]
         before = _flow(probe.read(), "egress", "udp", port, 9)
         for _ in range(10):
@@ -198,7 +189,7 @@ def test_tcp_bulk_transfer_matches_interface_and_socket_counters(veth: VethPair,
             sock = socket.create_connection((veth.peer_ip4, port), timeout=10)
             sock.sendall(bytes(BULK_BYTES))
             # Read the socket's counters while it is established (TIME-WAIT sockets have none).
-            assert _wait_for(lambda: _ss_counter(port, "bytes_acked") >= BULK_BYTES)
+            assert wait_until(lambda: _ss_counter(port, "bytes_acked") >= BULK_BYTES)
             socket_bytes = _ss_counter(port, "bytes_acked")
             sock.shutdown(socket.SHUT_WR)
             assert sock.recv(1) == b""  # the peer read everything and closed
@@ -240,7 +231,7 @@ def test_interface_created_after_start_is_attached_within_two_seconds_and_remova
             veth.ns_run(["ip", "addr", "add", "198.19.7.2/24", "dev", peer])
             veth.ns_run(["ip", "link", "set", peer, "up"])
             up = time.monotonic()
-            assert _wait_for(lambda: any(a.tc and a.xdp for a in probe.attachments()), timeout=2.0)
+            assert wait_until(lambda: any(a.tc and a.xdp for a in probe.attachments()), timeout=2.0)
             assert time.monotonic() - up < 2.0
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
                 for _ in range(3):
@@ -249,7 +240,7 @@ def test_interface_created_after_start_is_attached_within_two_seconds_and_remova
                 assert _flow(probe.read(), "egress", "udp", port, 9).packets == 3
         finally:
             run(["ip", "link", "del", host], check=False)
-        assert _wait_for(lambda: probe.attachments() == [], timeout=2.0)
+        assert wait_until(lambda: probe.attachments() == [], timeout=2.0)
         snapshot = probe.read()
         assert snapshot.flows == [] and snapshot.interfaces == []
 
@@ -288,7 +279,7 @@ def test_cli_leaves_no_program_attached_after_signal(veth: VethPair, aiprobe_cli
     if sig == signal.SIGTERM:
         assert proc.returncode == 0, err
         assert isinstance(json.loads(out)["flows"], list)
-    assert _wait_for(lambda: not {"flows_xdp", "flows_tc"} & programs_on(veth.host), timeout=3)
+    assert wait_until(lambda: not {"flows_xdp", "flows_tc"} & programs_on(veth.host), timeout=3)
 
 
 def test_cli_json_after_duration(veth: VethPair, aiprobe_cli: list[str]) -> None:
@@ -331,7 +322,7 @@ def test_foreign_xdp_program_is_reported_and_left_attached(veth: VethPair) -> No
             sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
             port = sock.getsockname()[1]
         assert _flow(probe.read(), "egress", "udp", port, 9).packets == 1
-    assert _wait_for(lambda: programs_on(veth.host) == {"probe_xdp"})
+    assert wait_until(lambda: programs_on(veth.host) == {"probe_xdp"})
 
 
 # --- the clsact fallback ---
@@ -361,7 +352,7 @@ def test_clsact_fallback_counts_and_removes_stale_filters_only(veth: VethPair, c
     killed.wait()
     ours = f"handle 0x{TC_HANDLE:x}"
     assert ours in _egress_filters(veth.host)  # netlink attachments outlive a SIGKILL ...
-    assert _wait_for(lambda: programs_on(veth.host) == {"flows_tc"}, timeout=3)  # ... bpf_links do not
+    assert wait_until(lambda: programs_on(veth.host) == {"flows_tc"}, timeout=3)  # ... bpf_links do not
 
     with caplog.at_level(logging.WARNING, logger="aiprobe.flows"), \
             FlowsProbe([veth.host], strategy="xdp+clsact") as probe:

@@ -8,28 +8,18 @@ import os
 import socket
 import struct
 import subprocess
-import time
 
 import pytest
 from aiprobe.features import libc_path
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, ProbeUnavailable, Strategy, load_first
-from conftest import fd_id, link_ids, prog_ids
+from conftest import fd_id, link_ids, prog_ids, wait_until
 
 pytestmark = pytest.mark.bpf
 
 
 def _count(obj: BpfObject) -> int:
     return obj.maps["hits"].lookup(0).value
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_sched_switch_counter_attaches_counts_and_leaves_nothing() -> None:
@@ -40,9 +30,9 @@ def test_sched_switch_counter_attaches_counts_and_leaves_nothing() -> None:
         link_id = fd_id(link.fd, "link_id")
         assert prog_id in prog_ids()
         assert link_id in link_ids()
-        assert _wait_for(lambda: _count(obj) > 0), "sched_switch never counted"
+        assert wait_until(lambda: _count(obj) > 0), "sched_switch never counted"
     # Programs are freed after an RCU grace period, so "gone" is checked with a short wait.
-    assert _wait_for(lambda: prog_id not in prog_ids() and link_id not in link_ids())
+    assert wait_until(lambda: prog_id not in prog_ids() and link_id not in link_ids())
 
 
 def test_rodata_configures_programs_before_load() -> None:
@@ -50,7 +40,7 @@ def test_rodata_configures_programs_before_load() -> None:
         obj.set_rodata(hit_increment=7)
         obj.load()
         obj.programs["probe_tp_btf"].attach()
-        assert _wait_for(lambda: _count(obj) > 0)
+        assert wait_until(lambda: _count(obj) > 0)
         assert _count(obj) % 7 == 0
         with pytest.raises(RuntimeError):
             obj.set_rodata(hit_increment=1)
@@ -81,7 +71,7 @@ def test_uprobe_events_arrive_through_ring_buffer() -> None:
         libc = ctypes.CDLL(None)
         for _ in range(3):
             libc.getpid()
-        assert _wait_for(lambda: ring.poll(50) >= 0 and len(events) >= 3)
+        assert wait_until(lambda: ring.poll(50) >= 0 and len(events) >= 3)
     assert {e.pid for e in events} == {os.getpid()}
     assert [e.hits for e in events][:3] == [1, 2, 3]
 
@@ -133,7 +123,7 @@ def test_xdp_and_tcx_links_count_traffic_and_detach(veth) -> None:
             for _ in range(3):
                 sock.sendto(b"x", (veth.peer_ip4, 9))
         # Egress (tc): ARP request and 3 datagrams; ingress (XDP): ARP reply, ICMP unreachables.
-        assert _wait_for(lambda: _count(obj) >= 5)
+        assert wait_until(lambda: _count(obj) >= 5)
     assert link_ids() - before_links == set()
     net = subprocess.run(["bpftool", "net", "show", "dev", veth.host], capture_output=True, text=True).stdout
     assert "probe_" not in net
