@@ -40,8 +40,18 @@ SPEC = ProbeSpec(
             "kprobe", programs=("sendlat_kprobe", "sendlat_kretprobe"), features=("kprobe", "ringbuf"),
             span="tcp_sendmsg entry to return (kprobe/kretprobe)",
         ),
+        # Only TCP sends pay for these two tracepoints; the span starts with the socket locked.
         Strategy(
             "tracepoint",
+            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end", "sendlat_thread_exit"),
+            features=("tp_btf", "tcp_send_tp", "ringbuf"),
+            span="first copy into the socket (tcp:tcp_sendmsg_locked) to the return of the TCP socket's sendmsg "
+                 "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts sends that copy "
+                 "at least one byte, by user threads, on sockets without kTLS or another upper-layer protocol",
+        ),
+        # Every syscall on the host pays for raw sys_enter: for kernels without tcp:tcp_sendmsg_locked.
+        Strategy(
+            "syscall",
             programs=("sendlat_sys_enter", "sendlat_sock_send_length", "sendlat_thread_exit"),
             features=("tp_btf", "ringbuf"),
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "

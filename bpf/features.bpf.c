@@ -45,6 +45,9 @@ int BPF_KPROBE(probe_kprobe) { hit(); return 0; }
 SEC("tp_btf/sched_switch")
 int BPF_PROG(probe_tp_btf) { hit(); return 0; }
 
+SEC("tp_btf/tcp_sendmsg_locked")
+int BPF_PROG(probe_tcp_send_tp) { hit(); return 0; }
+
 SEC("raw_tp/sched_switch")
 int probe_raw_tp(void *ctx) { hit(); return 0; }
 

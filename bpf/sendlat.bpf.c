@@ -2,10 +2,11 @@
 /* TCP send latency: how long each send to a TCP socket takes, per process (tgid, cgroup) as a log2
  * histogram, per flow as counters, and each send slower than a threshold as a ring-buffer event.
  *
- * Three ways to find a send's start and end, one per strategy (agent/sendlat.py), best first:
- *   fentry/fexit on tcp_sendmsg, kprobe/kretprobe on tcp_sendmsg, and for kernels with neither the
- *   send syscalls' entry (raw sys_enter) up to sock:sock_send_length, which fires when the socket's
- *   sendmsg returns and says whether that socket is TCP. All three end in record_send(). */
+ * Four ways to find a send's start and end, one per strategy (agent/sendlat.py), best first:
+ *   fentry/fexit on tcp_sendmsg; kprobe/kretprobe on tcp_sendmsg; for kernels with neither, the
+ *   first tcp:tcp_sendmsg_locked of a call up to sock:sock_send_length (TCP sends only pay); and for
+ *   kernels without that tracepoint, the send syscalls' entry (raw sys_enter, which every syscall on
+ *   the host pays for) up to sock:sock_send_length. All four end in record_send(). */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
@@ -45,12 +46,12 @@ const volatile __u32 target_tgid = 0;	/* 0: every process */
 /* Where a thread's send in progress started. */
 struct sendlat_start {
 	__u64 start_ns;
-	__u64 sk;		/* kprobe/fentry: the socket, for the return probe */
-	long syscall_nr;	/* tracepoint: the syscall that started it */
+	__u64 sk;		/* the socket (kprobe: for the return probe; tcp tracepoints: 0 once closed) */
+	long syscall_nr;	/* syscall strategy: the syscall that started it */
 };
 
-/* One entry per thread in a send (fentry/kprobe: deleted on return) or that made a send syscall
- * (tracepoint: deleted when the thread exits). LRU: a full map evicts rather than drops. */
+/* One entry per thread in a send (fentry/kprobe: deleted on return) or that sent once (tracepoints:
+ * closed in place, deleted when the thread exits). LRU: a full map evicts rather than drops. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
@@ -104,10 +105,9 @@ static __always_inline void count(enum sendlat_counter index)
 		__sync_fetch_and_add(value, 1);
 }
 
-static __always_inline void send_begin(__u64 pid_tgid, struct sock *sk, long syscall_nr)
+/* Starts thread `tid`'s send now; `start` is its entry, NULL when it has none yet. */
+static __always_inline void open_send(struct sendlat_start *start, __u32 tid, struct sock *sk, long syscall_nr)
 {
-	__u32 tid = pid_tgid;
-	struct sendlat_start *start = bpf_map_lookup_elem(&starts, &tid);
 	struct sendlat_start fresh = { .sk = (__u64)sk, .syscall_nr = syscall_nr };
 
 	/* In place when the thread has an entry: an LRU update would allocate a new element. */
@@ -119,6 +119,13 @@ static __always_inline void send_begin(__u64 pid_tgid, struct sock *sk, long sys
 	}
 	fresh.start_ns = bpf_ktime_get_ns();
 	bpf_map_update_elem(&starts, &tid, &fresh, BPF_ANY);
+}
+
+static __always_inline void send_begin(__u64 pid_tgid, struct sock *sk, long syscall_nr)
+{
+	__u32 tid = pid_tgid;
+
+	open_send(bpf_map_lookup_elem(&starts, &tid), tid, sk, syscall_nr);
 }
 
 /* `trusted`: sk is a BTF pointer (tp_btf, fexit) read by plain loads; otherwise (kprobe) every
@@ -275,7 +282,76 @@ int BPF_KRETPROBE(sendlat_kretprobe, int ret)
 	return 0;
 }
 
-/* --- tracepoint: send syscall entry to the end of the socket's sendmsg --- */
+/* --- tracepoints: the first tcp_sendmsg_locked of a call to the end of the socket's sendmsg ---
+ *
+ * tcp:tcp_sendmsg_locked fires at each turn of tcp_sendmsg_locked's copy loop (once per skb, again
+ * after each wait for buffer space), with the socket locked. The first firing for a thread with no
+ * send open on that socket opens one; sock:sock_send_length (the socket's sendmsg returned) closes
+ * it. The span misses syscall entry, lock_sock() waits and what precedes the copy loop; sends that
+ * never reach the loop (0 bytes, errors before copying, TCP Fast Open's SYN data) are not counted.
+ *
+ * A send opened outside a sendmsg would time the thread's next send from the wrong start. So are
+ * skipped: kernel threads (TLS tx work, sockmap backlog) and sockets with an upper-layer protocol
+ * (kTLS pushes records in close() and at the end of sendfile; espintcp, MPTCP subflows): those
+ * are not measured. What is left ends at the thread's next TCP sendmsg end, recorded only when it
+ * is on the open socket (a sockmap redirect opens on the target and ends on the source: dropped);
+ * a thread that exits takes its entry with it. */
+
+#define PF_KTHREAD 0x00200000	/* include/linux/sched.h: not in BTF */
+
+static __always_inline bool sends_only_in_sendmsg(struct sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	return tp && !tp->inet_conn.icsk_ulp_ops && !(bpf_get_current_task_btf()->flags & PF_KTHREAD);
+}
+
+SEC("tp_btf/tcp_sendmsg_locked")
+int BPF_PROG(sendlat_tcp_send_start, struct sock *sk)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tid = pid_tgid;
+	struct sendlat_start *start;
+
+	if (!traced(pid_tgid))
+		return 0;
+	start = bpf_map_lookup_elem(&starts, &tid);
+	/* A later turn of the copy loop of the send already open. */
+	if (start && start->sk == (__u64)sk)
+		return 0;
+	if (sends_only_in_sendmsg(sk))
+		open_send(start, tid, sk, 0);
+	return 0;
+}
+
+/* At sock:sock_send_length: the sending thread's start entry when `sk` is a TCP socket, else NULL. */
+static __always_inline struct sendlat_start *tcp_send_ended(struct sock *sk, __u64 *pid_tgid)
+{
+	__u32 tid;
+
+	if (sk->sk_protocol != IPPROTO_TCP || sk->sk_type != SOCK_STREAM)
+		return NULL;
+	*pid_tgid = bpf_get_current_pid_tgid();
+	tid = *pid_tgid;
+	return bpf_map_lookup_elem(&starts, &tid);
+}
+
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(sendlat_tcp_send_end, struct sock *sk, int ret, int flags)
+{
+	__u64 pid_tgid, open_sk;
+	struct sendlat_start *start = tcp_send_ended(sk, &pid_tgid);
+
+	if (!start || !start->sk)
+		return 0;
+	open_sk = start->sk;
+	start->sk = 0;	/* closed either way: a send open on another socket never ends here */
+	if (open_sk == (__u64)sk)
+		record_send(sk, true, ret, bpf_ktime_get_ns() - start->start_ns, pid_tgid);
+	return 0;
+}
+
+/* --- syscall: send syscall entry to the end of the socket's sendmsg --- */
 
 static __always_inline bool is_send_syscall(long id)
 {
@@ -299,15 +375,9 @@ SEC("tp_btf/sock_send_length")
 int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 {
 	__u64 pid_tgid, now;
-	struct sendlat_start *start;
+	struct sendlat_start *start = tcp_send_ended(sk, &pid_tgid);
 	struct pt_regs *regs;
-	__u32 tid;
 
-	if (sk->sk_protocol != IPPROTO_TCP || sk->sk_type != SOCK_STREAM)
-		return 0;
-	pid_tgid = bpf_get_current_pid_tgid();
-	tid = pid_tgid;
-	start = bpf_map_lookup_elem(&starts, &tid);
 	if (!start)
 		return 0;
 	/* The entry may be left from an earlier syscall (a write to a file never reaches here); a
@@ -322,7 +392,8 @@ int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 	return 0;
 }
 
-/* Threads that exit take their start entry with them, so the map tracks live threads only. */
+/* Threads that exit take their start entry with them, so the map tracks live threads only (both
+ * tracepoint strategies). */
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(sendlat_thread_exit)
 {

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.containers import cgroup2_root
-from aiprobe.loader import ProbeUnavailable
+from aiprobe.loader import ProbeUnavailable, Strategy
 from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot, log2_buckets
 from conftest import unique, wait_until
 from fixtures.sendlat_peer import build, send, sender_cmd, sink
@@ -31,9 +31,21 @@ def peer(cbuild) -> str:
     return build(cbuild)
 
 
-@pytest.fixture(scope="module")
-def probe() -> Iterator[SendLatencyProbe]:
-    with SendLatencyProbe(threshold_ms=SLOW_MS) as running:
+def strategy_named(name: str) -> Strategy:
+    return next(s for s in SPEC.strategies if s.name == name)
+
+
+# Every test that takes `probe` runs twice: with the strategy this kernel picks first, and with the
+# syscall strategy forced (the fallback for kernels without tcp:tcp_sendmsg_locked).
+@pytest.fixture(scope="module", params=["default", "syscall"])
+def probe(request) -> Iterator[SendLatencyProbe]:
+    strategies = None if request.param == "default" else [strategy_named(request.param)]
+    try:
+        running = SendLatencyProbe(threshold_ms=SLOW_MS, strategies=strategies)
+        running.start()
+    except ProbeUnavailable as exc:
+        pytest.skip(f"{request.param} cannot run on this kernel: {exc.reasons}")
+    with running:
         yield running
 
 
@@ -73,14 +85,17 @@ def test_process_document_has_every_bucket_and_inf_as_text() -> None:
 # --- real kernel ---
 
 @pytest.mark.bpf
-def test_falls_back_through_strategies_and_says_why(probe: SendLatencyProbe) -> None:
+def test_falls_back_through_strategies_and_says_why() -> None:
     names = [s.name for s in SPEC.strategies]
-    assert names == ["fentry", "kprobe", "tracepoint"]
-    chosen = names.index(probe.strategy)
-    assert list(probe.skipped) == names[:chosen]
-    assert all(probe.skipped.values()), probe.skipped
-    assert probe.read().span == SPEC.strategies[chosen].span
-    assert {u.map for u in probe.map_usage()} == {"procs", "flows", "starts"}
+    assert names == ["fentry", "kprobe", "tracepoint", "syscall"]
+    with SendLatencyProbe() as probe:
+        chosen = names.index(probe.strategy)
+        assert list(probe.skipped) == names[:chosen]
+        assert all(probe.skipped.values()), probe.skipped
+        assert probe.read().span == SPEC.strategies[chosen].span
+        assert {u.map for u in probe.map_usage()} == {"procs", "flows", "starts"}
+    if Path("/sys/kernel/tracing/events/tcp/tcp_sendmsg_locked").exists():
+        assert chosen <= names.index("tracepoint"), "the syscall strategy runs where tcp_sendmsg_locked exists"
 
 
 @pytest.mark.bpf
