@@ -110,13 +110,12 @@ def test_ten_thousand_flows_stay_within_top_k_series(tmp_path: Path, veth: VethP
 
 
 def test_sigterm_stops_within_5s_and_detaches(tmp_path: Path, veth: VethPair) -> None:
-    agent = Agent(tmp_path, agent_config(veth))
-    assert programs_on(veth.host) == {"flows_xdp", "flows_tc"}
-    started = time.monotonic()
-    agent.process.send_signal(signal.SIGTERM)
-    assert agent.process.wait(timeout=5) == 0
-    assert time.monotonic() - started < 5
-    agent.stop()
+    with Agent(tmp_path, agent_config(veth)) as agent:
+        assert programs_on(veth.host) == {"flows_xdp", "flows_tc"}
+        started = time.monotonic()
+        agent.process.send_signal(signal.SIGTERM)
+        assert agent.process.wait(timeout=5) == 0
+        assert time.monotonic() - started < 5
     assert programs_on(veth.host) == set()
 
 
