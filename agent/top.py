@@ -21,7 +21,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
 from .cli import AiprobeError, friendly_errors, interval_option, ticks
-from .top_source import DEFAULT_URL, SnapshotError, SnapshotSource, open_source
+from .top_source import DEFAULT_URL, SnapshotError, SnapshotSource, normalize_url, open_source
 from .top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
 
 # Signals that end top like `q` does: terminal restored first, then the probes closed.
@@ -60,6 +60,7 @@ class TopApp(App[None]):
 
     TITLE = "aiprobe top"
     CSS = """
+    Static { text-wrap: nowrap; text-overflow: ellipsis; }
     #header { height: 2; background: $primary-background; }
     #tabs { height: 1; }
     #notice { height: auto; max-height: 5; color: $warning; }
@@ -251,13 +252,20 @@ def run_batch(source: SnapshotSource, interval: float, iterations: int | None, a
             return
 
 
+def _agent_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        return normalize_url(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _globs(value: str | None) -> list[str] | None:
     return [glob.strip() for glob in value.split(",") if glob.strip()] if value else None
 
 
 @click.command()
 @click.option(
-    "--connect", metavar="URL", default=DEFAULT_URL, show_default=True,
+    "--connect", metavar="URL", default=DEFAULT_URL, show_default=True, callback=_agent_url,
     help="Agent to read snapshots from. When it does not answer and no other agent runs here, "
     "top loads the probes itself.",
 )

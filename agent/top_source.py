@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Protocol
@@ -35,8 +36,13 @@ class SnapshotSource(Protocol):
 
 
 def normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/").removesuffix(SNAPSHOT_PATH)
-    return url if "://" in url else f"http://{url}"
+    """`host:port`, `http://host:port/` or the full snapshot URL -> `http://host:port`; ValueError if none."""
+    url = url.strip()
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")  # ValueError on a malformed host
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class AgentClient:

@@ -245,14 +245,17 @@ def test_failed_fetch_keeps_last_snapshot_and_says_why() -> None:
 
 def test_probe_down_shows_reason_in_its_view_and_rest_works() -> None:
     snapshot = copy.deepcopy(SNAPSHOT)
-    snapshot["probes"]["flows"] = {"up": False, "strategy": None, "span": "", "reason": "XDP attach failed: EPERM"}
+    reason = "XDP attach failed: EPERM " + "and a long libbpf explanation " * 5
+    snapshot["probes"]["flows"] = {"up": False, "strategy": None, "span": "", "reason": reason}
     snapshot["flows"] = []
 
     async def check(app: TopApp, pilot: Pilot, feed: Feed) -> None:
         assert "flows:DOWN" in screen_lines(app)[1]
         assert not any("XDP attach failed" in line for line in screen_lines(app))  # not the processes view's
         await pilot.press("f")
-        assert any("flows probe down: XDP attach failed: EPERM" in line for line in screen_lines(app))
+        lines = screen_lines(app)
+        assert lines[3].startswith("flows probe down: XDP attach failed: EPERM") and lines[3].endswith("…")
+        assert "DIR" in lines[4]  # the reason takes one line, cut to the screen width
         await pilot.press("p")
         assert comms(app) == ["tritonserver", "vllm", "python3"]
 
@@ -310,11 +313,18 @@ def test_agent_discovery_recognises_agent_command_lines() -> None:
     assert not _is_agent(["aiprobe", "top"]) and not _is_agent(["vim", "agent"])
     assert normalize_url("127.0.0.1:9645/") == "http://127.0.0.1:9645"
     assert normalize_url("http://h:1/api/v1/snapshot") == "http://h:1"
+    for bad in ("http://[::1", "ftp://h:1", "h:99999", "http://"):
+        with pytest.raises(ValueError):
+            normalize_url(bad)
 
 
-def test_iterations_without_batch_is_a_usage_error(aiprobe_cli: list[str]) -> None:
-    result = subprocess.run([*aiprobe_cli, "top", "--iterations", "2"], capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and "--iterations and --json need --batch" in result.stderr
+@pytest.mark.parametrize(("args", "message"), [
+    (["--iterations", "2"], "--iterations and --json need --batch"),
+    (["--batch", "--connect", "http://[::1"], "Invalid value for '--connect'"),
+])
+def test_bad_options_are_usage_errors(aiprobe_cli: list[str], args: list[str], message: str) -> None:
+    result = subprocess.run([*aiprobe_cli, "top", *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and message in result.stderr
     assert "Traceback" not in result.stderr
 
 
