@@ -8,10 +8,11 @@ turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import click
@@ -92,7 +93,8 @@ class ProcessSendLatency:
     histogram: list[tuple[float, int]]
 
     def to_dict(self) -> dict:
-        document = asdict(self)
+        # Built by hand: dataclasses.asdict deep-copies the 36 buckets of every process each refresh.
+        document = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "histogram"}
         document["histogram"] = [
             {"le_seconds": "+Inf" if math.isinf(le) else le, "count": count} for le, count in self.histogram
         ]
@@ -200,10 +202,6 @@ def _slow_send(event: dict) -> SlowSend:
     )
 
 
-def _decoded_items(obj: BpfObject, map_name: str) -> Iterable[tuple[dict, dict]]:
-    return ((btf.decode(key), btf.decode(value)) for key, value in obj.maps[map_name].items())
-
-
 class SendLatencyProbe(Probe):
     """TCP send latency of every process (or of `pid` only). Slow sends (>= threshold_ms) are kept
     from one `read()` to the next; call `poll()` in between to see them as they happen."""
@@ -223,6 +221,7 @@ class SendLatencyProbe(Probe):
         self._event_type: type | None = None
         self._pending: list[SlowSend] = []
         self._dropped = 0
+        self._entries: dict[str, int] = {}  # map name -> entries at the last read
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -258,17 +257,28 @@ class SendLatencyProbe(Probe):
         return self._pending[before:]
 
     def read(self) -> SendLatencySnapshot:
+        """Everything counted since start. Entries of processes that have exited are reported this
+        once and then deleted, so the maps (and the cost of reading them) follow live processes."""
         obj = self._obj()
         self.poll(0)
         slow_sends, self._pending = self._pending, []
+        processes = [_process(key, value) for key, value in self._read_and_prune(obj, "procs")]
+        flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")]
         return SendLatencySnapshot(
             strategy=self.loaded.strategy.name,
             span=self.loaded.strategy.span,
-            processes=[_process(key, value) for key, value in _decoded_items(obj, "procs")],
-            flows=[_flow(key, value) for key, value in _decoded_items(obj, "flows")],
+            processes=processes,
+            flows=flows,
             slow_sends=slow_sends,
             lost_events=self.events_lost(),
         )
+
+    def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict, dict]]:
+        stats = obj.maps[map_name]
+        entries = [(key, btf.decode(key), btf.decode(value)) for key, value in stats.items()]
+        self._entries[map_name] = len(entries)
+        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
+        return [(key, value) for _, key, value in entries]
 
     def events_lost(self) -> int:
         if self.loaded is None:
@@ -276,10 +286,12 @@ class SendLatencyProbe(Probe):
         return self.loaded.obj.maps["counters"].lookup(0).value + self._dropped
 
     def map_usage(self) -> list[MapUsage]:
+        """Sizes as of the last read (the per-thread `starts` map is counted now)."""
         if self.loaded is None:
             return []
         maps = self.loaded.obj.maps
-        return [MapUsage(name, len(maps[name].items()), maps[name].max_entries) for name in _STATS_MAPS]
+        sizes = {**self._entries, "starts": len(maps["starts"].items())}
+        return [MapUsage(name, sizes.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
 
     def close(self) -> None:
         self._ring = None  # freed with the object

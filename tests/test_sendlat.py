@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
 from aiprobe.loader import ProbeUnavailable, Strategy
 from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot, log2_buckets
@@ -225,6 +226,9 @@ def test_hundred_short_lived_senders_leave_no_start_entries(probe: SendLatencyPr
     assert not set(pids) & start_tids(probe)
     snapshot = probe.read()
     assert {pid: sum(r.count for r in records_of(snapshot, pid)) for pid in pids} == dict.fromkeys(pids, 1)
+    # Exited processes were reported once; their entries are gone from the next read on.
+    assert not {decode(key)["tgid"] for key in probe.loaded.obj.maps["procs"].keys()} & set(pids)
+    assert not any(records_of(probe.read(), pid) for pid in pids)
     starts = next(u for u in probe.map_usage() if u.map == "starts")
     assert starts.entries < starts.capacity
     assert probe.events_lost() == 0
