@@ -167,7 +167,7 @@ class TopApp(App[None]):
         notice.update(Text("\n".join(notices), no_wrap=True, overflow="ellipsis"))
         notice.display = bool(notices)
         table = self.query_one("#table", DataTable)
-        cursor = table.cursor_row
+        cursor, scroll = table.cursor_row, (table.scroll_x, table.scroll_y)
         table.clear(columns=True)
         for column in view.columns:
             title = column.title + (("▼" if state.descending else "▲") if column.key == state.sort_key else "")
@@ -178,7 +178,9 @@ class TopApp(App[None]):
                 for column, cell in zip(view.columns, view.cells(row), strict=True)
             ))
         if rows:
-            table.move_cursor(row=min(cursor, len(rows) - 1), animate=False)
+            table.move_cursor(row=min(cursor, len(rows) - 1), animate=False, scroll=False)
+        # clear() scrolls home; a refresh must not undo the user's scrolling
+        self.call_after_refresh(table.scroll_to, *scroll, animate=False)
 
     def render_status(self) -> None:
         status = Text(f" {self.source}", no_wrap=True, overflow="ellipsis")

@@ -233,6 +233,19 @@ def test_space_pauses_updates() -> None:
     drive(check)
 
 
+def test_refresh_keeps_the_scroll_position() -> None:
+    async def check(app: TopApp, pilot: Pilot, feed: Feed) -> None:
+        await pilot.press("g", *["right"] * 30)  # GPU columns beyond 80 cells: scroll to THROTTLE
+        table = app.query_one("#table", DataTable)
+        scrolled = table.scroll_x
+        assert scrolled > 0
+        await app.poll()
+        assert "sw_power_cap"[:10] in await shown(pilot)
+        assert table.scroll_x == scrolled
+
+    drive(check)
+
+
 def test_failed_fetch_keeps_last_snapshot_and_says_why() -> None:
     async def check(app: TopApp, pilot: Pilot, feed: Feed) -> None:
         feed.error = "Connection refused"
