@@ -28,6 +28,10 @@ from .top_views import VIEWS, View, header_lines, probe_notices, text_report, vi
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
+def _arrow(descending: bool) -> str:
+    return "▼" if descending else "▲"
+
+
 @dataclass
 class ViewState:
     """What the user chose for one view: sort column, order and filter."""
@@ -150,7 +154,7 @@ class TopApp(App[None]):
             label = f" {view.title} "
             tabs.append(label, style="reverse bold" if name == self.view.name else "")
         column = self.view.columns[self.view.column_index(self.state.sort_key)]
-        tabs.append(f"  sort {column.title} {'▼' if self.state.descending else '▲'}")
+        tabs.append(f"  sort {column.title} {_arrow(self.state.descending)}")
         if self.state.query:
             tabs.append(f"  filter “{self.state.query}”", style="bold")
         if self.paused:
@@ -170,11 +174,11 @@ class TopApp(App[None]):
         cursor, scroll = table.cursor_row, (table.scroll_x, table.scroll_y)
         table.clear(columns=True)
         for column in view.columns:
-            title = column.title + (("▼" if state.descending else "▲") if column.key == state.sort_key else "")
-            table.add_column(Text(title, justify="right" if column.numeric else "left"), width=column.width)
+            title = column.title + (_arrow(state.descending) if column.key == state.sort_key else "")
+            table.add_column(Text(title, justify=column.justify), width=column.width)
         for row in rows:
             table.add_row(*(
-                Text(cell, justify="right" if column.numeric else "left", no_wrap=True, overflow="ellipsis")
+                Text(cell, justify=column.justify, no_wrap=True, overflow="ellipsis")
                 for column, cell in zip(view.columns, view.cells(row), strict=True)
             ))
         if rows:

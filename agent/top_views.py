@@ -18,6 +18,10 @@ class Column:
     numeric: bool = True  # right-aligned
     text: Callable[[Any], str] | None = None  # a formatter other than the one the key's unit implies
 
+    @property
+    def justify(self) -> str:
+        return "right" if self.numeric else "left"
+
     def cell(self, row: dict) -> str:
         value = row.get(self.key)
         if value is None:
