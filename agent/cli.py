@@ -68,7 +68,7 @@ duration_option = click.option(
     help="Stop after this many seconds (default: run until Ctrl-C).",
 )
 interval_option = click.option(
-    "--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, metavar="SECONDS",
+    "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, metavar="SECONDS",
     help="Refresh interval.",
 )
 
