@@ -2,10 +2,17 @@
 the run-queue delay of the threads that drive the GPU (bpf/cuda.bpf.c; scheduler side: sched.py).
 
 Libraries are found, not configured: every `libcuda.so*` file that a process maps is probed once
-per file (dev, inode), whatever path or container it is reached through. A background thread
-rescans /proc every RESCAN_INTERVAL seconds, so processes that start (or dlopen the driver)
-later are picked up within about that time; `close()` stops it. A uprobe on a file covers every
-process mapping it, so the scan cost grows with processes, the probe cost only with calls.
+per file (dev, inode), whatever path or container it is reached through. A uprobe on a file covers
+every process mapping it, so the probe cost grows only with calls. A background thread scans /proc
+every RESCAN_INTERVAL seconds (`close()` stops it), incrementally (see LibraryScanner): a process
+not seen before has its maps read at the next scan, so processes started later are picked up
+within about RESCAN_INTERVAL; a process already seen is looked at again only after as long as it
+has lived, at most REVISIT_INTERVAL, so a driver dlopen'ed later is found within about its age at
+the dlopen (early, when frameworks usually load it) and never later than REVISIT_INTERVAL.
+
+Counts live per process in the kernel (map `processes`) and only grow; a thread's entry in map
+`threads` goes when it exits. `read()` deletes a process's entries once it has reported them with
+the process already gone, so both maps stay bounded on a busy host.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import contextlib
 import errno
 import os
 import threading
-from collections import defaultdict
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +37,8 @@ from .loader import BpfObject, Strategy, load_first
 from .probes import MapUsage, Probe, ProbeSpec
 
 RESCAN_INTERVAL = 1.0
+REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LIBRARY_PREFIX = "libcuda.so"
 NS_PER_SECOND = 1e9
 
@@ -124,10 +133,65 @@ def mapped_libcuda(pid: int, proc: Path = Path("/proc")) -> MappedLibrary | None
     return None
 
 
-def scan(proc: Path = Path("/proc")) -> list[MappedLibrary]:
-    """Every process that maps a libcuda file."""
-    pids = (int(entry.name) for entry in os.scandir(proc) if entry.name.isdigit())
-    return [lib for pid in pids if (lib := mapped_libcuda(pid, proc)) is not None]
+def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat field 22): with the
+    pid, the process's identity (a reused pid starts later)."""
+    try:
+        stat = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat.rsplit(b")", 1)[1].split()[19])  # fields after "(comm)" start at field 3
+
+
+@dataclass
+class _Watched:
+    start: int  # start_ticks()
+    due: float  # when to look at it again (monotonic seconds)
+    library: MappedLibrary | None = None
+
+
+class LibraryScanner:
+    """Which processes map libcuda, without reading every process's maps at every scan.
+
+    A pid not seen before has its maps read at once. After that a process is looked at again after
+    as long as it has lived (at least `interval`, at most `revisit`): a driver is usually dlopen'ed
+    early (when a framework initializes CUDA), so young processes are looked at often and old ones
+    rarely. A look starts by reading the start time: the same process already known to map libcuda
+    needs nothing more; a reused pid is a new process.
+    """
+
+    def __init__(self, proc: Path = Path("/proc"), *, interval: float = RESCAN_INTERVAL,
+                 revisit: float = REVISIT_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+        self._proc = proc
+        self._interval = interval
+        self._revisit = revisit
+        self._clock = clock
+        self._watched: dict[int, _Watched] = {}
+
+    def scan(self) -> list[MappedLibrary]:
+        """The processes found mapping libcuda since the last scan."""
+        now = self._clock()
+        uptime = float((self._proc / "uptime").read_text().split()[0])
+        pids = {int(entry.name) for entry in os.scandir(self._proc) if entry.name.isdigit()}
+        for pid in self._watched.keys() - pids:
+            del self._watched[pid]
+        found = []
+        for pid in pids:
+            watched = self._watched.get(pid)
+            if watched is not None and now < watched.due:
+                continue
+            start = start_ticks(pid, self._proc)
+            if start is None:  # gone meanwhile
+                self._watched.pop(pid, None)
+                continue
+            if watched is None or watched.start != start:
+                watched = self._watched[pid] = _Watched(start, now)
+            if watched.library is None and (library := mapped_libcuda(pid, self._proc)) is not None:
+                watched.library = library
+                found.append(library)
+            age = uptime - start / CLOCK_TICKS
+            watched.due = now + min(max(age, self._interval), self._revisit)
+        return found
 
 
 @dataclass
@@ -175,7 +239,7 @@ class CudaProcess:
     runqueue_delay_p99_seconds: float | None
     runqueue_histogram: Histogram
     involuntary_preemptions: int
-    gpu_threads: int
+    gpu_threads: int  # threads ever seen calling into libcuda
 
     def to_dict(self) -> dict:
         record = asdict(self)
@@ -211,24 +275,16 @@ def cumulative(slots: Iterable[int]) -> Histogram:
     return buckets
 
 
-def _add(a: dict, b: dict) -> dict:
-    """Sum two decoded hist structs."""
-    return {"slots": [x + y for x, y in zip(a["slots"], b["slots"], strict=True)],
-            "count": a["count"] + b["count"], "sum_ns": a["sum_ns"] + b["sum_ns"]}
-
-
-def process_record(pid: int, threads: list[dict], library: str) -> CudaProcess:
-    """One process from its GPU-driving threads' entries in map `threads`."""
-    sync, runqueue = threads[0]["sync"], threads[0]["runqueue"]
-    for t in threads[1:]:
-        sync, runqueue = _add(sync, t["sync"]), _add(runqueue, t["runqueue"])
+def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
+    """One process from its entry in map `processes`."""
+    sync, runqueue = entry["sync"], entry["runqueue"]
     sync_buckets, runqueue_buckets = cumulative(sync["slots"]), cumulative(runqueue["slots"])
     return CudaProcess(
         pid=pid,
-        comm=threads[0]["comm"].split(b"\0")[0].decode(errors="replace"),
+        comm=entry["comm"].split(b"\0")[0].decode(errors="replace"),
         library=library,
-        context_switches=sum(t["context_switches"] for t in threads),
-        kernel_launches=sum(t["kernel_launches"] for t in threads),
+        context_switches=entry["context_switches"],
+        kernel_launches=entry["kernel_launches"],
         syncs=sync["count"],
         sync_seconds_sum=sync["sum_ns"] / NS_PER_SECOND,
         sync_p99_seconds=quantile(sync_buckets, 0.99),
@@ -236,8 +292,8 @@ def process_record(pid: int, threads: list[dict], library: str) -> CudaProcess:
         runqueue_delay_seconds_sum=runqueue["sum_ns"] / NS_PER_SECOND,
         runqueue_delay_p99_seconds=quantile(runqueue_buckets, 0.99),
         runqueue_histogram=runqueue_buckets,
-        involuntary_preemptions=sum(t["involuntary_preemptions"] for t in threads),
-        gpu_threads=len(threads),
+        involuntary_preemptions=entry["involuntary_preemptions"],
+        gpu_threads=entry["gpu_threads"],
     )
 
 
@@ -254,7 +310,8 @@ def _attach_scheduler(obj: BpfObject, strategy: Strategy) -> None:
 class CudaProbe(Probe):
     """CUDA driver uprobes on every libcuda file in use, plus the scheduler side. Libraries are
     rescanned by a background thread (stopped by `close()`); `on_attach` hears of each new one.
-    `strategies` defaults to tp_btf → raw_tp → tracepoint for the scheduler side, then none."""
+    `strategies` defaults to tp_btf → raw_tp → tracepoint for the scheduler side, then none.
+    `max_threads` overrides the capacity of map `threads` (live GPU-driving threads)."""
 
     spec = SPEC
 
@@ -265,17 +322,22 @@ class CudaProbe(Probe):
         rescan_interval: float = RESCAN_INTERVAL,
         on_attach: Callable[[AttachedLibrary], None] | None = None,
         strategies: Sequence[Strategy] = STRATEGIES,
+        max_threads: int | None = None,
     ) -> None:
         super().__init__()
         self._strategies = strategies
         self._proc = proc
         self._interval = rescan_interval
         self._on_attach = on_attach
-        self._lock = threading.Lock()
+        self._max_threads = max_threads
+        self._lock = threading.Lock()  # the loaded object and what is known of processes
+        self._scan_lock = threading.Lock()  # one scan at a time
+        self._scanner = LibraryScanner(proc, interval=rescan_interval)
         self._libraries: dict[tuple[int, int], AttachedLibrary] = {}
         self._process_library: dict[int, str] = {}  # pid -> library path as the process sees it
+        self._reported: set[int] = set()  # pids the last read reported
         self._stop = threading.Event()
-        self._scanner: threading.Thread | None = None
+        self._scan_thread: threading.Thread | None = None
 
     @property
     def sched_strategy(self) -> str | None:
@@ -289,11 +351,16 @@ class CudaProbe(Probe):
             return list(self._libraries.values())
 
     def start(self) -> None:
-        self.loaded = load_first("cuda", "cuda", self._strategies, attach=_attach_scheduler)
+        self.loaded = load_first("cuda", "cuda", self._strategies, configure=self._configure,
+                                 attach=_attach_scheduler)
         self.rescan()
         self._stop.clear()
-        self._scanner = threading.Thread(target=self._scan_loop, name="aiprobe-cuda-scan", daemon=True)
-        self._scanner.start()
+        self._scan_thread = threading.Thread(target=self._scan_loop, name="aiprobe-cuda-scan", daemon=True)
+        self._scan_thread.start()
+
+    def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
+        if self._max_threads is not None:
+            obj.maps["threads"].max_entries = self._max_threads
 
     def _scan_loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -301,8 +368,10 @@ class CudaProbe(Probe):
 
     def rescan(self) -> list[AttachedLibrary]:
         """Probe the libcuda files mapped since the last scan; returns the newly probed ones."""
+        with self._scan_lock:
+            found = self._scanner.scan()
         new = []
-        for mapped in scan(self._proc):
+        for mapped in found:
             with self._lock:
                 if self.loaded is None:
                     return new
@@ -320,35 +389,43 @@ class CudaProbe(Probe):
                 self._on_attach(library)
         return new
 
-    def _thread_entries(self) -> list[dict]:
+    def read(self) -> CudaSnapshot:
+        """Every process with counts. A process gone before the maps are read has its final values
+        here, so its entries are deleted right after (and it is not reported again)."""
         with self._lock:
             if self.loaded is None:
-                return []
-            return [decode(value) for _, value in self.loaded.obj.maps["threads"].items()]
-
-    def read(self) -> CudaSnapshot:
-        by_process: dict[int, list[dict]] = defaultdict(list)
-        for thread in self._thread_entries():
-            by_process[thread["tgid"]].append(thread)
-        with self._lock:
-            libraries = dict(self._process_library)
-        processes = [
-            process_record(pid, threads, libraries.get(pid, "")) for pid, threads in sorted(by_process.items())
-        ]
+                return CudaSnapshot([], self.sched_strategy, [])
+            gone = {pid for pid in self._reported | self._process_library.keys()
+                    if not os.path.exists(f"{self._proc}/{pid}")}
+            maps = self.loaded.obj.maps
+            entries = {key.value: decode(value) for key, value in maps["processes"].items()}
+            processes = [process_record(pid, entry, self._process_library.get(pid, ""))
+                         for pid, entry in sorted(entries.items())]
+            self._forget(gone)
+            self._reported = entries.keys() - gone
         return CudaSnapshot(processes, self.sched_strategy, self.libraries)
+
+    def _forget(self, pids: set[int]) -> None:
+        """Delete the entries of processes that are gone. Their threads' entries normally went as
+        each thread exited; without a scheduler side (no sched_process_exit) they go here."""
+        maps = self.loaded.obj.maps
+        maps["processes"].delete_keys(pids)
+        maps["threads"].delete_keys(key for key, thread in maps["threads"].items() if thread.tgid in pids)
+        for pid in pids:
+            self._process_library.pop(pid, None)
 
     def map_usage(self) -> list[MapUsage]:
         with self._lock:
             if self.loaded is None:
                 return []
-            threads = self.loaded.obj.maps["threads"]
-            return [MapUsage("threads", sum(1 for _ in threads.keys()), threads.max_entries)]
+            maps = [self.loaded.obj.maps[name] for name in ("threads", "processes")]
+            return [MapUsage(m.name, sum(1 for _ in m.keys()), m.max_entries) for m in maps]
 
     def close(self) -> None:
         self._stop.set()
-        if self._scanner is not None and self._scanner is not threading.current_thread():
-            self._scanner.join()
-        self._scanner = None
+        if self._scan_thread is not None and self._scan_thread is not threading.current_thread():
+            self._scan_thread.join()
+        self._scan_thread = None
         with self._lock:
             super().close()
 

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: GPL-2.0
 /* CUDA driver uprobes and the scheduler programs that time GPU-driving threads.
  *
- * Both halves live in one object because they share map `threads`: a thread becomes GPU-driving
- * when a uprobe first sees it, and the scheduler programs only act on threads found there. One
- * object means one map without pinning or fd reuse, loaded and freed together. The scheduler
- * programs come in three flavours (tp_btf, raw_tp, tracepoint); user space loads one of them. */
+ * Both halves live in one object because they share maps `threads` (what each live GPU-driving
+ * thread is doing) and `processes` (cumulative counts per process): a thread becomes GPU-driving
+ * when a uprobe first sees it, the scheduler programs only act on threads found there, and
+ * sched_process_exit removes a thread's entry. One object means shared maps without pinning or fd
+ * reuse, loaded and freed together. The scheduler programs come in three flavours (tp_btf, raw_tp,
+ * tracepoint); user space loads one of them. */
 #include "vmlinux.h"
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
@@ -21,42 +23,78 @@ struct {
 	__type(value, struct gpu_thread);
 } threads SEC(".maps");
 
-/* Initial value of a new entry: a struct too big for the BPF stack. */
-static struct gpu_thread zero_thread;
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_GPU_PROCESSES);
+	__type(key, __u32);
+	__type(value, struct gpu_process);
+} processes SEC(".maps");
 
-static __always_inline struct gpu_thread *current_gpu_thread(void)
+/* Initial values of new entries (a gpu_process is too big for the BPF stack). */
+static struct gpu_thread zero_thread;
+static struct gpu_process zero_process;
+
+/* The calling thread: its state and its process's counts. */
+struct caller {
+	struct gpu_thread *thread;
+	struct gpu_process *process;
+};
+
+static __always_inline struct gpu_process *process_entry(__u32 tgid)
+{
+	struct gpu_process *p = bpf_map_lookup_elem(&processes, &tgid);
+	struct task_struct *task;
+
+	if (p)
+		return p;
+	bpf_map_update_elem(&processes, &tgid, &zero_process, BPF_NOEXIST);
+	p = bpf_map_lookup_elem(&processes, &tgid);
+	if (!p)
+		return NULL; /* map full: the process stays untracked */
+	task = (struct task_struct *)bpf_get_current_task();
+	BPF_CORE_READ_STR_INTO(&p->comm, task, group_leader, comm);
+	return p;
+}
+
+/* Finds the caller's process entry and its own (both made on first use). false: the process is
+ * untracked (map `processes` full). c->thread is NULL while map `threads` is full: the process's
+ * launches still count, what needs the thread's state (context, open sync) does not. */
+static __always_inline bool current_caller(struct caller *c)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tid = (__u32)pid_tgid;
-	struct task_struct *task;
-	struct gpu_thread *t;
+	__u32 tid = (__u32)pid_tgid, tgid = pid_tgid >> 32;
 
-	t = bpf_map_lookup_elem(&threads, &tid);
-	if (t)
-		return t;
+	c->process = process_entry(tgid);
+	if (!c->process)
+		return false;
+	c->thread = bpf_map_lookup_elem(&threads, &tid);
+	if (c->thread)
+		return true;
 	bpf_map_update_elem(&threads, &tid, &zero_thread, BPF_NOEXIST);
-	t = bpf_map_lookup_elem(&threads, &tid);
-	if (!t)
-		return NULL; /* map full: the thread stays untracked */
-	t->tgid = pid_tgid >> 32;
-	task = (struct task_struct *)bpf_get_current_task();
-	BPF_CORE_READ_STR_INTO(&t->comm, task, group_leader, comm);
-	return t;
+	c->thread = bpf_map_lookup_elem(&threads, &tid);
+	if (c->thread) {
+		c->thread->tgid = tgid;
+		__sync_fetch_and_add(&c->process->gpu_threads, 1);
+	}
+	return true;
 }
 
 /* The thread's calls now go to `ctx`. Switching to NULL (no context) and back is no switch. */
-static __always_inline void make_current(struct gpu_thread *t, __u64 ctx)
+static __always_inline void make_current(struct caller *c, __u64 ctx)
 {
+	struct gpu_thread *t = c->thread;
+
 	t->current_ctx = ctx;
 	if (!ctx)
 		return;
 	if (t->last_ctx && t->last_ctx != ctx)
-		t->context_switches++;
+		__sync_fetch_and_add(&c->process->context_switches, 1);
 	t->last_ctx = ctx;
 }
 
-static __always_inline void pop_context(struct gpu_thread *t)
+static __always_inline void pop_context(struct caller *c)
 {
+	struct gpu_thread *t = c->thread;
 	__u32 depth = t->ctx_depth;
 
 	if (!depth) {
@@ -65,21 +103,21 @@ static __always_inline void pop_context(struct gpu_thread *t)
 	}
 	t->ctx_depth = --depth;
 	/* Below the remembered stack the context is unknown: NULL, so no switch is guessed. */
-	make_current(t, depth < CTX_STACK_DEPTH ? t->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] : 0);
+	make_current(c, depth < CTX_STACK_DEPTH ? t->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] : 0);
 }
 
 /* CUresult cuCtxSetCurrent(CUcontext ctx): replaces the top of the stack; NULL pops it. */
 SEC("uprobe")
 int BPF_KPROBE(uprobe_ctx_set_current, void *cuctx)
 {
-	struct gpu_thread *t = current_gpu_thread();
+	struct caller c;
 
-	if (!t)
+	if (!current_caller(&c) || !c.thread)
 		return 0;
 	if (cuctx)
-		make_current(t, (__u64)cuctx);
+		make_current(&c, (__u64)cuctx);
 	else
-		pop_context(t);
+		pop_context(&c);
 	return 0;
 }
 
@@ -87,17 +125,17 @@ int BPF_KPROBE(uprobe_ctx_set_current, void *cuctx)
 SEC("uprobe")
 int BPF_KPROBE(uprobe_ctx_push_current, void *cuctx)
 {
-	struct gpu_thread *t = current_gpu_thread();
+	struct caller c;
 	__u32 depth;
 
-	if (!t)
+	if (!current_caller(&c) || !c.thread)
 		return 0;
-	depth = t->ctx_depth;
+	depth = c.thread->ctx_depth;
 	if (depth < CTX_STACK_DEPTH)
-		t->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] = t->current_ctx;
+		c.thread->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] = c.thread->current_ctx;
 	if (depth < 0xffff)
-		t->ctx_depth = depth + 1;
-	make_current(t, (__u64)cuctx);
+		c.thread->ctx_depth = depth + 1;
+	make_current(&c, (__u64)cuctx);
 	return 0;
 }
 
@@ -105,10 +143,10 @@ int BPF_KPROBE(uprobe_ctx_push_current, void *cuctx)
 SEC("uprobe")
 int BPF_KPROBE(uprobe_ctx_pop_current)
 {
-	struct gpu_thread *t = current_gpu_thread();
+	struct caller c;
 
-	if (t)
-		pop_context(t);
+	if (current_caller(&c) && c.thread)
+		pop_context(&c);
 	return 0;
 }
 
@@ -116,10 +154,10 @@ int BPF_KPROBE(uprobe_ctx_pop_current)
 SEC("uprobe")
 int BPF_KPROBE(uprobe_launch_kernel)
 {
-	struct gpu_thread *t = current_gpu_thread();
+	struct caller c;
 
-	if (t)
-		t->kernel_launches++;
+	if (current_caller(&c))
+		__sync_fetch_and_add(&c.process->kernel_launches, 1);
 	return 0;
 }
 
@@ -128,10 +166,10 @@ int BPF_KPROBE(uprobe_launch_kernel)
 SEC("uprobe")
 int BPF_KPROBE(uprobe_sync_enter)
 {
-	struct gpu_thread *t = current_gpu_thread();
+	struct caller c;
 
-	if (t && t->sync_depth++ == 0)
-		t->sync_start_ns = bpf_ktime_get_ns();
+	if (current_caller(&c) && c.thread && c.thread->sync_depth++ == 0)
+		c.thread->sync_start_ns = bpf_ktime_get_ns();
 	return 0;
 }
 
@@ -140,12 +178,21 @@ int BPF_KRETPROBE(uretprobe_sync_exit)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct gpu_thread *t = bpf_map_lookup_elem(&threads, &tid);
+	struct gpu_process *p;
 
 	if (!t || !t->sync_depth || --t->sync_depth)
 		return 0;
-	if (t->sync_start_ns)
-		hist_add(&t->sync, bpf_ktime_get_ns() - t->sync_start_ns);
+	p = bpf_map_lookup_elem(&processes, &t->tgid);
+	if (p && t->sync_start_ns)
+		hist_add(&p->sync, bpf_ktime_get_ns() - t->sync_start_ns);
 	t->sync_start_ns = 0;
+	return 0;
+}
+
+/* Benchmark baseline (benchmarks/bench_cuda.py): the same uprobe trap, no work at all. */
+SEC("uprobe")
+int uprobe_empty(void *ctx)
+{
 	return 0;
 }
 
@@ -160,20 +207,37 @@ static __always_inline void on_wakeup(__u32 pid)
 		t->enqueued_ns = bpf_ktime_get_ns();
 }
 
+static __always_inline struct gpu_process *process_of(struct gpu_thread *t)
+{
+	return bpf_map_lookup_elem(&processes, &t->tgid);
+}
+
 static __always_inline void on_switch(__u32 prev_pid, bool prev_runnable, __u32 next_pid)
 {
 	__u64 now = bpf_ktime_get_ns();
+	struct gpu_process *p;
 	struct gpu_thread *t;
 
 	/* Switched out while runnable: preempted (or yielded); it waits on the run queue again. */
 	if (prev_runnable && prev_pid && (t = bpf_map_lookup_elem(&threads, &prev_pid))) {
-		t->involuntary_preemptions++;
+		if ((p = process_of(t)))
+			__sync_fetch_and_add(&p->involuntary_preemptions, 1);
 		t->enqueued_ns = now;
 	}
 	if (next_pid && (t = bpf_map_lookup_elem(&threads, &next_pid)) && t->enqueued_ns) {
-		hist_add(&t->runqueue, now - t->enqueued_ns);
+		if ((p = process_of(t)))
+			hist_add(&p->runqueue, now - t->enqueued_ns);
 		t->enqueued_ns = 0;
 	}
+}
+
+/* sched_process_exit fires in every exiting task: a GPU-driving thread's state goes with it (its
+ * counts live in its process's entry), so `threads` holds live threads only. */
+static __always_inline void on_exit(void)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	bpf_map_delete_elem(&threads, &tid);
 }
 
 /* Kernels before 5.14 call task_struct::__state `state`. */
@@ -218,6 +282,27 @@ SEC("raw_tp/sched_switch")
 int BPF_PROG(raw_tp_sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
 	switch_tasks(prev, next);
+	return 0;
+}
+
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(tp_btf_sched_process_exit)
+{
+	on_exit();
+	return 0;
+}
+
+SEC("raw_tp/sched_process_exit")
+int BPF_PROG(raw_tp_sched_process_exit)
+{
+	on_exit();
+	return 0;
+}
+
+SEC("tracepoint/sched/sched_process_exit")
+int tracepoint_sched_process_exit(void *ctx)
+{
+	on_exit();
 	return 0;
 }
 

@@ -3,6 +3,7 @@ driver program (tests/fixtures/cuda_*.c) that make a known sequence of driver ca
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -15,11 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.cuda import (
+    CLOCK_TICKS,
+    CudaProbe,
+    LibraryScanner,
+    MappedLibrary,
+    cumulative,
+    mapped_libcuda,
+    process_record,
+)
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
-from aiprobe.cuda import CudaProbe, MappedLibrary, cumulative, mapped_libcuda, process_record
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from conftest import fd_id, link_ids
-from fixtures.cuda_fake import Driver, build
+from fixtures.cuda_fake import Driver, LateLoader, build
 
 ALTERNATIONS, LAUNCHES, SYNCS = 1000, 500, 100
 SYNC_US = 2500  # lands in log2 bucket [2^21, 2^22) ns = [2.10, 4.19) ms
@@ -53,6 +62,10 @@ def _wait_attached(probe: CudaProbe, *libraries: str) -> None:
     # The issue asks for processes started later to be picked up within 2 s.
     assert _wait_for(lambda: set(libraries) <= {lib.path for lib in probe.libraries}, timeout=2.5), \
         f"not attached within 2.5 s: {probe.libraries}"
+
+
+def _thread_entries(probe: CudaProbe, pid: int) -> int:
+    return sum(1 for _, thread in probe.loaded.obj.maps["threads"].items() if thread.tgid == pid)
 
 
 def _bucket_counts(histogram: list[dict]) -> dict:
@@ -142,6 +155,8 @@ def test_each_scheduler_strategy_times_wakeups_of_gpu_threads(cuda_libs, drivers
         _wait_attached(probe, driver.library)
         driver.go()
         [process] = [p for p in probe.read().processes if p.pid == driver.pid]
+        # The exited threads' entries went with them (sched_process_exit of this strategy).
+        assert _thread_entries(probe, driver.pid) == 0
     # Each sync sleeps, so each is followed by a wakeup and a switch back onto a CPU (a timer that
     # fires before the thread is off the CPU wakes nothing: allow a few).
     assert process.runqueue_histogram[-1][1] >= 15
@@ -197,7 +212,118 @@ def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> Non
     driver.go()
 
 
+# ---- bounded maps, exact and monotonic counts ----
+
+WAVES, WIDTH, THREAD_LAUNCHES = 50, 4, 10
+MAX_THREADS = 16  # far fewer than the WAVES * WIDTH threads the driver starts
+
+
+def _counters(process) -> tuple[int, ...]:
+    return (process.context_switches, process.kernel_launches, process.syncs, process.gpu_threads,
+            process.involuntary_preemptions, *(count for _, count in process.sync_histogram),
+            *(count for _, count in process.runqueue_histogram))
+
+
+@pytest.mark.bpf
+def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2, max_threads=MAX_THREADS) as probe:
+        assert probe.loaded.obj.maps["threads"].max_entries == MAX_THREADS
+        driver = Driver(cuda_libs[0], "threads", WAVES, WIDTH, THREAD_LAUNCHES, sync_us=3000)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        runner = threading.Thread(target=driver.go)
+        runner.start()
+        readings = []
+        while True:  # read while threads come and go, until the exited process is forgotten
+            reading = [_counters(p) for p in probe.read().processes if p.pid == driver.pid]
+            if not reading and not runner.is_alive():
+                break
+            readings += reading
+        runner.join()
+        entries = probe.loaded.obj.maps["processes"].lookup(driver.pid), _thread_entries(probe, driver.pid)
+    threads = WAVES * WIDTH
+    # The last read that reported the process had its final values.
+    assert readings[-1][:4] == (threads, threads * THREAD_LAUNCHES, threads, threads + 1)  # + the main thread
+    assert entries == (None, 0)
+    assert len(readings) >= 3
+    for earlier, later in itertools.pairwise(readings):
+        assert all(b >= a for a, b in zip(earlier, later, strict=True)), (earlier, later)
+
+
+@pytest.mark.bpf
+def test_a_library_dlopened_later_is_found(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        loader = LateLoader(cuda_libs[1], 300)
+        drivers.append(loader)
+        time.sleep(1.0)  # scanned several times without libcuda
+        assert loader.library not in {lib.path for lib in probe.libraries}
+        loader.load()
+        # Looked at again after as long as it has lived: about 1-2 s here (30 s at most).
+        assert _wait_for(lambda: loader.library in {lib.path for lib in probe.libraries}, timeout=5)
+        loader.go()
+        [process] = [p for p in probe.read().processes if p.pid == loader.pid]
+    assert process.kernel_launches == 300
+    assert process.library == loader.library
+
+
 # ---- user-space pieces (no kernel needed) ----
+
+
+class FakeProc:
+    """A /proc tree with `uptime` and per-pid `stat` and `maps`, read through the real parsers."""
+
+    def __init__(self, root: Path, uptime: float) -> None:
+        self.root = root
+        (root / "uptime").write_text(f"{uptime:.2f} 0.00\n")
+        self.uptime = uptime
+
+    def process(self, pid: int, age: float, *, libcuda: bool) -> None:
+        start = int((self.uptime - age) * CLOCK_TICKS)
+        directory = self.root / str(pid)
+        directory.mkdir(exist_ok=True)
+        (directory / "stat").write_text(f"{pid} (some (app)) S {' '.join(['0'] * 18)} {start} 0 0\n")
+        line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /usr/lib/libcuda.so.1\n" if libcuda else ""
+        (directory / "maps").write_text(f"5600000000-5600001000 r-xp 00000000 08:01 7 /usr/bin/app\n{line}")
+
+
+def test_scanner_reads_new_pids_at_once_and_known_ones_after_their_age(tmp_path) -> None:
+    proc, now = FakeProc(tmp_path, uptime=10_000), [0.0]
+    scanner = LibraryScanner(tmp_path, interval=1.0, revisit=30.0, clock=lambda: now[0])
+    proc.process(100, age=5000, libcuda=False)  # old
+    proc.process(101, age=4, libcuda=False)  # young
+    assert scanner.scan() == []
+    proc.process(100, age=5000, libcuda=True)  # both dlopen the driver
+    proc.process(101, age=4, libcuda=True)
+    proc.process(102, age=0, libcuda=True)  # a new process: found at once
+    assert [lib.pid for lib in scanner.scan()] == [102]
+    now[0] = 4.0
+    assert [lib.pid for lib in scanner.scan()] == [101]  # looked at again after its age
+    now[0] = 29.0
+    assert scanner.scan() == []
+    now[0] = 30.0
+    assert [lib.pid for lib in scanner.scan()] == [100]  # and an old one after `revisit`
+    now[0] = 60.0
+    assert scanner.scan() == []  # known to map libcuda: the start time says it is the same process
+    now[0] = 61.0
+    proc.process(102, age=-50, libcuda=True)  # pid 102 reused by a process started later
+    assert [lib.pid for lib in scanner.scan()] == [102]
+
+
+def test_process_entry_becomes_a_record() -> None:
+    slots = [0] * 36
+    slots[10], slots[20] = 2, 2
+    hist = {"slots": slots, "count": 4, "sum_ns": 2 * 2**10 + 2 * 2**20}
+    entry = {"comm": b"python\0\0", "gpu_threads": 2, "context_switches": 7, "kernel_launches": 2,
+             "involuntary_preemptions": 0, "sync": hist, "runqueue": hist}
+    process = process_record(9, entry, "/lib/libcuda.so.1")
+    assert (process.comm, process.context_switches, process.kernel_launches, process.gpu_threads) == \
+        ("python", 7, 2, 2)
+    assert process.syncs == 4
+    assert process.sync_histogram[10] == (2**11 / 1e9, 2)
+    assert process.sync_histogram[20] == (2**21 / 1e9, 4)
+    assert process.sync_histogram[-1] == (float("inf"), 4)
+    assert process.to_dict()["sync_histogram"][-1] == {"le_seconds": None, "count": 4}
+    assert cumulative([1, 0, 2])[-1] == (float("inf"), 3)
 
 
 def test_maps_parsing_finds_libcuda_and_ignores_cudart(tmp_path) -> None:
@@ -216,22 +342,3 @@ def test_maps_parsing_finds_libcuda_and_ignores_cudart(tmp_path) -> None:
     # The process's root does not lead to that inode here: fall back to the mapping itself.
     assert found.host_path(tmp_path) == f"{tmp_path}/77/map_files/7f0000002000-7f0000003000"
     assert mapped_libcuda(78, tmp_path) is None
-
-
-def test_threads_sum_into_their_process() -> None:
-    def thread(switches: int, slot: int) -> dict:
-        slots = [0] * 36
-        slots[slot] = 2
-        hist = {"slots": slots, "count": 2, "sum_ns": 2 * 2**slot}
-        return {"tgid": 9, "comm": b"python\0\0", "context_switches": switches, "kernel_launches": 1,
-                "involuntary_preemptions": 0, "sync": hist, "runqueue": hist}
-
-    process = process_record(9, [thread(3, 10), thread(4, 20)], "/lib/libcuda.so.1")
-    assert (process.comm, process.context_switches, process.kernel_launches, process.gpu_threads) == \
-        ("python", 7, 2, 2)
-    assert process.syncs == 4
-    assert process.sync_histogram[10] == (2**11 / 1e9, 2)
-    assert process.sync_histogram[20] == (2**21 / 1e9, 4)
-    assert process.sync_histogram[-1] == (float("inf"), 4)
-    assert process.to_dict()["sync_histogram"][-1] == {"le_seconds": None, "count": 4}
-    assert cumulative([1, 0, 2])[-1] == (float("inf"), 3)
