@@ -22,7 +22,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import click
 from . import sched
 from .btf import decode
 from .cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import quantile
+from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Strategy, load_first
 from .probes import MapUsage, Probe, ProbeSpec
@@ -40,7 +40,6 @@ RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LIBRARY_PREFIX = "libcuda.so"
-NS_PER_SECOND = 1e9
 
 
 @dataclass(frozen=True)
@@ -244,9 +243,7 @@ class CudaProcess:
     def to_dict(self) -> dict:
         record = asdict(self)
         for name in ("sync_histogram", "runqueue_histogram"):
-            record[name] = [
-                {"le_seconds": None if le == float("inf") else le, "count": count} for le, count in record[name]
-            ]
+            record[name] = buckets_to_json(record[name])
         return record
 
 
@@ -264,21 +261,10 @@ class CudaSnapshot:
         }
 
 
-def cumulative(slots: Iterable[int]) -> Histogram:
-    """log2 slots (slot i: [2^i, 2^(i+1)) ns, the last open-ended) as cumulative buckets."""
-    slots = list(slots)
-    buckets, total = [], 0
-    for i, count in enumerate(slots):
-        total += count
-        le = float("inf") if i == len(slots) - 1 else 2 ** (i + 1) / NS_PER_SECOND
-        buckets.append((le, total))
-    return buckets
-
-
 def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
     """One process from its entry in map `processes`."""
     sync, runqueue = entry["sync"], entry["runqueue"]
-    sync_buckets, runqueue_buckets = cumulative(sync["slots"]), cumulative(runqueue["slots"])
+    sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
     return CudaProcess(
         pid=pid,
         comm=entry["comm"].split(b"\0")[0].decode(errors="replace"),

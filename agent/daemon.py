@@ -24,7 +24,7 @@ import psutil
 from . import __version__, libbpf
 from .config import PROBE_NAMES, Config, ConfigError, load
 from .containers import CgroupIndex, Workload, cgroup_of_pid, workload_of
-from .histogram import Rates, WindowedHistograms, quantile
+from .histogram import Rates, WindowedHistograms, buckets_from_json, quantile
 from .netstat import read_tcp_counters
 from .rules import Alert, RuleEngine, Signal
 from .system import kernel_release
@@ -244,7 +244,7 @@ class Agent:
     def _signals(self, r: Any, now: float) -> list[Signal]:
         signals: list[Signal] = []
         for proc in (r.sendlat or {}).get("processes", []):
-            recent = self._windows.observe(("send", proc["pid"]), _buckets(proc.get("histogram")), now)
+            recent = self._windows.observe(("send", proc["pid"]), buckets_from_json(proc.get("histogram")), now)
             sends = recent[-1][1] if recent else 0
             p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
             if p99 is not None:
@@ -255,7 +255,8 @@ class Agent:
             switches = proc["context_switches_per_second"]
             signals.append(Signal("cuda_context_switch_storm", _target(proc), switches, {
                 "context_switches_per_second": round(switches, 1), "pid": proc["pid"]}))
-            recent = self._windows.observe(("runq", proc["pid"]), _buckets(proc.get("runqueue_histogram")), now)
+            runqueue = buckets_from_json(proc.get("runqueue_histogram"))
+            recent = self._windows.observe(("runq", proc["pid"]), runqueue, now)
             p99 = quantile(recent, 0.99)
             if p99 is not None:
                 signals.append(Signal("gpu_threads_starved", _target(proc), p99, {
@@ -354,12 +355,6 @@ class Agent:
                 entry["gpu_utilization_ratio"] = (entry["gpu_utilization_ratio"] or 0) + proc["sm_utilization_ratio"]
         self._windows.forget({(kind, pid) for kind in ("send", "runq") for pid in rows})
         return sorted(rows.values(), key=lambda p: p["send_bytes_per_second"] or 0, reverse=True)
-
-
-def _buckets(histogram: Any) -> list[tuple[float, float]]:
-    from aiprobe.exporters.prometheus import buckets_of
-
-    return buckets_of(histogram or [])
 
 
 def _target(proc: dict) -> str:

@@ -4,9 +4,37 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, count), ascending
+NS_PER_SECOND = 1e9
+
+
+def log2_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
+    """Cumulative (le_seconds, count) buckets from the log2 nanosecond slots of `struct hist`
+    (bpf/common.h): slot i holds [2^i, 2^(i+1)) ns, the last is open-ended (le = +Inf). Always every
+    slot, so the exporter and the alert windows see fixed bounds."""
+    buckets, total = [], 0
+    for index, count in enumerate(slots):
+        total += count
+        upper = math.inf if index == len(slots) - 1 else 2 ** (index + 1) / NS_PER_SECOND
+        buckets.append((upper, total))
+    return buckets
+
+
+def buckets_to_json(buckets: Buckets) -> list[dict]:
+    """[{"le_seconds", "count"}], with the open bucket's bound written "+Inf" as Prometheus does."""
+    return [{"le_seconds": "+Inf" if math.isinf(le) else le, "count": count} for le, count in buckets]
+
+
+def buckets_from_json(histogram: Iterable[Any]) -> list[tuple[float, float]]:
+    """The inverse of buckets_to_json; also takes (le, count) pairs."""
+    out = []
+    for bucket in histogram or ():
+        le, count = (bucket["le_seconds"], bucket["count"]) if isinstance(bucket, dict) else bucket
+        out.append((math.inf if le is None else float(le), float(count)))
+    return out
 
 
 def quantile(buckets: Buckets, q: float) -> float | None:

@@ -7,7 +7,6 @@ turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
@@ -19,12 +18,11 @@ import click
 
 from . import btf
 from .cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import quantile
+from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
 from .probes import MapUsage, Probe, ProbeSpec
 
 OBJECT = "sendlat"
-NS_PER_SECOND = 1e9
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
 MAX_PENDING_SLOW_SENDS = 65536
 _STATS_MAPS = ("procs", "flows", "starts")
@@ -62,20 +60,6 @@ SPEC = ProbeSpec(
 )
 
 
-# --- log2 histograms (struct hist in bpf/common.h) ---
-
-def log2_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
-    """Cumulative Prometheus-style (le_seconds, count) buckets from log2 nanosecond slots: slot i
-    holds [2^i, 2^(i+1)) ns, the last slot is open-ended (le = +Inf). Always all of them: the
-    exporter and the alert windows rely on fixed bounds."""
-    buckets, total = [], 0
-    for index, count in enumerate(slots):
-        total += count
-        upper = math.inf if index == len(slots) - 1 else 2 ** (index + 1) / NS_PER_SECOND
-        buckets.append((upper, total))
-    return buckets
-
-
 # --- snapshot ---
 
 @dataclass
@@ -95,9 +79,7 @@ class ProcessSendLatency:
     def to_dict(self) -> dict:
         # Built by hand: dataclasses.asdict deep-copies the 36 buckets of every process each refresh.
         document = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "histogram"}
-        document["histogram"] = [
-            {"le_seconds": "+Inf" if math.isinf(le) else le, "count": count} for le, count in self.histogram
-        ]
+        document["histogram"] = buckets_to_json(self.histogram)
         return document
 
 

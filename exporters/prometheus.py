@@ -15,6 +15,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiprobe.histogram import buckets_from_json
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -118,15 +119,6 @@ def field_families(
                 family.add_metric([str(record.get(key, "")) for _, key in labels], float(value) * spec.scale)
         families.append(family)
     return families
-
-
-def buckets_of(histogram: Iterable[Any]) -> list[tuple[float, float]]:
-    """Cumulative buckets as (le_seconds, count) from [{"le_seconds", "count"}] or pairs."""
-    out = []
-    for bucket in histogram:
-        le, count = (bucket["le_seconds"], bucket["count"]) if isinstance(bucket, dict) else bucket
-        out.append((math.inf if le is None else float(le), float(count)))
-    return out
 
 
 class DeltaTracker:
@@ -296,7 +288,7 @@ class AgentCollector(Collector):
             labels = (str(record.get("comm", "")), str(record.get("container", "host")))
             values: list[float] = [float(record.get(spec.field) or 0) for spec in counters]
             for _, hist_field, sum_field, _ in histograms:
-                buckets = buckets_of(record.get(hist_field) or [])
+                buckets = buckets_from_json(record.get(hist_field) or [])
                 self._bucket_bounds[hist_field] = [le for le, _ in buckets]
                 values += [float(record.get(sum_field) or 0), *(count for _, count in buckets)]
             totals.add(labels, record["pid"], values)

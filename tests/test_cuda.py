@@ -21,11 +21,11 @@ from aiprobe.cuda import (
     CudaProbe,
     LibraryScanner,
     MappedLibrary,
-    cumulative,
     mapped_libcuda,
     process_record,
 )
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.histogram import log2_buckets
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from conftest import fd_id, link_ids
 from fixtures.cuda_fake import Driver, LateLoader, build
@@ -119,7 +119,7 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
     assert process["gpu_threads"] == 1
     # Every sync slept SYNC_US: none is shorter, nearly all land in its log2 bucket.
     buckets = _bucket_counts(process["sync_histogram"])
-    assert sum(n for le, n in buckets.items() if le is not None and le < SYNC_BUCKET_LE / 2) == 0
+    assert sum(n for le, n in buckets.items() if le != "+Inf" and le < SYNC_BUCKET_LE / 2) == 0
     assert buckets[SYNC_BUCKET_LE] >= 0.9 * SYNCS
     assert process["sync_seconds_sum"] >= SYNCS * SYNC_US / 1e6
     assert process["sync_p99_seconds"] >= SYNC_BUCKET_LE / 2
@@ -322,8 +322,8 @@ def test_process_entry_becomes_a_record() -> None:
     assert process.sync_histogram[10] == (2**11 / 1e9, 2)
     assert process.sync_histogram[20] == (2**21 / 1e9, 4)
     assert process.sync_histogram[-1] == (float("inf"), 4)
-    assert process.to_dict()["sync_histogram"][-1] == {"le_seconds": None, "count": 4}
-    assert cumulative([1, 0, 2])[-1] == (float("inf"), 3)
+    assert process.to_dict()["sync_histogram"][-1] == {"le_seconds": "+Inf", "count": 4}
+    assert log2_buckets([1, 0, 2])[-1] == (float("inf"), 3)
 
 
 def test_maps_parsing_finds_libcuda_and_ignores_cudart(tmp_path) -> None:

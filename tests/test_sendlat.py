@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
+from aiprobe.histogram import log2_buckets
 from aiprobe.loader import ProbeUnavailable, Strategy
-from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot, log2_buckets
+from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot
 from conftest import unique, wait_until
 from fixtures.sendlat_peer import build, send, sender_cmd, sink
 
