@@ -48,7 +48,7 @@ def _flows(config: Config) -> Any:
 def _sendlat(config: Config) -> Any:
     from .sendlat import SendLatencyProbe
 
-    return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms)
+    return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False)
 
 
 def _cuda(_config: Config) -> Any:

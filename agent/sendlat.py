@@ -191,13 +191,17 @@ class SendLatencyProbe(Probe):
     spec = SPEC
 
     def __init__(
-        self, threshold_ms: float = 10.0, pid: int | None = None, strategies: Sequence[Strategy] | None = None
+        self, threshold_ms: float = 10.0, pid: int | None = None, strategies: Sequence[Strategy] | None = None,
+        per_flow: bool = True,
     ) -> None:
+        """`per_flow=False` skips the per-flow counters (in the kernel too): the agent takes flows
+        from the flows probe, and reading thousands of connections each second is not free."""
         super().__init__()
         if threshold_ms < 0:
             raise ValueError("threshold_ms must not be negative")
         self.threshold_ms = threshold_ms
         self.pid = pid
+        self.per_flow = per_flow
         self._strategies = tuple(strategies) if strategies is not None else SPEC.strategies
         self._ring: Any = None
         self._event_type: type | None = None
@@ -218,7 +222,8 @@ class SendLatencyProbe(Probe):
             raise
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
-        obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0)
+        obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0,
+                       count_flows=self.per_flow)
 
     def _on_slow_send(self, data: bytes) -> None:
         if len(self._pending) >= MAX_PENDING_SLOW_SENDS:
@@ -245,7 +250,7 @@ class SendLatencyProbe(Probe):
         self.poll(0)
         slow_sends, self._pending = self._pending, []
         processes = [_process(key, value) for key, value in self._read_and_prune(obj, "procs")]
-        flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")]
+        flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
             strategy=self.loaded.strategy.name,
             span=self.loaded.strategy.span,

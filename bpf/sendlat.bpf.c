@@ -42,6 +42,9 @@ char LICENSE[] SEC("license") = "GPL";
 /* Set by user space before load. */
 const volatile __u64 slow_threshold_ns = 10 * 1000 * 1000;
 const volatile __u32 target_tgid = 0;	/* 0: every process */
+/* Per-flow counters cost a 4-tuple read and a hash update per send; the agent, whose flow view comes
+ * from the flows probe, turns them off. Slow-send events carry the tuple either way. */
+const volatile bool count_flows = true;
 
 /* Where a thread's send in progress started. */
 struct sendlat_start {
@@ -217,12 +220,16 @@ static __always_inline void record_send(struct sock *sk, bool trusted, long ret,
 	hist_add(&stats->latency, duration_ns);
 	__sync_fetch_and_add(&stats->bytes, bytes);
 
+	if (!count_flows && duration_ns < slow_threshold_ns)
+		return;
 	read_flow(&flow, sk, trusted, pid_tgid >> 32);
-	flow_stats = lookup_or_init(&flows, &flow, &zero_flow, &created);
-	if (flow_stats) {
-		__sync_fetch_and_add(&flow_stats->count, 1);
-		__sync_fetch_and_add(&flow_stats->bytes, bytes);
-		__sync_fetch_and_add(&flow_stats->sum_ns, duration_ns);
+	if (count_flows) {
+		flow_stats = lookup_or_init(&flows, &flow, &zero_flow, &created);
+		if (flow_stats) {
+			__sync_fetch_and_add(&flow_stats->count, 1);
+			__sync_fetch_and_add(&flow_stats->bytes, bytes);
+			__sync_fetch_and_add(&flow_stats->sum_ns, duration_ns);
+		}
 	}
 	if (duration_ns >= slow_threshold_ns)
 		emit_slow_send(&flow, stats, pid_tgid, bytes, duration_ns);

@@ -157,6 +157,21 @@ def test_counts_every_tcp_send_exactly(probe: SendLatencyProbe, peer: str, reque
 
 
 @pytest.mark.bpf
+def test_without_per_flow_counters_processes_and_slow_sends_stay_exact(peer: str) -> None:
+    with SendLatencyProbe(threshold_ms=BLOCK_MS / 2, per_flow=False) as lean:
+        with sink(peer, "127.0.0.1") as to:
+            fast = send(peer, to, 20, 100)
+        with sink(peer, "127.0.0.1", pause_ms=BLOCK_MS) as to:
+            blocked = send(peer, to, 1, 8_000_000)
+        snapshot = lean.read()
+        assert len(lean.loaded.obj.maps["flows"].items()) == 0
+    assert snapshot.flows == []
+    assert [(r.count, r.bytes) for r in records_of(snapshot, fast.pid)] == [(20, 2000)]
+    [slow] = [s for s in snapshot.slow_sends if s.pid == blocked.pid]
+    assert slow.remote_port == to.port and same_address(slow.remote_address, "127.0.0.1")
+
+
+@pytest.mark.bpf
 def test_udp_and_unix_sends_are_not_counted(probe: SendLatencyProbe, peer: str) -> None:
     me = os.getpid()
     before = sum(r.count for r in records_of(probe.read(), me))
