@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 IFF_UP = 0x1
 IFF_LOOPBACK = 0x8
 ARPHRD_ETHER = 1
+ARPHRD_LOOPBACK = 772  # lo builds a (zeroed) Ethernet header too, so the same parsers apply
 NETLINK_ROUTE = 0
 RTMGRP_LINK = 0x1
 _POLL_SECONDS = 0.2
@@ -43,7 +44,7 @@ def _link_info(msg: dict) -> LinkInfo:
         name=msg.get_attr("IFLA_IFNAME") or "",
         up=bool(flags & IFF_UP),
         loopback=bool(flags & IFF_LOOPBACK),
-        ethernet=msg["ifi_type"] == ARPHRD_ETHER,
+        ethernet=msg["ifi_type"] in (ARPHRD_ETHER, ARPHRD_LOOPBACK),
     )
 
 

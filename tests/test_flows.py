@@ -503,3 +503,21 @@ def test_more_flows_than_the_table_holds_are_counted_not_lost(veth: VethPair) ->
     assert probe.map_usage()[0].capacity == capacity
     # Flows evicted or never inserted still count toward the interface.
     assert 2 * flows <= _totals(second, veth.host, "egress")[1] <= sent + 2
+
+
+def test_loopback_is_watched_when_asked() -> None:
+    """lo frames carry a (zeroed) Ethernet header, so `--interfaces lo` counts them like any NIC's."""
+    with FlowsProbe(interfaces=["lo"], exclude=[]) as probe, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        assert [(a.xdp, a.tc) for a in probe.attachments()] == [("generic", "tcx")]
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        for _ in range(COUNT):
+            sock.sendto(b"x" * UDP_PAYLOAD, ("127.0.0.1", port))
+        frame = 14 + 20 + 8 + UDP_PAYLOAD
+        assert wait_until(lambda: any(f.direction == "ingress" and f.local_port == port and f.packets == COUNT
+                                      for f in probe.read().flows))
+        snapshot = probe.read()
+        for direction in ("ingress", "egress"):
+            flow = _flow(snapshot, direction, "udp", port, port)
+            assert (flow.packets, flow.bytes) == (COUNT, COUNT * frame)
