@@ -252,11 +252,8 @@ class Map:
 
     def _split(self, buf: ctypes.Array, index: int = 0) -> Any:
         """One element's value: a ctypes value, or a list of them (one per CPU) for per-CPU maps."""
-        base = ctypes.addressof(buf) + index * self._stride * self._ncpus
-        values = [
-            self.value_type.from_buffer_copy(ctypes.string_at(base + cpu * self._stride, self.value_size))
-            for cpu in range(self._ncpus)
-        ]
+        base = index * self._stride * self._ncpus
+        values = [self.value_type.from_buffer_copy(buf, base + cpu * self._stride) for cpu in range(self._ncpus)]
         return values if self.percpu else values[0]
 
     def _key(self, key: Any) -> Any:

@@ -125,16 +125,17 @@ class DeltaTracker:
     """Increase of each source's cumulative values since the last refresh (a reset counts from 0)."""
 
     def __init__(self) -> None:
-        self._last: dict[Hashable, tuple[float, ...]] = {}
+        self._last: dict[Hashable, Sequence[float]] = {}
         self._seen: set[Hashable] = set()
 
-    def delta(self, source: Hashable, values: Sequence[float]) -> list[float]:
+    def delta(self, source: Hashable, values: Sequence[float]) -> Sequence[float]:
         self._seen.add(source)
         last = self._last.get(source)
-        self._last[source] = tuple(values)
-        if last is None or len(last) != len(values) or any(v < p for v, p in zip(values, last, strict=True)):
-            return list(values)
-        return [v - p for v, p in zip(values, last, strict=True)]
+        self._last[source] = values
+        if last is None or len(last) != len(values):
+            return values
+        increase = [v - p for v, p in zip(values, last, strict=True)]
+        return values if min(increase) < 0 else increase  # a decrease is a reset: count from 0
 
     def end_round(self) -> None:
         """Forget sources not seen since the previous call (a reused pid then counts afresh)."""
@@ -254,17 +255,19 @@ class AgentCollector(Collector):
             return families
         records = sorted(flows.get("flows", []), key=lambda f: f.get("bytes_per_second", 0), reverse=True)
         for rank, flow in enumerate(records):
-            key = tuple(str(flow.get(label, "")) for label in FLOW_LABELS)
-            side = (flow["interface"], flow["direction"])
+            key = (flow["interface"], flow["direction"], flow["protocol"], flow["local_address"],
+                   str(flow["local_port"]), flow["remote_address"], str(flow["remote_port"]))
+            side = key[:2]
             # Per-flow increases feed "other" and the flag counters, so both stay monotonic as flows churn.
-            delta = self._flow_deltas.delta(key, [flow["bytes"], flow["packets"], flow.get("tcp_syn", 0),
-                                                  flow.get("tcp_fin", 0), flow.get("tcp_rst", 0)])
+            delta = self._flow_deltas.delta(key, (flow["bytes"], flow["packets"], flow.get("tcp_syn", 0),
+                                                  flow.get("tcp_fin", 0), flow.get("tcp_rst", 0)))
             if rank < self._top_flows:
-                flow_bytes.add_metric(list(key), flow["bytes"])
-                flow_packets.add_metric(list(key), flow["packets"])
+                flow_bytes.add_metric(key, flow["bytes"])
+                flow_packets.add_metric(key, flow["packets"])
             else:
                 _accumulate(self._other_flows, side, delta[:2])
-            _accumulate(self._tcp_flags, side, delta[2:])
+            if any(delta[2:]):
+                _accumulate(self._tcp_flags, side, delta[2:])
         self._flow_deltas.end_round()
         for (iface, direction), (nbytes, npackets) in self._other_flows.items():
             other_key = [iface, direction, "", "", "", "other", ""]
