@@ -241,7 +241,7 @@ class CudaProcess:
     gpu_threads: int  # threads ever seen calling into libcuda
 
     def to_dict(self) -> dict:
-        record = asdict(self)
+        record = dict(vars(self))  # flat but for the histograms, which are rebuilt below
         for name in ("sync_histogram", "runqueue_histogram"):
             record[name] = buckets_to_json(record[name])
         return record
