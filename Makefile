@@ -10,8 +10,10 @@ STAMPS := .make
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Build and test dependencies from Debian/Ubuntu. Nodes that only run aiprobe need libbpf1 alone.
-APT_PACKAGES := clang llvm libbpf-dev bpftool iproute2 make gcc libc6-dev python3-venv python3-pip \
+APT_PACKAGES := clang llvm libbpf-dev iproute2 make gcc libc6-dev python3-venv python3-pip \
                 tmux prometheus prometheus-alertmanager ruby wrk
+# bpftool is its own package on Debian (and recent Ubuntu); older Ubuntu ships it in linux-tools
+# (the deps recipe falls back to those).
 
 .PHONY: run test bench setup deps venv bpf vmlinux lint clean
 
@@ -33,9 +35,14 @@ deps: $(STAMPS)/deps
 $(STAMPS)/deps: Makefile
 	@mkdir -p $(STAMPS)
 	@n=$$(dpkg-query -W -f='$${Status}\n' $(APT_PACKAGES) 2>/dev/null | grep -c 'install ok installed'); \
-	if [ "$$n" = "$(words $(APT_PACKAGES))" ]; then echo "apt packages: all installed"; else \
+	if [ "$$n" = "$(words $(APT_PACKAGES))" ] && command -v bpftool >/dev/null; then \
+	  echo "apt packages: all installed"; \
+	else \
+	  install="$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends"; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); \
+	  $$install $(APT_PACKAGES) && \
+	  { command -v bpftool >/dev/null || $$install bpftool 2>/dev/null || \
+	    $$install linux-tools-common linux-tools-$$(uname -r); }; \
 	fi
 	@touch $@
 
