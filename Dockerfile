@@ -13,7 +13,7 @@ COPY Makefile pyproject.toml README.md ./
 COPY bpf/ bpf/
 COPY agent/ agent/
 COPY exporters/ exporters/
-RUN make bpf APT_PACKAGES="clang llvm libbpf-dev bpftool make python3-venv"
+RUN make bpf APT_PACKAGES="clang llvm libbpf-dev make python3-venv"
 # The package, with the objects just built as its package data, into a venv copied whole below.
 RUN python3 -m venv /opt/aiprobe && /opt/aiprobe/bin/pip install --no-cache-dir . \
     && test -n "$(ls /opt/aiprobe/lib/python3*/site-packages/aiprobe/bpf_objects/*.bpf.o)"
