@@ -185,7 +185,8 @@ class CBuild:
     def __call__(self, output: str, *sources: str, shared: bool = False, flags: tuple[str, ...] = ()) -> Path:
         target = self.out / output
         srcs = [str(FIXTURES / s) for s in sources]
-        if target.exists() and all(target.stat().st_mtime >= Path(s).stat().st_mtime for s in srcs):
+        inputs = [*srcs, *map(str, FIXTURES.glob("*.h"))]
+        if target.exists() and all(target.stat().st_mtime >= Path(s).stat().st_mtime for s in inputs):
             return target
         cmd = [shutil.which("cc") or "gcc", "-O1", "-g", "-Wall", "-o", str(target), *srcs, *flags]
         if shared:

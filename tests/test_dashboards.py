@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import FIXTURE_BUILD, FIXTURES, CBuild, make_veth_pair, remove_veth_pair, wait_until
+from fixtures import cuda_fake
 from servers import Agent, Prometheus
 from test_agent import STALL_RULES, blocked_sender, send_tcp, tcp_sink
 from test_metrics_doc import documented
@@ -157,8 +158,8 @@ def servicemonitor_relabelings() -> list[dict]:
 def gpu_fixtures(cbuild: CBuild) -> Path:
     """The fake libnvidia-ml.so.1 / libcuda.so.1 and a CUDA "application" (tests/fixtures/)."""
     cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
-    cbuild("libcuda.so.1", "cuda_libcuda.c", shared=True)
-    return cbuild("cuda_driver", "cuda_driver.c", flags=("-L", str(FIXTURE_BUILD), "-l:libcuda.so.1"))
+    cuda_fake.build(cbuild)
+    return cuda_fake.DRIVER
 
 
 def run_cuda_driver(driver: Path, env: dict[str, str]) -> None:
