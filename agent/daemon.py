@@ -66,6 +66,8 @@ def _nvml(_config: Config) -> Any:
 PROBE_FACTORIES: dict[str, Callable[[Config], Any]] = {
     "flows": _flows, "sendlat": _sendlat, "cuda": _cuda, "nvml": _nvml,
 }
+# Which field of exporters.prometheus.Readings each probe's reading fills.
+READING_OF = {"flows": "flows", "sendlat": "sendlat", "cuda": "cuda", "nvml": "gpus"}
 
 
 @dataclass
@@ -161,8 +163,8 @@ class Agent:
         readings = Readings(probes={})
         collectors: dict[str, tuple[float, bool]] = {}
         for name, probe in list(self._probes.items()):
-            setattr(readings, "gpus" if name == "nvml" else name, self._collect(name, probe.read, collectors))
-        readings.tcp = self._collect("netstat", lambda: read_tcp_counters(), collectors)
+            setattr(readings, READING_OF[name], self._collect(name, probe.read, collectors))
+        readings.tcp = self._collect("netstat", read_tcp_counters, collectors)
         self._annotate(readings)
         self._add_rates(readings, now)
         signals = self._collect("rules", lambda: self._signals(readings, now), collectors) or []
