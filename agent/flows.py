@@ -1,7 +1,7 @@
 """Per-flow throughput: XDP counts what arrives, tc counts what leaves (bpf/flows.bpf.c).
 
 `FlowsProbe` attaches both programs to every selected interface (following interfaces that come
-and go), and `read()` turns the per-CPU flow table into `FlowRecord`s with rates over the interval
+and go), and `read()` turns the flow table into `FlowRecord`s with rates over the interval
 since the previous read. Idle flows expire here, in user space; when the table runs full the
 stalest flows are evicted and counted. Interface totals add the flows that expired or were evicted
 and the frames no flow could hold, so they stay exact and monotonic: the numbers behind
@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any
@@ -155,36 +154,6 @@ class FlowsSnapshot:
 
 
 @dataclass
-class _Counters:
-    """One flow's per-CPU values summed."""
-
-    packets: int = 0
-    bytes: int = 0
-    first_seen_ns: int = 0
-    last_seen_ns: int = 0
-    cgroup_id: int = 0
-    tcp_syn: int = 0
-    tcp_fin: int = 0
-    tcp_rst: int = 0
-
-
-def _sum_per_cpu(values: Iterable[Any]) -> _Counters:
-    total = _Counters()
-    for v in values:
-        if not v.packets:
-            continue  # a CPU that never saw the flow
-        total.packets += v.packets
-        total.bytes += v.bytes
-        total.tcp_syn += v.tcp_syn
-        total.tcp_fin += v.tcp_fin
-        total.tcp_rst += v.tcp_rst
-        total.first_seen_ns = min(total.first_seen_ns or v.first_seen_ns, v.first_seen_ns)
-        total.last_seen_ns = max(total.last_seen_ns, v.last_seen_ns)
-        total.cgroup_id = total.cgroup_id or v.cgroup_id
-    return total
-
-
-@dataclass
 class _Unattributed:
     """Frames of one interface and direction that are in no flow (struct iface_counters, summed)."""
 
@@ -310,7 +279,7 @@ class _Ledger:
     evictions: int = 0
     last_read_ns: int = 0
 
-    def retire(self, key: Any, counters: _Counters) -> None:
+    def retire(self, key: Any, counters: Any) -> None:
         where = (key.ifindex, key.direction)
         self.retired_bytes[where] += counters.bytes
         self.retired_packets[where] += counters.packets
@@ -441,19 +410,20 @@ class FlowsProbe(Probe):
             attachments=attachments,
         )
 
-    def _live_flows(self, obj: BpfObject, names: dict[int, str]) -> dict[bytes, tuple[Any, _Counters]]:
-        """The flow table summed over CPUs; flows of interfaces we no longer watch are deleted."""
+    def _live_flows(self, obj: BpfObject, names: dict[int, str]) -> dict[bytes, tuple[Any, Any]]:
+        """The flow table (struct flow_counters per flow); flows of interfaces we no longer watch
+        are deleted."""
         flows_map = obj.maps["flows"]
         live, orphans = {}, []
-        for key, per_cpu in flows_map.items():
+        for key, counters in flows_map.items():
             if key.ifindex in names:
-                live[bytes(key)] = (key, _sum_per_cpu(per_cpu))
+                live[bytes(key)] = (key, counters)
             else:
                 orphans.append(key)
         flows_map.delete_keys(orphans)
         return live
 
-    def _drop_stale(self, obj: BpfObject, live: dict[bytes, tuple[Any, _Counters]], now_ns: int) -> None:
+    def _drop_stale(self, obj: BpfObject, live: dict[bytes, tuple[Any, Any]], now_ns: int) -> None:
         """Expire idle flows; if the table is nearly full, evict the stalest. Their counts move to
         the interface totals, so nothing they counted is lost."""
         idle_ns = int(self.idle_timeout * 1e9)
@@ -470,7 +440,7 @@ class FlowsProbe(Probe):
             obj.maps["flows"].delete(key)
             self._ledger.retire(key, counters)
 
-    def _record(self, raw: bytes, key: Any, c: _Counters, names: dict[int, str], interval: float,
+    def _record(self, raw: bytes, key: Any, c: Any, names: dict[int, str], interval: float,
                 to_wall: float) -> FlowRecord:
         before_bytes, before_packets = self._ledger.previous.get(raw, (0, 0))
         return FlowRecord(
@@ -509,7 +479,7 @@ class FlowsProbe(Probe):
         return out
 
     def _interface_totals(
-        self, live: dict[bytes, tuple[Any, _Counters]], unattributed: dict[tuple[int, int], _Unattributed],
+        self, live: dict[bytes, tuple[Any, Any]], unattributed: dict[tuple[int, int], _Unattributed],
         names: dict[int, str],
     ) -> list[InterfaceTotals]:
         byte_totals, packet_totals = Counter(self._ledger.retired_bytes), Counter(self._ledger.retired_packets)

@@ -24,8 +24,7 @@ struct flow_key {
 	__u8 remote_addr[16];
 };
 
-/* Per-CPU: user space sums packets, bytes and flag counts, takes the earliest first_seen and the
- * latest last_seen (CLOCK_MONOTONIC, coarse) over CPUs that saw the flow. */
+/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse). */
 struct flow_counters {
 	__u64 packets;
 	__u64 bytes; /* L2 frame length as seen at the hook, as the interface counters count it */
