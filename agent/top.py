@@ -99,6 +99,7 @@ class TopApp(App[None]):
         self.error = ""
         self.updated: float | None = None
         self._fetching = False
+        self._row_ids: list[tuple] = []  # identities of the rows on screen, in order
 
     @property
     def state(self) -> ViewState:
@@ -172,6 +173,9 @@ class TopApp(App[None]):
         notice.display = bool(notices)
         table = self.query_one("#table", DataTable)
         cursor, scroll = table.cursor_row, (table.scroll_x, table.scroll_y)
+        # As in htop, the cursor stays on the same process (flow, GPU, alert) when a refresh re-sorts.
+        selected = self._row_ids[cursor] if 0 <= cursor < len(self._row_ids) else None
+        self._row_ids = [view.row_id(row) for row in rows]
         table.clear(columns=True)
         for column in view.columns:
             title = column.title + (_arrow(state.descending) if column.key == state.sort_key else "")
@@ -182,7 +186,8 @@ class TopApp(App[None]):
                 for column, cell in zip(view.columns, view.cells(row), strict=True)
             ))
         if rows:
-            table.move_cursor(row=min(cursor, len(rows) - 1), animate=False, scroll=False)
+            row = self._row_ids.index(selected) if selected in self._row_ids else min(cursor, len(rows) - 1)
+            table.move_cursor(row=row, animate=False, scroll=False)
         # clear() scrolls home; a refresh must not undo the user's scrolling
         self.call_after_refresh(table.scroll_to, *scroll, animate=False)
 

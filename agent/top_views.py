@@ -44,6 +44,10 @@ class View:
     descending: bool
     probes: tuple[str, ...]  # probes whose data fills this view: a down one says why in the view
     rows: Callable[[dict], list[dict]]
+    identity: tuple[str, ...] = ()  # row fields naming the same row across refreshes (the cursor follows it)
+
+    def row_id(self, row: dict) -> tuple:
+        return tuple(row.get(field) for field in self.identity)
 
     def column_index(self, key: str) -> int:
         return next(i for i, column in enumerate(self.columns) if column.key == key)
@@ -111,6 +115,7 @@ VIEWS: dict[str, View] = {
                 Column("GPU MEM", "gpu_memory_used_bytes", 9),
             ),
             "send_bytes_per_second", True, ("sendlat", "cuda", "sched", "nvml"), _listed("processes"),
+            identity=("pid",),
         ),
         View(
             "flows", "Flows",
@@ -127,6 +132,7 @@ VIEWS: dict[str, View] = {
                 Column("CONTAINER", "container", 12, numeric=False),
             ),
             "bytes_per_second", True, ("flows",), _flow_rows,
+            identity=("interface", "direction", "protocol", "local", "remote"),
         ),
         View(
             "gpus", "GPUs",
@@ -144,6 +150,7 @@ VIEWS: dict[str, View] = {
                 Column("THROTTLE", "clock_event_reasons", 20, numeric=False),
             ),
             "index", False, ("nvml",), _listed("gpus"),
+            identity=("index",),
         ),
         View(
             "alerts", "Alerts",
@@ -156,6 +163,7 @@ VIEWS: dict[str, View] = {
                 Column("SEVERITY", "severity", 8, numeric=False),
             ),
             "age_seconds", False, (), _alert_rows,
+            identity=("rule", "target"),
         ),
     )
 }

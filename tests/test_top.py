@@ -246,6 +246,23 @@ def test_refresh_keeps_the_scroll_position() -> None:
     drive(check)
 
 
+def test_cursor_follows_its_process_when_a_refresh_re_sorts() -> None:
+    async def check(app: TopApp, pilot: Pilot, feed: Feed) -> None:
+        table = app.query_one("#table", DataTable)
+        assert comms(app) == ["tritonserver", "vllm", "python3"]
+        await pilot.press("down", "down")
+        assert comms(app)[table.cursor_row] == "python3"
+        busier = copy.deepcopy(SNAPSHOT)
+        busier["processes"][2]["send_bytes_per_second"] = 9e9  # python3 now sorts first
+        feed.current = busier
+        await app.poll()
+        await pilot.pause()
+        assert comms(app) == ["python3", "tritonserver", "vllm"]
+        assert comms(app)[table.cursor_row] == "python3"
+
+    drive(check)
+
+
 def test_failed_fetch_keeps_last_snapshot_and_says_why() -> None:
     async def check(app: TopApp, pilot: Pilot, feed: Feed) -> None:
         feed.error = "Connection refused"
