@@ -7,6 +7,7 @@ import importlib
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,19 +46,28 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-def _exit_on_sigterm() -> None:
-    # SIGTERM unwinds like Ctrl-C, so every `with` block detaches its programs before exit.
-    def handler(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
+_stop = threading.Event()
 
-    signal.signal(signal.SIGTERM, handler)
+
+def _stop_on_signals() -> None:
+    """SIGTERM and Ctrl-C ask the running loop (`ticks`) to end at its next wait instead of raising
+    wherever the program happens to be: every `with` block then detaches its programs, --json output
+    is still printed, and the exit status is 0. A second signal interrupts at once."""
+
+    def handler(_signum: int, _frame: object) -> None:
+        if _stop.is_set():
+            raise KeyboardInterrupt
+        _stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="aiprobe")
 def main() -> None:
     """eBPF observability for AI-inference hosts: is the network, the host CPU or the GPU to blame?"""
-    _exit_on_sigterm()
+    _stop_on_signals()
 
 
 # --- pieces shared by the probe subcommands (bcc-tool style: --duration, --json) ---
@@ -87,17 +97,13 @@ def ticks(duration: float | None, interval: float) -> Iterator[float]:
     """Yield once per interval until `duration` passes or Ctrl-C / SIGTERM; yields elapsed seconds."""
     start = time.monotonic()
     deadline = None if duration is None else start + duration
-    try:
-        while True:
-            now = time.monotonic()
-            wait = interval if deadline is None else min(interval, deadline - now)
-            if wait > 0:
-                time.sleep(wait)
-            yield time.monotonic() - start
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-    except KeyboardInterrupt:
-        return
+    while True:
+        wait = interval if deadline is None else min(interval, deadline - time.monotonic())
+        if _stop.wait(max(wait, 0)):
+            return
+        yield time.monotonic() - start
+        if deadline is not None and time.monotonic() >= deadline:
+            return
 
 
 def emit_json(document: Any) -> None:

@@ -8,11 +8,16 @@ cgroupfs drivers, and plain host processes (no container).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
+
+log = logging.getLogger("aiprobe.containers")
 
 
 def cgroup2_root(mounts: Path = Path("/proc/self/mounts")) -> Path:
@@ -109,3 +114,46 @@ class CgroupIndex:
     def workload(self, cgroup_id: int) -> Workload:
         path = self.path(cgroup_id)
         return workload_of(path) if path is not None else Workload("", "", "")
+
+
+class SocketOwners:
+    """Which process owns a socket, by its addresses: psutil's view of the agent's (the host's)
+    network namespace, refreshed at most every `refresh_seconds`, since it walks every process's
+    file descriptors. Sockets inside pod network namespaces are not seen: their flows keep the
+    container from the egress cgroup id instead."""
+
+    def __init__(self, refresh_seconds: float = 5.0) -> None:
+        self._refresh = refresh_seconds
+        self._refreshed_at = -refresh_seconds
+        self._connected: dict[tuple[str, int, str, int], int] = {}
+        self._listening: dict[int, int] = {}  # local port -> pid (wildcard and specific binds)
+
+    def owner(self, local_address: str, local_port: int, remote_address: str, remote_port: int) -> int | None:
+        now = time.monotonic()
+        if now - self._refreshed_at >= self._refresh:
+            self._refreshed_at = now
+            self._scan()
+        pid = self._connected.get((local_address, local_port, remote_address, remote_port))
+        return pid if pid is not None else self._listening.get(local_port)
+
+    def _scan(self) -> None:
+        connected, listening = {}, {}
+        try:
+            sockets = psutil.net_connections(kind="inet")
+        except (psutil.Error, OSError) as exc:
+            log.warning("cannot list sockets to find flow owners: %s", exc)
+            return
+        for sock in sockets:
+            if sock.pid is None or not sock.laddr:
+                continue
+            if sock.raddr:
+                key = (_unmapped(sock.laddr.ip), sock.laddr.port, _unmapped(sock.raddr.ip), sock.raddr.port)
+                connected[key] = sock.pid
+            else:
+                listening[sock.laddr.port] = sock.pid
+        self._connected, self._listening = connected, listening
+
+
+def _unmapped(address: str) -> str:
+    """An IPv4-mapped IPv6 address (dual-stack sockets) as the IPv4 address flows carry."""
+    return address.removeprefix("::ffff:")

@@ -23,7 +23,7 @@ import psutil
 
 from . import __version__, libbpf
 from .config import PROBE_NAMES, Config, ConfigError, load
-from .containers import CgroupIndex, Workload, cgroup_of_pid, workload_of
+from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .histogram import Rates, WindowedHistograms, buckets_from_json, quantile
 from .netstat import read_tcp_counters
 from .rules import Alert, RuleEngine, Signal
@@ -95,6 +95,7 @@ class Agent:
         self._probes: dict[str, Any] = {}
         self.status: dict[str, ProbeStatus] = {}
         self._cgroups = CgroupIndex()
+        self._sockets = SocketOwners()
         self._rules = RuleEngine(config.rules)
         self._rates = Rates()
         self._windows = WindowedHistograms(SIGNAL_WINDOW_SECONDS)
@@ -210,11 +211,20 @@ class Agent:
         return self._workloads[pid]
 
     def _annotate(self, r: Any) -> None:
-        """Add `container` / `pod_uid` (and `comm` where missing) to every record."""
+        """Add `container` / `pod_uid` (and `comm` where missing) to every record; flows also get
+        the `pid` and `comm` owning their socket, where the host's namespace holds it."""
         live_pids: set[int] = set()
+        comms: dict[int, str] = {}
         for record in (r.flows or {}).get("flows", []):
-            workload = self._cgroups.workload(record.get("cgroup_id") or 0)
-            record["container"] = workload.container
+            pid = self._sockets.owner(record["local_address"], record["local_port"], record["remote_address"],
+                                      record["remote_port"])
+            if pid is not None and pid not in comms:
+                comms[pid] = _comm(pid)
+                live_pids.add(pid)
+            # Egress frames carry their socket's cgroup; ingress ones only the owner pid tells.
+            workload = (self._cgroups.workload(record["cgroup_id"]) if record.get("cgroup_id")
+                        else self._workload_of_pid(pid) if pid is not None else Workload(""))
+            record.update(pid=pid, comm=comms.get(pid), container=workload.container)
         for record in (r.sendlat or {}).get("processes", []):
             workload = (self._cgroups.workload(record["cgroup_id"]) if record.get("cgroup_id")
                         else self._workload_of_pid(record["pid"]))

@@ -557,13 +557,10 @@ def command(interfaces: list[str], exclude: list[str], duration: float | None, i
     with FlowsProbe(interfaces, exclude) as probe:
         _announce(probe)
         clear = "\033[H\033[J" if sys.stdout.isatty() else ""
-        try:
-            for _ in ticks(duration, interval):
-                snapshot = probe.read()
-                if not as_json:
-                    click.echo(clear + render_table(snapshot) + ("" if clear else "\n"))
-        except KeyboardInterrupt:
-            pass  # Ctrl-C / SIGTERM during a read: still report the totals
+        for _ in ticks(duration, interval):
+            snapshot = probe.read()
+            if not as_json:
+                click.echo(clear + render_table(snapshot) + ("" if clear else "\n"))
         if as_json:
             emit_json(probe.read().to_dict())
 

@@ -129,6 +129,7 @@ VIEWS: dict[str, View] = {
                 Column("TOTAL", "bytes", 9),
                 Column("PACKETS", "packets", 8),
                 Column("IFACE", "interface", 10, numeric=False),
+                Column("PROCESS", "comm", 15, numeric=False),
                 Column("CONTAINER", "container", 12, numeric=False),
             ),
             "bytes_per_second", True, ("flows",), _flow_rows,

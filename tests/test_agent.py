@@ -109,11 +109,12 @@ def test_ten_thousand_flows_stay_within_top_k_series(tmp_path: Path, veth: VethP
         assert min(durations) < 0.2, durations
 
 
-def test_sigterm_stops_within_5s_and_detaches(tmp_path: Path, veth: VethPair) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_within_5s_with_status_0_and_detaches(tmp_path: Path, veth: VethPair, sig: int) -> None:
     with Agent(tmp_path, agent_config(veth)) as agent:
         assert programs_on(veth.host) == {"flows_xdp", "flows_tc"}
         started = time.monotonic()
-        agent.process.send_signal(signal.SIGTERM)
+        agent.process.send_signal(sig)
         assert agent.process.wait(timeout=5) == 0
         assert time.monotonic() - started < 5
     assert programs_on(veth.host) == set()

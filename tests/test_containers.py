@@ -72,7 +72,7 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
     for _ in range(50):
         conn.sendall(b"x" * 1000)
         time.sleep(0.01)
-time.sleep(30)
+    time.sleep(30)  # a long-lived connection, as an inference client's: its owner is looked up at leisure
 """
 
 SINK = """
@@ -105,9 +105,10 @@ def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair
                     process = [p for p in snapshot["processes"] if p["pid"] == sender.pid]
                     flows = [f for f in snapshot["flows"] if f["direction"] == "egress" and f["remote_port"] == 9100]
                     return bool(process and process[0]["container"] == short and process[0]["pod_uid"] == POD
-                                and flows and flows[0]["container"] == short)
+                                and flows and flows[0]["container"] == short and flows[0]["pid"] == sender.pid
+                                and flows[0]["comm"] == "python3")
 
-                assert wait_until(joined, timeout=15, interval=0.5), agent.snapshot()["processes"]
+                assert wait_until(joined, timeout=15, interval=0.5), agent.snapshot()["flows"]
                 time.sleep(1.5)  # a scrape after the next refresh
                 sent = [line for line in agent.metrics().splitlines()
                         if line.startswith("aiprobe_tcp_send_bytes_total{") and f'container="{short}"' in line]
