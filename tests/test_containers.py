@@ -108,7 +108,13 @@ def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair
                                 and flows and flows[0]["container"] == short and flows[0]["pid"] == sender.pid
                                 and flows[0]["comm"] == "python3")
 
-                assert wait_until(joined, timeout=15, interval=0.5), agent.snapshot()["flows"]
+                def seen() -> tuple:
+                    snapshot = agent.snapshot()
+                    return ([p for p in snapshot["processes"] if p["pid"] == sender.pid],
+                            [(f["direction"], f["pid"], f["comm"], f["container"]) for f in snapshot["flows"]
+                             if 9100 in (f["local_port"], f["remote_port"])], agent.log.read_text()[-1500:])
+
+                assert wait_until(joined, timeout=20, interval=0.5), seen()
                 time.sleep(1.5)  # a scrape after the next refresh
                 sent = [line for line in agent.metrics().splitlines()
                         if line.startswith("aiprobe_tcp_send_bytes_total{") and f'container="{short}"' in line]
