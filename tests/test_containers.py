@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from aiprobe.containers import CgroupIndex, cgroup2_root, workload_of
 from conftest import VethPair, wait_until
@@ -99,6 +100,7 @@ def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair
                 sender.stdin.write("go\n")
                 sender.stdin.flush()
                 short = container_id[:12]
+                comm = psutil.Process(sender.pid).name()
 
                 def joined() -> bool:
                     snapshot = agent.snapshot()
@@ -106,7 +108,7 @@ def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair
                     flows = [f for f in snapshot["flows"] if f["direction"] == "egress" and f["remote_port"] == 9100]
                     return bool(process and process[0]["container"] == short and process[0]["pod_uid"] == POD
                                 and flows and flows[0]["container"] == short and flows[0]["pid"] == sender.pid
-                                and flows[0]["comm"] == "python3")
+                                and flows[0]["comm"] == comm)
 
                 def seen() -> tuple:
                     snapshot = agent.snapshot()
