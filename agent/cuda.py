@@ -34,6 +34,7 @@ from .cli import duration_option, emit_json, friendly_errors, json_option, requi
 from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Strategy, load_first
+from .names import comm_text
 from .probes import MapUsage, Probe, ProbeSpec
 
 RESCAN_INTERVAL = 1.0
@@ -267,7 +268,7 @@ def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
     sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
     return CudaProcess(
         pid=pid,
-        comm=entry["comm"].split(b"\0")[0].decode(errors="replace"),
+        comm=comm_text(entry["comm"]),
         library=library,
         context_switches=entry["context_switches"],
         kernel_launches=entry["kernel_launches"],

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import click
-import psutil
 
 from . import __version__, libbpf
 from .config import PROBE_NAMES, Config, ConfigError, load
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .histogram import Rates, WindowedHistograms, buckets_from_json, quantile
+from .names import process_name
 from .netstat import read_tcp_counters
 from .rules import Alert, RuleEngine, Signal
 from .system import kernel_release
@@ -374,10 +374,8 @@ def _target(proc: dict) -> str:
 
 
 def _comm(pid: int) -> str:
-    try:
-        return psutil.Process(pid).name()
-    except psutil.Error:
-        return str(pid)
+    # The kernel's comm, as sendlat and cuda records carry it, so one process has one `process` label.
+    return process_name(pid) or str(pid)
 
 
 # --- the command ---

@@ -11,8 +11,6 @@ and the frames no flow could hold, so they stay exact and monotonic: the numbers
 from __future__ import annotations
 
 import errno
-import functools
-import ipaddress
 import logging
 import sys
 import threading
@@ -36,6 +34,7 @@ from .loader import (
     tc_clsact_detach,
     tc_clsact_query,
 )
+from .names import endpoint, ip_text
 from .netlink import LinkInfo, LinkWatcher, xdp_program_id
 from .probes import MapUsage, Probe, ProbeSpec
 
@@ -162,16 +161,6 @@ class _Unattributed:
     bytes: int
     insert_failures: int
     malformed: int
-
-
-def _address(family: int, raw: Any) -> str:
-    return _address_text(family, bytes(raw))
-
-
-@functools.lru_cache(maxsize=65536)
-def _address_text(family: int, packed: bytes) -> str:
-    """Cached: a busy host's flows share few addresses, and the agent formats every flow every second."""
-    return str(ipaddress.IPv4Address(packed[:4]) if family == 4 else ipaddress.IPv6Address(packed))
 
 
 @dataclass
@@ -447,9 +436,9 @@ class FlowsProbe(Probe):
             interface=names[key.ifindex],
             direction=DIRECTIONS[key.direction],
             protocol=PROTOCOLS.get(key.protocol, str(key.protocol)),
-            local_address=_address(key.family, key.local_addr),
+            local_address=ip_text(bytes(key.local_addr), key.family == 6),
             local_port=key.local_port,
-            remote_address=_address(key.family, key.remote_addr),
+            remote_address=ip_text(bytes(key.remote_addr), key.family == 6),
             remote_port=key.remote_port,
             bytes=c.bytes,
             packets=c.packets,
@@ -504,11 +493,6 @@ class FlowsProbe(Probe):
 TOP_ROWS = 20
 
 
-def _endpoint(address: str, port: int) -> str:
-    host = f"[{address}]" if ":" in address else address
-    return f"{host}:{port}" if port else host
-
-
 def _si(value: float) -> str:
     for unit in ("", "k", "M", "G"):
         if abs(value) < 1000:
@@ -522,8 +506,8 @@ def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
     lines = [header]
     for f in snapshot.flows[:rows]:
         lines.append(
-            f"{f.interface:<15} {f.direction:<7} {f.protocol:<6} {_endpoint(f.local_address, f.local_port):<45} "
-            f"{_endpoint(f.remote_address, f.remote_port):<45} {_si(f.bytes_per_second):>8} "
+            f"{f.interface:<15} {f.direction:<7} {f.protocol:<6} {endpoint(f.local_address, f.local_port):<45} "
+            f"{endpoint(f.remote_address, f.remote_port):<45} {_si(f.bytes_per_second):>8} "
             f"{_si(f.packets_per_second):>8}"
         )
     lines.append(

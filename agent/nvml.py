@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -19,6 +18,7 @@ import pynvml
 
 from .cli import AiprobeError, emit_json, json_option
 from .loader import Strategy
+from .names import process_name
 from .probes import ProbeSpec
 
 T = TypeVar("T")
@@ -104,13 +104,6 @@ class GpuSnapshot:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _reason(exc: pynvml.NVMLError) -> str:
@@ -251,7 +244,7 @@ class NvmlCollector:
         running = gpu.query("processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)) or []
         sm = self._sm_utilization(gpu)
         return [
-            GpuProcess(p.pid, _comm(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory, sm.get(p.pid))
+            GpuProcess(p.pid, process_name(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory, sm.get(p.pid))
             for p in running
         ]
 

@@ -20,6 +20,7 @@ from . import btf
 from .cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
 from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
+from .names import comm_text, endpoint, ip_text
 from .probes import MapUsage, Probe, ProbeSpec
 
 OBJECT = "sendlat"
@@ -133,21 +134,11 @@ class SendLatencySnapshot:
 
 # --- decoding map entries ---
 
-def _comm(raw: bytes) -> str:
-    return raw.split(b"\0", 1)[0].decode(errors="replace")
-
-
-def _address(family: int, raw: bytes) -> str:
-    if family == socket.AF_INET:
-        return socket.inet_ntop(socket.AF_INET, raw[:4])
-    return socket.inet_ntop(socket.AF_INET6, raw)
-
-
 def _endpoints(flow: dict) -> dict[str, Any]:
     return {
-        "local_address": _address(flow["family"], flow["local_addr"]),
+        "local_address": ip_text(flow["local_addr"], flow["family"] == socket.AF_INET6),
         "local_port": flow["local_port"],
-        "remote_address": _address(flow["family"], flow["remote_addr"]),
+        "remote_address": ip_text(flow["remote_addr"], flow["family"] == socket.AF_INET6),
         "remote_port": flow["remote_port"],
     }
 
@@ -157,7 +148,7 @@ def _process(key: dict, value: dict) -> ProcessSendLatency:
     buckets = log2_buckets(latency["slots"])
     return ProcessSendLatency(
         pid=key["tgid"],
-        comm=_comm(value["comm"]),
+        comm=comm_text(value["comm"]),
         cgroup_id=key["cgroup_id"],
         count=latency["count"],
         bytes=value["bytes"],
@@ -177,7 +168,7 @@ def _flow(key: dict, value: dict) -> FlowSendStats:
 
 def _slow_send(event: dict) -> SlowSend:
     return SlowSend(
-        pid=event["flow"]["tgid"], tid=event["tid"], comm=_comm(event["comm"]), cgroup_id=event["cgroup_id"],
+        pid=event["flow"]["tgid"], tid=event["tid"], comm=comm_text(event["comm"]), cgroup_id=event["cgroup_id"],
         **_endpoints(event["flow"]), bytes=event["bytes"], duration_seconds=event["duration_ns"] / NS_PER_SECOND,
     )
 
@@ -285,17 +276,13 @@ class SendLatencyProbe(Probe):
 
 # --- aiprobe sendlat ---
 
-def _endpoint(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
 _SLOW_HEADER = f"{'TIME':<9} {'PID':>7} {'COMM':<16} {'LOCAL':<24} {'REMOTE':<24} {'BYTES':>9} {'MS':>9}"
 
 
 def _print_slow_send(send: SlowSend) -> None:
     click.echo(
         f"{time.strftime('%H:%M:%S'):<9} {send.pid:>7} {send.comm:<16} "
-        f"{_endpoint(send.local_address, send.local_port):<24} {_endpoint(send.remote_address, send.remote_port):<24} "
+        f"{endpoint(send.local_address, send.local_port):<24} {endpoint(send.remote_address, send.remote_port):<24} "
         f"{send.bytes:>9} {send.duration_seconds * 1e3:>9.3f}"
     )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import top_format
+from .names import endpoint
 
 
 @dataclass(frozen=True)
@@ -56,19 +57,12 @@ class View:
         return [column.cell(row) for column in self.columns]
 
 
-def _endpoint(address: str | None, port: int | None) -> str | None:
-    if address is None:
-        return None
-    host = f"[{address}]" if ":" in address else address
-    return f"{host}:{port}" if port else host
-
-
 def _flow_rows(snapshot: dict) -> list[dict]:
     return [
         {
             **flow,
-            "local": _endpoint(flow.get("local_address"), flow.get("local_port")),
-            "remote": _endpoint(flow.get("remote_address"), flow.get("remote_port")),
+            "local": endpoint(flow.get("local_address"), flow.get("local_port")),
+            "remote": endpoint(flow.get("remote_address"), flow.get("remote_port")),
             "dir": {"ingress": "in", "egress": "out"}.get(flow.get("direction"), flow.get("direction")),
         }
         for flow in snapshot.get("flows") or []

@@ -152,11 +152,9 @@ class Totals:
 
     def add(self, labels: tuple, source: Hashable, values: Sequence[float]) -> None:
         delta = self.tracker.delta(source, values)
-        current = self.sums.setdefault(labels, [0.0] * len(delta))
-        if len(current) != len(delta):  # bucket layout changed: start this label set over
-            self.sums[labels] = current = [0.0] * len(delta)
-        for i, d in enumerate(delta):
-            current[i] += d
+        if len(self.sums.get(labels, delta)) != len(delta):  # bucket layout changed: start this label set over
+            del self.sums[labels]
+        _accumulate(self.sums, labels, delta)
 
 
 @dataclass
@@ -348,7 +346,7 @@ def _clock_event_reasons(gpus: list[dict]) -> Metric:
     return active
 
 
-def _accumulate(sums: dict[tuple[str, str], list[float]], key: tuple[str, str], delta: Sequence[float]) -> None:
+def _accumulate(sums: dict[tuple, list[float]], key: tuple, delta: Sequence[float]) -> None:
     current = sums.setdefault(key, [0.0] * len(delta))
     for i, value in enumerate(delta):
         current[i] += value
