@@ -61,6 +61,7 @@ class Config:
     interval_seconds: float = 1.0
     interfaces: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lo",)
+    xdp_interfaces: tuple[str, ...] = ()
     probes: tuple[str, ...] = PROBE_NAMES
     top_flows: int = 100
     flow_idle_seconds: float = 30.0

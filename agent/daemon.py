@@ -42,7 +42,7 @@ def _flows(config: Config) -> Any:
     from .flows import FlowsProbe
 
     return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds)
+                      idle_timeout=config.flow_idle_seconds, xdp_interfaces=list(config.xdp_interfaces))
 
 
 def _sendlat(config: Config) -> Any:

@@ -35,16 +35,19 @@ class LinkInfo:
     up: bool
     loopback: bool
     ethernet: bool  # frames start with an Ethernet header (what XDP and tc parsers expect)
+    kind: str | None = None  # rtnetlink link kind of a virtual device ("veth", "bridge", ...); None for a NIC
 
 
 def _link_info(msg: dict) -> LinkInfo:
     flags = msg["flags"]
+    linkinfo = msg.get_attr("IFLA_LINKINFO")
     return LinkInfo(
         index=msg["index"],
         name=msg.get_attr("IFLA_IFNAME") or "",
         up=bool(flags & IFF_UP),
         loopback=bool(flags & IFF_LOOPBACK),
         ethernet=msg["ifi_type"] in (ARPHRD_ETHER, ARPHRD_LOOPBACK),
+        kind=linkinfo.get_attr("IFLA_INFO_KIND") if linkinfo else None,
     )
 
 

@@ -112,7 +112,7 @@ def test_ten_thousand_flows_stay_within_top_k_series(tmp_path: Path, veth: VethP
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_within_5s_with_status_0_and_detaches(tmp_path: Path, veth: VethPair, sig: int) -> None:
     with Agent(tmp_path, agent_config(veth)) as agent:
-        assert programs_on(veth.host) == {"flows_xdp", "flows_tc"}
+        assert programs_on(veth.host) == {"flows_ingress", "flows_egress"}
         started = time.monotonic()
         agent.process.send_signal(sig)
         assert agent.process.wait(timeout=5) == 0
