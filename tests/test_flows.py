@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.flows import MIN_RATE_WINDOW_NS, TC_HANDLE, FlowRecord, FlowsProbe, FlowsSnapshot
+from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject
 from conftest import VethPair, programs_on, run, unique, wait_until
 from fixtures import flows_frames as frames
@@ -145,6 +147,79 @@ def test_rates_cover_the_interval_since_the_previous_read_never_a_sliver(veth: V
         assert flow.packets_per_second * snapshot.interval_seconds == pytest.approx(10)
         # Interface rates too: the rules read them. Nothing else crosses this veth but IPv6 chatter.
         assert round(iface.bytes_per_second * snapshot.interval_seconds) >= 10 * frame
+
+
+# --- the watched traffic keeps its offloads ---
+
+
+def _offloads(veth: VethPair) -> dict[str, str]:
+    out = veth.ns_run(["ethtool", "-k", veth.peer]).stdout
+    return {name: state for line in out.splitlines() if ": " in line
+            for name, state in [line.strip().split(": ", 1)]}
+
+
+SEGMENTATION_OFFLOADS = ("tcp-segmentation-offload", "generic-segmentation-offload")
+
+
+def test_veth_peer_keeps_tso_and_gso_while_attached_and_xdp_is_refused_on_veth(veth: VethPair) -> None:
+    with FlowsProbe([veth.host], xdp_interfaces=["*"]) as probe:
+        (state,) = probe.attachments()
+        assert (state.ingress, state.egress) == ("tcx", "tcx")
+        assert state.xdp_refused.startswith("XDP refused on veth") and "TSO" in state.xdp_refused
+        assert programs_on(veth.host) == OUR_TC_PROGRAMS
+        offloads = _offloads(veth)
+        assert [offloads[name] for name in SEGMENTATION_OFFLOADS] == ["on", "on"], offloads
+    # What the refusal avoids: native XDP on the veth switches its peer's segmentation off.
+    with BpfObject("flows", programs=["flows_xdp"]) as obj:
+        obj.load()
+        obj.programs["flows_xdp"].attach_xdp(veth.host_ifindex, "native")
+        assert _offloads(veth)["tcp-segmentation-offload"].startswith("off")
+    assert [_offloads(veth)[name] for name in SEGMENTATION_OFFLOADS] == ["on", "on"]
+
+
+def test_xdp_refused_on_virtual_devices_with_a_reason() -> None:
+    from aiprobe.flows import xdp_refusal
+    from aiprobe.netlink import LinkInfo
+
+    link = lambda kind, loopback=False: LinkInfo(7, "x", True, loopback, True, kind)  # noqa: E731
+    assert xdp_refusal(link(None)) == ""
+    assert "XDP refused on a virtual device (bridge)" in xdp_refusal(link("bridge"))
+    assert "(loopback)" in xdp_refusal(link(None, loopback=True))
+
+
+JUMBO_PAYLOAD = 8000
+
+
+def test_xdp_program_attaches_at_mtu_9000_and_counts_whole_jumbo_frames(veth: VethPair) -> None:
+    """xdp.frags: the kernel refuses a single-buffer program where the MTU exceeds a page (the
+    refusal below). Native XDP on a veth is what attaching to a NIC is, minus the NIC."""
+    run(["ip", "link", "set", veth.host, "mtu", "9000"])
+    veth.ns_run(["ip", "link", "set", veth.peer, "mtu", "9000"])
+    # Nothing but the test's datagrams may arrive: no IPv6 chatter, no ARP either way.
+    veth.ns_run(["sysctl", "-qw", f"net.ipv6.conf.{veth.peer}.disable_ipv6=1"])
+    host_mac = Path(f"/sys/class/net/{veth.host}/address").read_text().strip()
+    peer_mac = veth.ns_run(["cat", f"/sys/class/net/{veth.peer}/address"]).stdout.strip()
+    veth.ns_run(["ip", "neigh", "replace", veth.host_ip4, "lladdr", host_mac, "dev", veth.peer, "nud", "permanent"])
+    run(["ip", "neigh", "replace", veth.peer_ip4, "lladdr", peer_mac, "dev", veth.host, "nud", "permanent"])
+    with BpfObject("features", programs=["probe_xdp"]) as single_buffer:
+        single_buffer.load()
+        with pytest.raises(BpfError):
+            single_buffer.programs["probe_xdp"].attach_xdp(veth.host_ifindex, "native")
+    with BpfObject("flows", programs=["flows_xdp"]) as obj:
+        obj.load()
+        obj.programs["flows_xdp"].attach_xdp(veth.host_ifindex, "native")
+        before = (_stat(veth.host, "rx_packets"), _stat(veth.host, "rx_bytes"))
+        veth.ns_run([sys.executable, "-c", "import socket, sys\n"
+                     "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                     "for _ in range(5): s.sendto(bytes(int(sys.argv[2])), (sys.argv[1], 9))",
+                     veth.host_ip4, str(JUMBO_PAYLOAD)])
+        packets = _stat(veth.host, "rx_packets") - before[0]
+        rx_bytes = _stat(veth.host, "rx_bytes") - before[1]
+        ((_, counters),) = [(k, c) for k, c in obj.maps["flows"].items() if k.protocol == 17]
+    frame = 14 + 20 + 8 + JUMBO_PAYLOAD
+    assert (counters.packets, counters.bytes) == (5, 5 * frame)
+    # veth's XDP path counts received bytes after the Ethernet header was pulled: 14 bytes short per frame.
+    assert packets == 5 and rx_bytes == 5 * (frame - 14)
 
 
 # --- wire segments: /proc/net/snmp and the interface counters, with TSO/GSO on ---
@@ -347,6 +422,28 @@ def test_cli_json_after_duration(veth: VethPair, aiprobe_cli: list[str]) -> None
     (flow,) = [f for f in json.loads(out)["flows"] if f["direction"] == "egress" and f["local_port"] == port]
     assert (flow["packets"], flow["bytes"], flow["protocol"]) == (4, 4 * (42 + UDP_PAYLOAD), "udp")
     assert set(flow) >= set(FlowRecord.__dataclass_fields__)
+
+
+def test_cli_json_rate_is_the_last_intervals_rate_by_iperf3(veth: VethPair, aiprobe_cli: list[str]) -> None:
+    """The final JSON read comes right after the last tick: its rate must still cover an interval
+    (it read 0.0 when taken over the fraction of a millisecond since that tick)."""
+    port, payload, rate = 5201 + secrets.randbelow(1000), 1000, 20_000_000
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-B", veth.host_ip4, "-p", str(port)], stdout=subprocess.DEVNULL)
+    try:
+        cli = _start_cli(aiprobe_cli, veth.host, "--json", "--duration", "3", "--interval", "1")
+        client = veth.ns_run(["iperf3", "-c", veth.host_ip4, "-p", str(port), "-u", "-b", str(rate), "-l",
+                              str(payload), "-t", "5", "-J"])
+        out, err = cli.communicate(timeout=15)
+        assert cli.returncode == 0, err
+    finally:
+        server.kill()
+    sent = json.loads(client.stdout)["end"]["sum"]
+    truth = sent["bytes"] / sent["seconds"] * (payload + 42) / payload  # on the wire: Ethernet, IPv4, UDP
+    snapshot = json.loads(out)
+    (flow,) = [f for f in snapshot["flows"] if (f["direction"], f["protocol"], f["local_port"]) ==
+               ("ingress", "udp", port)]
+    assert snapshot["interval_seconds"] >= 0.5
+    assert flow["bytes_per_second"] == pytest.approx(truth, rel=0.15)
 
 
 def test_cli_bad_input_is_one_line(aiprobe_cli: list[str]) -> None:
