@@ -157,6 +157,7 @@ class FlowsSnapshot:
     evictions: int  # monotonic: flows evicted to make room
     insert_failures: int  # monotonic: new flows that found the table full (counted per interface only)
     malformed_frames: int  # monotonic: frames with truncated or inconsistent headers
+    lost_frames: int  # monotonic: frames counted nowhere, not even in interface totals (struct lost_counters)
     attachments: list[InterfaceAttachment]
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +167,7 @@ class FlowsSnapshot:
             "evictions": self.evictions,
             "insert_failures": self.insert_failures,
             "malformed_frames": self.malformed_frames,
+            "lost_frames": self.lost_frames,
             "attachments": [a.to_dict() for a in self.attachments],
             "timestamp": self.timestamp,
             "interval_seconds": self.interval_seconds,
@@ -461,6 +463,7 @@ class FlowsProbe(Probe):
             evictions=self._ledger.evictions,
             insert_failures=self._ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
             malformed_frames=self._ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
+            lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
 
@@ -584,7 +587,8 @@ def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
         )
     lines.append(
         f"{len(snapshot.flows)} flows · evictions {snapshot.evictions} · insert failures {snapshot.insert_failures}"
-        f" · malformed frames {snapshot.malformed_frames}"
+        f" · malformed frames {snapshot.malformed_frames}" + (f" · LOST frames {snapshot.lost_frames}"
+                                                              if snapshot.lost_frames else "")
     )
     return "\n".join(lines)
 

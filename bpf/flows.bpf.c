@@ -63,6 +63,13 @@ struct {
 	__type(value, struct iface_counters);
 } unattributed SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct lost_counters);
+} lost SEC(".maps");
+
 struct header_cursor {
 	void *start;
 	void *pos;
@@ -218,8 +225,16 @@ static __noinline void count_unattributed(__u32 ifindex, __u32 direction, struct
 
 		bpf_map_update_elem(&unattributed, &key, &first, BPF_NOEXIST);
 		counters = bpf_map_lookup_elem(&unattributed, &key);
-		if (!counters)
+		if (!counters) {
+			__u32 zero = 0;
+			struct lost_counters *lost_here = bpf_map_lookup_elem(&lost, &zero);
+
+			if (lost_here) {
+				lost_here->packets += wire->packets;
+				lost_here->bytes += wire->bytes;
+			}
 			return;
+		}
 	}
 	counters->packets += wire->packets;
 	counters->bytes += wire->bytes;

@@ -55,4 +55,11 @@ struct iface_counters {
 	__u64 insert_failures; /* a new flow found the flow table full */
 };
 
+/* Frames counted nowhere: the unattributed table itself was full (more interfaces and directions
+ * than it holds). Non-zero means the interface totals are short by these. */
+struct lost_counters {
+	__u64 packets;
+	__u64 bytes;
+};
+
 #endif

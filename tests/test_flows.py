@@ -663,6 +663,18 @@ def test_more_flows_than_the_table_holds_are_counted_not_lost(veth: VethPair) ->
     assert 2 * flows <= _totals(second, veth.host, "egress")[1] <= sent + 2
 
 
+def test_frames_no_table_can_hold_are_counted_as_lost() -> None:
+    arp = frames.ethernet(frames.ETH_P_ARP, bytes(28))
+    with BpfObject("flows", programs=list(OUR_TC_PROGRAMS)) as obj:
+        obj.maps["unattributed"].max_entries = 1
+        obj.load()
+        obj.programs["flows_egress"].test_run(arp, repeat=3)  # takes the only entry
+        obj.programs["flows_ingress"].test_run(arp, repeat=5)  # another direction: no room
+        lost = [decode(per_cpu) for per_cpu in obj.maps["lost"].lookup(0)]
+        assert _unattributed(obj)["packets"] == 3
+    assert sum(x["packets"] for x in lost) == 5 and sum(x["bytes"] for x in lost) == 5 * len(arp)
+
+
 def test_loopback_is_watched_when_asked() -> None:
     """lo frames carry a (zeroed) Ethernet header, so `--interfaces lo` counts them like any NIC's."""
     with FlowsProbe(interfaces=["lo"], exclude=[]) as probe, \
@@ -679,3 +691,4 @@ def test_loopback_is_watched_when_asked() -> None:
         for direction in ("ingress", "egress"):
             flow = _flow(snapshot, direction, "udp", port, port)
             assert (flow.packets, flow.bytes) == (COUNT, COUNT * frame)
+
