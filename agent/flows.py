@@ -26,17 +26,13 @@ from __future__ import annotations
 
 import errno
 import logging
-import sys
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import click
-
-from .cli import duration_option, emit_json, friendly_errors, interval_option, json_option, require_privileges, ticks
 from .libbpf import BpfError
 from .loader import (
     BpfObject,
@@ -48,15 +44,49 @@ from .loader import (
     tc_clsact_detach,
     tc_clsact_query,
 )
-from .names import endpoint, ip_text
+from .metrics import Family
+from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage
+from .names import ip_text
 from .netlink import LinkInfo, LinkWatcher, xdp_program_id
-from .probes import MapUsage, Probe, ProbeSpec
+from .probes import Probe, ProbeSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .config import Config
 
 log = logging.getLogger(__name__)
 
 XDP_PROGRAM = "flows_xdp"
 TC_PROGRAMS = {"ingress": "flows_ingress", "egress": "flows_egress"}  # kernel names: 15 chars at most
 PROGRAMS = (*TC_PROGRAMS.values(), XDP_PROGRAM)
+
+
+def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
+    return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
+                      idle_timeout=config.flow_idle_seconds, xdp_interfaces=list(config.xdp_interfaces))
+
+
+FLOW_LABELS = tuple((name, name) for name in (
+    "interface", "direction", "protocol", "local_address", "local_port", "remote_address", "remote_port"))
+_SIDE = (("interface", "interface"), ("direction", "direction"))
+# What `aiprobe_flow_*` sum the flows outside the top K into, per interface and direction.
+_OTHER = (("protocol", ""), ("local_address", ""), ("local_port", ""), ("remote_address", "other"),
+          ("remote_port", ""))
+METRICS = (
+    Family("aiprobe_flow_bytes_total", "counter", "Bytes of a flow (L2 frame lengths as seen at XDP / tc), top "
+           "flows by rate; the rest summed per interface and direction as remote_address=\"other\".",
+           FlowRecord, "bytes", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
+    Family("aiprobe_flow_packets_total", "counter", "Packets of a flow; same selection as aiprobe_flow_bytes_total.",
+           FlowRecord, "packets", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
+    Family("aiprobe_interface_bytes_total", "counter",
+           "Bytes seen on an interface, expired and evicted flows included.", InterfaceTotals, "bytes", _SIDE),
+    Family("aiprobe_interface_packets_total", "counter", "Packets seen on an interface.", InterfaceTotals,
+           "packets", _SIDE),
+    Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
+           FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
+           expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
+)
 
 SPEC = ProbeSpec(
     name="flows",
@@ -66,6 +96,12 @@ SPEC = ProbeSpec(
         Strategy("clsact", PROGRAMS, ("tc_clsact",),
                  span="wire frames at tc clsact ingress (after GRO) and egress (before GSO)"),
     ),
+    bpf_object="flows",
+    order=10,
+    factory=_from_config,
+    config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "top_flows"),
+    command="aiprobe.commands.flows:command",
+    metrics=METRICS,
 )
 # Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
 TC_MODES = tuple(s.name for s in SPEC.strategies)
@@ -84,94 +120,6 @@ DIRECTIONS = ("ingress", "egress")  # indexed by enum flow_direction (bpf/flows.
 MIN_RATE_WINDOW_NS = 100_000_000
 PROTOCOLS = {1: "icmp", 2: "igmp", 6: "tcp", 17: "udp", 47: "gre", 50: "esp", 51: "ah", 58: "icmpv6", 132: "sctp"}
 _FOREIGN_XDP = (errno.EEXIST, errno.EBUSY)
-
-
-@dataclass
-class FlowRecord:
-    interface: str
-    direction: str  # "ingress" | "egress"
-    protocol: str  # "tcp", "udp", ... or the IP protocol number
-    local_address: str  # this host's side
-    local_port: int
-    remote_address: str
-    remote_port: int
-    bytes: int
-    packets: int
-    bytes_per_second: float
-    packets_per_second: float
-    cgroup_id: int  # egress: the sending socket's cgroup v2 id; 0 when unknown
-    first_seen: float  # Unix time
-    last_seen: float
-    tcp_syn: int = 0
-    tcp_fin: int = 0
-    tcp_rst: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        # Flat fields: a copy of vars() is exact, and far cheaper than asdict()'s deep copy for the
-        # thousands of flows the agent converts every second.
-        return dict(vars(self))
-
-
-@dataclass
-class InterfaceTotals:
-    """Everything one interface moved in one direction since the probe attached to it (wire frames),
-    and its rate over the snapshot's interval."""
-
-    interface: str
-    direction: str
-    bytes: int
-    packets: int
-    bytes_per_second: float = 0.0
-    packets_per_second: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-
-@dataclass
-class InterfaceAttachment:
-    """How the programs sit on one interface, or why they could not."""
-
-    interface: str
-    ifindex: int
-    ingress: str | None = None  # "tcx" | "clsact" | "xdp"
-    egress: str | None = None  # "tcx" | "clsact"
-    error: str = ""  # why a direction has no program
-    xdp_refused: str = ""  # the interface matched xdp_interfaces, and why ingress is counted at tc instead
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-    def describe(self) -> str:
-        hooks = ", ".join(f"{d} {getattr(self, d) or 'none'}" for d in DIRECTIONS)
-        notes = "; ".join(n for n in (self.error, self.xdp_refused) if n)
-        return f"{self.interface}: {hooks}" + (f" ({notes})" if notes else "")
-
-
-@dataclass
-class FlowsSnapshot:
-    timestamp: float
-    interval_seconds: float
-    flows: list[FlowRecord]
-    interfaces: list[InterfaceTotals]
-    evictions: int  # monotonic: flows evicted to make room
-    insert_failures: int  # monotonic: new flows that found the table full (counted per interface only)
-    malformed_frames: int  # monotonic: frames with truncated or inconsistent headers
-    lost_frames: int  # monotonic: frames counted nowhere, not even in interface totals (struct lost_counters)
-    attachments: list[InterfaceAttachment]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "flows": [f.to_dict() for f in self.flows],
-            "interfaces": [i.to_dict() for i in self.interfaces],
-            "evictions": self.evictions,
-            "insert_failures": self.insert_failures,
-            "malformed_frames": self.malformed_frames,
-            "lost_frames": self.lost_frames,
-            "attachments": [a.to_dict() for a in self.attachments],
-            "timestamp": self.timestamp,
-            "interval_seconds": self.interval_seconds,
-        }
 
 
 @dataclass
@@ -300,11 +248,10 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
 
 @dataclass
 class _Baseline:
-    """Totals (bytes, packets) as one read saw them, what later reads take rates against."""
+    """Flow totals (bytes, packets) as one read saw them, what later reads take rates against."""
 
     at_ns: int
     flows: dict[bytes, tuple[int, int]] = field(default_factory=dict)
-    interfaces: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (ifindex, direction)
 
 
 @dataclass
@@ -332,9 +279,6 @@ class _Ledger:
     def forget(self, ifindex: int) -> None:
         for where in [w for w in self.retired_bytes if w[0] == ifindex]:
             del self.retired_bytes[where], self.retired_packets[where]
-        for baseline in self.recent:
-            for where in [w for w in baseline.interfaces if w[0] == ifindex]:
-                del baseline.interfaces[where]
 
 
 class FlowsProbe(Probe):
@@ -371,7 +315,7 @@ class FlowsProbe(Probe):
         links = watcher.start()
         try:
             self.loaded = load_first(
-                "flows", "flows", self._strategies,
+                SPEC.name, SPEC.bpf_object, self._strategies,
                 configure=lambda obj, _s: setattr(obj.maps["flows"], "max_entries", self.max_flows),
                 attach=lambda obj, strategy: self._attach_initial(obj, strategy, links),
             )
@@ -449,17 +393,12 @@ class FlowsProbe(Probe):
         flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
         self._flow_count = len(live)
         unattributed = self._unattributed(obj, names)
-        interfaces = self._interface_totals(live, unattributed, names, baseline, interval)
-        self._ledger.recent.append(_Baseline(
-            now_ns,
-            {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()},
-            {where: (t.bytes, t.packets) for where, t in interfaces.items()},
-        ))
+        self._ledger.recent.append(_Baseline(now_ns, {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()}))
         return FlowsSnapshot(
             timestamp=time.time(),
             interval_seconds=interval,
             flows=flows,
-            interfaces=list(interfaces.values()),
+            interfaces=self._interface_totals(live, unattributed, names),
             evictions=self._ledger.evictions,
             insert_failures=self._ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
             malformed_frames=self._ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
@@ -538,9 +477,8 @@ class FlowsProbe(Probe):
 
     def _interface_totals(
         self, live: dict[bytes, tuple[Any, Any]], unattributed: dict[tuple[int, int], _Unattributed],
-        names: dict[int, str], baseline: _Baseline, interval: float,
-    ) -> dict[tuple[int, int], InterfaceTotals]:
-        """Totals and rates per (ifindex, direction), ordered by interface name."""
+        names: dict[int, str],
+    ) -> list[InterfaceTotals]:
         byte_totals, packet_totals = Counter(self._ledger.retired_bytes), Counter(self._ledger.retired_packets)
         for key, c in live.values():
             byte_totals[(key.ifindex, key.direction)] += c.bytes
@@ -548,83 +486,11 @@ class FlowsProbe(Probe):
         for where, extra in unattributed.items():
             byte_totals[where] += extra.bytes
             packet_totals[where] += extra.packets
-        readings = {}
-        for index, name in sorted(names.items(), key=lambda item: item[1]):
-            for d, direction in enumerate(DIRECTIONS):
-                nbytes, npackets = byte_totals[(index, d)], packet_totals[(index, d)]
-                # An interface attached since the baseline counts from zero, as a new flow does.
-                before_bytes, before_packets = baseline.interfaces.get((index, d), (0, 0))
-                readings[(index, d)] = InterfaceTotals(name, direction, nbytes, npackets,
-                                                       (nbytes - before_bytes) / interval,
-                                                       (npackets - before_packets) / interval)
-        return readings
+        return [
+            InterfaceTotals(name, DIRECTIONS[d], byte_totals[(index, d)], packet_totals[(index, d)])
+            for index, name in sorted(names.items(), key=lambda item: item[1])
+            for d in range(len(DIRECTIONS))
+        ]
 
     def map_usage(self) -> list[MapUsage]:
         return [MapUsage("flows", self._flow_count, self.max_flows)]
-
-
-# --- `aiprobe flows` ---
-
-TOP_ROWS = 20
-
-
-def _si(value: float) -> str:
-    for unit in ("", "k", "M", "G"):
-        if abs(value) < 1000:
-            return f"{value:.1f}{unit}" if unit else f"{value:.0f}"
-        value /= 1000
-    return f"{value:.1f}T"
-
-
-def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
-    header = f"{'INTERFACE':<15} {'DIR':<7} {'PROTO':<6} {'LOCAL':<45} {'REMOTE':<45} {'BYTES/S':>8} {'PKTS/S':>8}"
-    lines = [header]
-    for f in snapshot.flows[:rows]:
-        lines.append(
-            f"{f.interface:<15} {f.direction:<7} {f.protocol:<6} {endpoint(f.local_address, f.local_port):<45} "
-            f"{endpoint(f.remote_address, f.remote_port):<45} {_si(f.bytes_per_second):>8} "
-            f"{_si(f.packets_per_second):>8}"
-        )
-    lines.append(
-        f"{len(snapshot.flows)} flows · evictions {snapshot.evictions} · insert failures {snapshot.insert_failures}"
-        f" · malformed frames {snapshot.malformed_frames}" + (f" · LOST frames {snapshot.lost_frames}"
-                                                              if snapshot.lost_frames else "")
-    )
-    return "\n".join(lines)
-
-
-def _globs(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[str]:
-    return [glob for glob in (value or "").replace(",", " ").split() if glob]
-
-
-def _announce(probe: FlowsProbe) -> None:
-    attachments = probe.attachments()
-    where = "; ".join(a.describe() for a in attachments) or "no matching interface yet, watching for new ones"
-    click.echo(f"aiprobe flows: attached ({probe.strategy}): {where}", err=True)
-
-
-@click.command()
-@click.option("--interfaces", callback=_globs, metavar="GLOBS",
-              help="Interfaces to watch, comma-separated globs (default: every interface but loopback).")
-@click.option("--exclude", callback=_globs, metavar="GLOBS", help="Interfaces to leave alone, comma-separated globs.")
-@click.option("--xdp-interfaces", "xdp_interfaces", callback=_globs, metavar="GLOBS",
-              help="Count ingress with native XDP on these physical NICs instead of tc (cheaper per frame; "
-                   "attaching resets the receive queues on many drivers). Refused on virtual devices.")
-@duration_option
-@interval_option
-@json_option
-@friendly_errors
-def command(interfaces: list[str], exclude: list[str], xdp_interfaces: list[str], duration: float | None,
-            interval: float, as_json: bool) -> None:
-    """Wire packets and bytes per network flow, per direction, live (tc ingress and egress)."""
-    require_privileges()
-    with FlowsProbe(interfaces, exclude, xdp_interfaces=xdp_interfaces) as probe:
-        _announce(probe)
-        clear = "\033[H\033[J" if sys.stdout.isatty() else ""
-        for _ in ticks(duration, interval):
-            snapshot = probe.read()
-            if not as_json:
-                click.echo(clear + render_table(snapshot) + ("" if clear else "\n"))
-        if as_json:
-            emit_json(probe.read().to_dict())
-
