@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 XDP_PROGRAM = "flows_xdp"
-TC_PROGRAMS = {"ingress": "flows_ingress", "egress": "flows_egress"}  # kernel names: 15 chars at most
-PROGRAMS = (*TC_PROGRAMS.values(), XDP_PROGRAM)
+TC_PROGRAM_OF = {"ingress": "flows_ingress", "egress": "flows_egress"}  # kernel names: 15 chars at most
+PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 
 
 def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
@@ -198,7 +198,7 @@ def remove_stale_tc_filter(link: LinkInfo, direction: str) -> None:
     if prog_id is None:
         return
     owner = program_name(prog_id)
-    if owner is not None and owner != TC_PROGRAMS[direction]:
+    if owner is not None and owner != TC_PROGRAM_OF[direction]:
         raise BpfError(errno.EEXIST, f"clsact {direction} handle {TC_HANDLE:#x} priority {TC_PRIORITY} on "
                        f"{link.name} runs another program ({owner!r}, id {prog_id})")
     tc_clsact_detach(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
@@ -208,7 +208,7 @@ def remove_stale_tc_filter(link: LinkInfo, direction: str) -> None:
 
 def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
                state: InterfaceAttachment) -> Link | None:
-    program = obj.programs[TC_PROGRAMS[direction]]
+    program = obj.programs[TC_PROGRAM_OF[direction]]
     try:
         if mode == "tcx":
             attached = program.attach_tcx(link.index, direction)
