@@ -10,8 +10,10 @@ each timed and reported as aiprobe_collector_duration_seconds / _success.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +78,11 @@ class Agent:
         self._last_refresh: float | None = None
         self._snapshot: dict[str, Any] = {}
         self.readings = Readings()
+        # The newest read of each SPEC.read_at_scrape probe, by refresh or scrape: (monotonic time, record).
+        self._newest: dict[str, tuple[float, Any]] = {}
+        self._newest_lock = threading.Lock()
+        self._read_at_scrape = {s.name for s in selected(config.probes) if s.read_at_scrape}
+        self._scraped: tuple[Readings, Readings] | None = None  # (the refresh it came from, what a scrape got)
         self.hostname = socket.gethostname()
 
     # --- life cycle ---
@@ -131,7 +138,7 @@ class Agent:
         now = time.time()
         readings = Readings()
         for name, probe in list(self._probes.items()):
-            readings.records[name] = self._collect(name, probe.read, readings.collectors)
+            readings.records[name] = self._read(name, probe, readings.collectors)
         self._join(readings)
         self._add_rates(readings, now)
         signals = self._collect("rules", lambda: self._signals(readings, now), readings.collectors) or []
@@ -153,6 +160,36 @@ class Agent:
     def alerts(self) -> list[Alert]:
         """Firing alerts and those resolved recently: what Alertmanager should know about."""
         return self._rules.firing + self._rules.resolved
+
+    def scrape_readings(self) -> Readings:
+        """What /metrics renders at a scrape: the last refresh's readings, with the SPEC.read_at_scrape
+        probes' (flows) newest read, read again now unless a read is younger than half an interval, as
+        node_exporter reads at scrape time. So two scrapes an interval apart never see the same read
+        (a flat step in rate()), and a burst of scrapes costs one read. The same object comes back
+        while nothing changed, so the exporter renders each reading once."""
+        last = self.readings
+        collectors = dict(last.collectors)
+        for name in self._read_at_scrape:
+            at = self._newest.get(name, (None, None))[0]
+            probe = self._probes.get(name)
+            if probe is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
+                self._read(name, probe, collectors)
+        fresh = {name: record for name, (_at, record) in self._newest.items()}
+        cached = self._scraped
+        if cached is not None and cached[0] is last and all(cached[1].records[n] is r for n, r in fresh.items()):
+            return cached[1]
+        readings = dataclasses.replace(last, records={**last.records, **fresh}, collectors=collectors)
+        self._scraped = (last, readings)
+        return readings
+
+    def _read(self, name: str, probe: Probe, collectors: dict[str, tuple[float, bool]]) -> Any:
+        record = self._collect(name, probe.read, collectors)
+        finished = time.monotonic()
+        if record is not None and name in self._read_at_scrape:
+            with self._newest_lock:  # the probe reads one at a time: the one that finished last read last
+                if finished >= self._newest.get(name, (0.0, None))[0]:
+                    self._newest[name] = (finished, record)
+        return record
 
     def _collect(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
         started = time.perf_counter()

@@ -44,14 +44,14 @@ from .loader import (
     tc_clsact_detach,
     tc_clsact_query,
 )
-from .metrics import Family
+from .metrics import Family, Series
 from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage
 from .names import ip_text
 from .netlink import LinkInfo, LinkWatcher, xdp_program_id
 from .probes import Probe, ProbeSpec
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from .config import Config
 
@@ -67,22 +67,32 @@ def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
                       idle_timeout=config.flow_idle_seconds, xdp_interfaces=list(config.xdp_interfaces))
 
 
-FLOW_LABELS = tuple((name, name) for name in (
-    "interface", "direction", "protocol", "local_address", "local_port", "remote_address", "remote_port"))
+FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
+                    "remote_port")
+FLOW_LABELS = tuple((name, name) for name in FLOW_LABEL_NAMES)
 _SIDE = (("interface", "interface"), ("direction", "direction"))
-# What `aiprobe_flow_*` sum the flows outside the top K into, per interface and direction.
-_OTHER = (("protocol", ""), ("local_address", ""), ("local_port", ""), ("remote_address", "other"),
-          ("remote_port", ""))
+
+
+def _top_flows(field: str) -> Callable[[int], Callable[[list[FlowsSnapshot]], list[Series]]]:
+    return lambda k: TopFlows(k, field)
+
+
 METRICS = (
-    Family("aiprobe_flow_bytes_total", "counter", "Bytes of a flow (L2 frame lengths as seen at XDP / tc), top "
-           "flows by rate; the rest summed per interface and direction as remote_address=\"other\".",
-           FlowRecord, "bytes", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
-    Family("aiprobe_flow_packets_total", "counter", "Packets of a flow; same selection as aiprobe_flow_bytes_total.",
-           FlowRecord, "packets", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
+    Family("aiprobe_flow_bytes_total", "counter",
+           "Wire bytes of a flow (L2 frames, Ethernet header included; a GSO/GRO batch counts each segment with "
+           "its headers) since it got its series: the top K flows by rate, sticky, and the rest per interface "
+           "and direction as remote_address=\"other\", so the series sum to aiprobe_interface_bytes_total.",
+           FlowsSnapshot, labels=FLOW_LABELS, series=_top_flows("bytes")),
+    Family("aiprobe_flow_packets_total", "counter",
+           "Wire packets (segments) of a flow; the same series as aiprobe_flow_bytes_total.",
+           FlowsSnapshot, labels=FLOW_LABELS, series=_top_flows("packets")),
     Family("aiprobe_interface_bytes_total", "counter",
-           "Bytes seen on an interface, expired and evicted flows included.", InterfaceTotals, "bytes", _SIDE),
-    Family("aiprobe_interface_packets_total", "counter", "Packets seen on an interface.", InterfaceTotals,
-           "packets", _SIDE),
+           "Wire bytes through an interface (as aiprobe_flow_bytes_total counts them), expired and evicted "
+           "flows and frames in no flow included. A veth or lo counter counts a GSO batch as one packet "
+           "with its headers once.", InterfaceTotals, "bytes", _SIDE),
+    Family("aiprobe_interface_packets_total", "counter",
+           "Wire packets (TCP/UDP segments, not skbs) through an interface; matches /proc/net/snmp segments.",
+           InterfaceTotals, "packets", _SIDE),
     Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
            FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
            expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
@@ -102,6 +112,7 @@ SPEC = ProbeSpec(
     config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "top_flows"),
     command="aiprobe.commands.flows:command",
     metrics=METRICS,
+    read_at_scrape=True,
 )
 # Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
 TC_MODES = tuple(s.name for s in SPEC.strategies)
@@ -303,6 +314,7 @@ class FlowsProbe(Probe):
         if not self._strategies:
             raise ValueError(f"unknown flows strategy {strategy!r}; one of {', '.join(TC_MODES)}")
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._attached: dict[int, _Attached] = {}
         self._watcher: LinkWatcher | None = None
         self._ledger = _Ledger()
@@ -323,6 +335,8 @@ class FlowsProbe(Probe):
             watcher.stop()
             raise
         self._ledger.recent.append(_Baseline(time.monotonic_ns()))
+        # Fixed at start, so first_seen is the same float in every read (it tells flow incarnations apart).
+        self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
         watcher.run_in_background()
 
@@ -376,9 +390,14 @@ class FlowsProbe(Probe):
     # --- reading ---
 
     def read(self) -> FlowsSnapshot:
+        """The flow table now. Safe from several threads (the agent's refresh, a scrape): one read
+        at a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
-        obj = self.loaded.obj
+        with self._read_lock:
+            return self._read(self.loaded.obj)
+
+    def _read(self, obj: BpfObject) -> FlowsSnapshot:
         now_ns = time.monotonic_ns()
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
@@ -387,8 +406,7 @@ class FlowsProbe(Probe):
         self._drop_stale(obj, live, now_ns)
         baseline = self._ledger.baseline(now_ns)
         interval = max(now_ns - baseline.at_ns, 1) / 1e9
-        to_wall = time.time() - time.monotonic()
-        flows = [self._record(key, c, baseline.flows.get(raw, (0, 0)), names, interval, to_wall)
+        flows = [self._record(key, c, baseline.flows.get(raw, (0, 0)), names, interval, self._to_wall)
                  for raw, (key, c) in live.items()]
         flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
         self._flow_count = len(live)
@@ -494,3 +512,74 @@ class FlowsProbe(Probe):
 
     def map_usage(self) -> list[MapUsage]:
         return [MapUsage("flows", self._flow_count, self.max_flows)]
+
+
+# --- what /metrics exports: the top K flows and the rest, adding up to the interface ---
+
+# Seconds a flow may rank outside the top K before it loses its series: a flow that dips below
+# the K-th for a refresh or two keeps its exact rate instead of flapping between its series and `other`.
+TOP_K_HOLD_SECONDS = 30.0
+
+
+@dataclass
+class _Member:
+    since: tuple[int, int]  # the flow's (bytes, packets) when it got its series
+    out_since: float | None = None  # when it last dropped out of the ranking's top K
+
+
+class TopFlows:
+    """The series of one flow counter ("bytes" or "packets"): at most K flows with their own series,
+    sticky (a flow keeps its series until it has ranked outside the top K by bytes/s for
+    TOP_K_HOLD_SECONDS, or left the flow table), counting from when the flow got its series, so its
+    rate is exact from the first sample and it takes nothing from `other`. `other` per interface and
+    direction is the interface counter minus those series: the series sum to the interface counter
+    in raw values at every read, and `other` never decreases (a flow that loses its series hands its
+    count to `other`; one that gets a series starts at 0)."""
+
+    def __init__(self, k: int, field: str) -> None:
+        self.k = k
+        self.index = ("bytes", "packets").index(field)
+        self._members: dict[tuple, _Member] = {}
+
+    def __call__(self, snapshots: list[FlowsSnapshot]) -> list[Series]:
+        return [series for snapshot in snapshots for series in self._series(snapshot)]
+
+    def _series(self, snapshot: FlowsSnapshot) -> list[Series]:
+        live = {_incarnation(f): f for f in snapshot.flows}
+        self._update_membership(live, snapshot.timestamp)
+        own = [(_labels(live[ident]), [float(_counts(live[ident])[self.index] - member.since[self.index])])
+               for ident, member in self._members.items()]
+        taken: Counter = Counter()
+        for labels, (value,) in own:
+            taken[labels[:2]] += value
+        other = [((t.interface, t.direction, "", "", "", "other", ""),
+                  [float(_counts(t)[self.index] - taken[(t.interface, t.direction)])]) for t in snapshot.interfaces]
+        return own + other
+
+    def _update_membership(self, live: dict[tuple, FlowRecord], now: float) -> None:
+        ranked = sorted(live, key=lambda ident: (live[ident].bytes_per_second, live[ident].bytes), reverse=True)
+        in_top = set(ranked[: self.k])
+        for ident, member in list(self._members.items()):
+            if ident in in_top:
+                member.out_since = None
+            elif member.out_since is None:
+                member.out_since = now
+            if ident not in live or (member.out_since is not None and now - member.out_since >= TOP_K_HOLD_SECONDS):
+                del self._members[ident]
+        for ident in ranked[: self.k]:
+            if len(self._members) >= self.k:
+                break
+            self._members.setdefault(ident, _Member(_counts(live[ident])))
+
+
+def _labels(f: FlowRecord) -> tuple[str, ...]:
+    return tuple(str(getattr(f, name)) for name in FLOW_LABEL_NAMES)
+
+
+def _incarnation(f: FlowRecord) -> tuple:
+    # first_seen tells a flow apart from an earlier one with the same key (expired, then back).
+    return (*_labels(f), f.first_seen)
+
+
+def _counts(record: FlowRecord | InterfaceTotals) -> tuple[int, int]:
+    return record.bytes, record.packets

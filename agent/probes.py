@@ -99,6 +99,8 @@ class ProbeSpec:
     runs_with: str | None = None
     # Cheap host-wide counters that run whatever the config selects.
     always: bool = False
+    # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.
+    read_at_scrape: bool = False
 
     @property
     def subcommand(self) -> str:

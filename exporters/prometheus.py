@@ -1,9 +1,10 @@
 """Prometheus exposition: the metric families that probes declare as tables over model records
-(`SPEC.metrics`, aiprobe.metrics.Family), plus the agent's own, rebuilt once per refresh so a
-scrape only serializes.
+(`SPEC.metrics`, aiprobe.metrics.Family), plus the agent's own, rendered at each scrape from the
+agent's readings (the counters of probes that are cheap to read, read then).
 
 Labels stay bounded: processes are labelled by name and container (never pid), flows only for the
-top K by rate with the rest summed per interface and direction into `remote_address="other"`.
+top K by rate with the rest summed per interface and direction into `remote_address="other"`
+(aiprobe.flows.TopFlows).
 Counters stay monotonic while their sources (processes, flows) come and go: the delta engine
 (aiprobe.deltas) adds each record's increase, by record identity, to its label set.
 
@@ -111,15 +112,20 @@ def _prometheus_buckets(bounds: Sequence[float], counts: Sequence[float]) -> lis
 class _FamilyView:
     """One Family rendered from one refresh's records, keeping what its counters need across refreshes."""
 
-    def __init__(self, family: Family) -> None:
+    def __init__(self, family: Family, top: int) -> None:
         self.family = family
         self.totals = Totals()
         self.bounds: list[float] = []  # histogram bucket bounds (fixed per probe)
+        self.series = family.series(top) if family.series is not None else None
 
-    def render(self, records: list[Any], top: int) -> Metric:
+    def render(self, records: list[Any]) -> Metric:
         family = self.family
-        sums = self._per_identity(records, top) if family.per_identity or family.top_by or \
-            family.kind == "histogram" else self._summed(records)
+        if self.series is not None:
+            sums = self.series(records)
+        elif family.per_identity or family.kind == "histogram":
+            sums = self._per_identity(records)
+        else:
+            sums = self._summed(records)
         metric = _metric(family.name, family.kind, family.help, family.label_names)
         for labels, values in sums:
             if family.kind == "histogram":
@@ -143,56 +149,52 @@ class _FamilyView:
                 current[i] += value
         return list(sums.items())
 
-    def _per_identity(self, records: list[Any], top: int) -> list[tuple[tuple[str, ...], list[float]]]:
-        """Counters and histograms through the delta engine; with `top_by`, the top records keep their
-        own values and the rest go to their label set's `rest` series."""
+    def _per_identity(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
+        """Counters and histograms through the delta engine."""
         family = self.family
-        own: list[tuple[tuple[str, ...], list[float]]] = []
-        if family.top_by:
-            records = sorted(records, key=lambda r: getattr(r, family.top_by), reverse=True)
-        for rank, record in enumerate(records):
+        for record in records:
             values = _values(family, record)
             if values is None:
                 continue
             if family.kind == "histogram":
                 self.bounds = [le for le, _ in value_of(record, family.value)]
-            if family.top_by and rank < top:
-                self.totals.deltas.increase(record.identity(), values)  # known, should it leave the top
-                own.append((family.label_values(record), values))
-                continue
-            self.totals.add(self._rest_labels(record), record.identity(), values)
+            self.totals.add(family.label_values(record), record.identity(), values)
         self.totals.end_round()
-        return own + [(labels, values) for labels, values in self.totals.sums.items()]
-
-    def _rest_labels(self, record: Any) -> tuple[str, ...]:
-        if not self.family.top_by:
-            return self.family.label_values(record)
-        rest = dict(self.family.rest)
-        return tuple(rest[label] if label in rest else str(value_of(record, getter))
-                     for label, getter in self.family.labels)
+        return list(self.totals.sums.items())
 
 
 class AgentCollector(Collector):
-    """prometheus_client collector serving the families built by the last `update()`."""
+    """prometheus_client collector. With a `source`, every scrape renders what it returns then, as
+    node_exporter reads at scrape time: a counter is never a refresh behind the scrape, so a 1 s
+    scrape never sees a flat step from refresh/scrape aliasing. Without one, it serves the families
+    of the last `update()`."""
 
-    def __init__(self, config: Config, *, build_info: dict[str, str]) -> None:
+    def __init__(self, config: Config, *, build_info: dict[str, str],
+                 source: Callable[[], Readings] | None = None) -> None:
         self._config = config
         self._build_info = build_info
-        self._lock = threading.Lock()
+        self._source = source
+        self._lock = threading.Lock()  # one render at a time, in the order of the readings
         self._families: list[Metric] = []
-        self._views = [_FamilyView(family) for spec in specs() for family in spec.metrics
+        self._rendered: Readings | None = None
+        self._views = [_FamilyView(family, config.top_flows) for spec in specs() for family in spec.metrics
                        if not family.option or getattr(config, family.option)]
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
+            readings = self._source() if self._source is not None else None
+            if readings is not None and readings is not self._rendered:
+                self._families, self._rendered = self._render(readings), readings
             return list(self._families)
 
     def update(self, readings: Readings) -> None:
-        families = self._agent_families(AGENT_FAMILIES, readings)
-        families += [view.render(readings.of(view.family.record), self._config.top_flows) for view in self._views]
-        families += self._agent_families(RULE_FAMILIES, readings)
         with self._lock:
-            self._families = families
+            self._families = self._render(readings)
+
+    def _render(self, readings: Readings) -> list[Metric]:
+        families = self._agent_families(AGENT_FAMILIES, readings)
+        families += [view.render(readings.of(view.family.record)) for view in self._views]
+        return families + self._agent_families(RULE_FAMILIES, readings)
 
     def _agent_families(self, table: Iterable[tuple[AgentFamily, Callable[[dict[str, str], Readings], Samples]]],
                         readings: Readings) -> list[Metric]:

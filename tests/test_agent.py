@@ -92,9 +92,7 @@ def test_ten_thousand_flows_stay_within_top_k_series(tmp_path: Path, veth: VethP
         def flow_series() -> list[str]:
             return [line for line in agent.metrics().splitlines() if line.startswith("aiprobe_flow_bytes_total{")]
 
-        assert wait_until(lambda: any('remote_address="other"' in line for line in flow_series()), timeout=15)
-        snapshot_flows = agent.snapshot()["flows"]
-        assert len(snapshot_flows) > top_k
+        assert wait_until(lambda: len(agent.snapshot()["flows"]) > top_k, timeout=15)
         series = flow_series()
         # top K flows, plus one "other" series per interface and direction
         assert len(series) <= top_k + 2, len(series)

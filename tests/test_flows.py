@@ -7,6 +7,7 @@ Every probe here watches only the test's own interfaces, so traffic of parallel 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -690,3 +691,85 @@ def test_loopback_is_watched_when_asked() -> None:
             flow = _flow(snapshot, direction, "udp", port, port)
             assert (flow.packets, flow.bytes) == (COUNT, COUNT * frame)
 
+
+# --- /metrics against a real Prometheus scraping every second, while flows churn and expire ---
+
+CHURN_SENDER = """
+import json, socket, sys, time
+host, steady_port, churn_base, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+RATE, PAYLOAD = 400, bytes(1000)  # the steady flow: datagrams per second
+# Each second a new set of churn flows starts at these fractions of the steady rate and stops a second later:
+# the fastest outranks the steady flow, the others do not.
+CHURN = (1.5, 0.8, 0.5)
+
+
+def udp(port):  # unconnected: the host's port unreachable replies must not fail the next send
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    return lambda: s.sendto(PAYLOAD, (host, port))
+
+
+steady, sent, start = udp(steady_port), 0, time.monotonic()
+churn, period = [], -1
+churn_sent = []
+while (elapsed := time.monotonic() - start) < seconds:
+    if int(elapsed) != period:
+        period = int(elapsed)
+        churn = [udp(churn_base + 10 * period + j) for j in range(len(CHURN))]
+        churn_sent = [0] * len(CHURN)
+    while sent < int(elapsed * RATE):
+        steady()
+        sent += 1
+    for j, share in enumerate(CHURN):
+        while churn_sent[j] < int((elapsed - period) * RATE * share):
+            churn[j]()
+            churn_sent[j] += 1
+    time.sleep(0.002)
+print(json.dumps({"datagrams": sent, "seconds": time.monotonic() - start}), flush=True)
+"""
+CHURN_SECONDS = 14
+
+
+def _samples(prom: object, promql: str) -> dict[tuple, dict[float, float]]:
+    """Raw samples of every series matching `promql`: {labels: {scrape timestamp: value}}."""
+    return {tuple(sorted(series["metric"].items())): {float(t): float(v) for t, v in series["values"]}
+            for series in prom.query(f"{promql}[{CHURN_SECONDS + 30}s]")}
+
+
+def test_flow_series_add_up_to_the_interface_at_every_scrape_while_flows_churn(
+    tmp_path: Path, veth: VethPair
+) -> None:
+    from servers import Agent, Prometheus
+
+    steady_port, churn_base = 7000, 20000
+    config = (f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\ntop_flows = 2\n'
+              "flow_idle_seconds = 2.0\n")
+    with Agent(tmp_path, config) as agent, Prometheus(tmp_path, [agent.target]) as prom:
+        prom.wait_for_series(f'aiprobe_interface_bytes_total{{interface="{veth.host}"}}')
+        started = time.time()
+        sender = veth.ns_run([sys.executable, "-c", CHURN_SENDER, veth.host_ip4, str(steady_port), str(churn_base),
+                              str(CHURN_SECONDS)])
+        stopped = time.time()
+        time.sleep(3)  # two more scrapes, and the churn flows expire
+        selector = f'{{interface="{veth.host}",direction="ingress"}}'
+        flows = _samples(prom, f"aiprobe_flow_bytes_total{selector}")
+        (interface,) = _samples(prom, f"aiprobe_interface_bytes_total{selector}").values()
+    scrapes = sorted(interface)
+    # Raw values at every scrape: the flow series (top K and "other") sum to the interface counter.
+    for at in scrapes:
+        assert sum(series.get(at, 0.0) for series in flows.values()) == interface[at], at
+    # Counters: never down; with steady traffic, never flat from one 1 s scrape to the next.
+    for series in [interface, *flows.values()]:
+        values = [series[at] for at in sorted(series)]
+        assert values == sorted(values)
+    busy = [at for at in scrapes if started + 2 <= at <= stopped]  # the sender takes a moment to start
+    assert len(busy) >= CHURN_SECONDS - 4
+    assert all(interface[b] > interface[a] for a, b in itertools.pairwise(busy))
+    # The steady flow stays in the top K once in (sticky), and its counter keeps its exact pace.
+    (steady,) = [s for labels, s in flows.items() if ("local_port", str(steady_port)) in labels]
+    held = sorted(steady)
+    assert held == [at for at in scrapes if held[0] <= at <= held[-1]]
+    assert set(busy) <= set(held)
+    truth = json.loads(sender.stdout)
+    frame_rate = truth["datagrams"] / truth["seconds"] * (1000 + 42)
+    measured = (steady[busy[-1]] - steady[busy[0]]) / (busy[-1] - busy[0])
+    assert measured == pytest.approx(frame_rate, rel=0.1)

@@ -70,7 +70,7 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
 
     agent = Agent(config, on_transitions=on_transitions)
     collector = AgentCollector(config, build_info={"version": __version__, "kernel": kernel_release(),
-                                                   "libbpf": libbpf.version()})
+                                                   "libbpf": libbpf.version()}, source=agent.scrape_readings)
     try:
         server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy)
     except OSError as exc:
@@ -80,12 +80,10 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
         for name, status in agent.status.items():
             log.info("probe %s: %s", name, status.strategy if status.up else f"unavailable ({status.reason})")
         agent.refresh()
-        collector.update(agent.readings)
         server.start()
         log.info("serving http://%s:%d/metrics (pid %d)", config.listen_address[0], server.port, os.getpid())
         for _ in ticks(None, config.interval_seconds):
             agent.refresh()
-            collector.update(agent.readings)
             if pusher is not None:
                 pusher.update(agent.alerts, changed=False)  # keeps resends current
     finally:
