@@ -96,6 +96,15 @@ METRICS = (
     Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
            FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
            expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
+    Family("aiprobe_flow_evictions_total", "counter",
+           "Flows evicted from the full flow table to make room (their counts stay in the interface totals).",
+           FlowsSnapshot, "evictions"),
+    Family("aiprobe_flow_insert_failures_total", "counter",
+           "New flows that found the flow table full (their frames count in the interface totals only).",
+           FlowsSnapshot, "insert_failures"),
+    Family("aiprobe_flow_lost_frames_total", "counter",
+           "Frames counted nowhere, not even in the interface totals (the per-interface table was full).",
+           FlowsSnapshot, "lost_frames"),
 )
 
 SPEC = ProbeSpec(
@@ -319,6 +328,8 @@ class FlowsProbe(Probe):
         self._watcher: LinkWatcher | None = None
         self._ledger = _Ledger()
         self._flow_count = 0
+        self._unattributed_count = 0
+        self._last_snapshot: FlowsSnapshot | None = None
 
     # --- life cycle ---
 
@@ -411,8 +422,9 @@ class FlowsProbe(Probe):
         flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
         self._flow_count = len(live)
         unattributed = self._unattributed(obj, names)
+        self._unattributed_count = len(unattributed)
         self._ledger.recent.append(_Baseline(now_ns, {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()}))
-        return FlowsSnapshot(
+        self._last_snapshot = FlowsSnapshot(
             timestamp=time.time(),
             interval_seconds=interval,
             flows=flows,
@@ -423,6 +435,7 @@ class FlowsProbe(Probe):
             lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
+        return self._last_snapshot
 
     def _live_flows(self, obj: BpfObject, names: dict[int, str]) -> dict[bytes, tuple[Any, Any]]:
         """The flow table (struct flow_counters per flow); flows of interfaces we no longer watch
@@ -511,7 +524,16 @@ class FlowsProbe(Probe):
         ]
 
     def map_usage(self) -> list[MapUsage]:
-        return [MapUsage("flows", self._flow_count, self.max_flows)]
+        """The flow table's overflows are its evictions and failed inserts (whose frames still count
+        in the interface totals); the unattributed table's are frames counted nowhere."""
+        last = self._last_snapshot
+        return [
+            MapUsage("flows", self._flow_count, self.max_flows,
+                     last.evictions + last.insert_failures if last is not None else 0),
+            MapUsage("unattributed", self._unattributed_count,
+                     self.loaded.obj.maps["unattributed"].max_entries if self.loaded is not None else 0,
+                     last.lost_frames if last is not None else 0),
+        ]
 
 
 # --- what /metrics exports: the top K flows and the rest, adding up to the interface ---

@@ -308,15 +308,19 @@ class ProbeStatus(Record):
     strategy: str | None = None
     span: str = ""
     reason: str = ""
+    # What each bounded map of the probe could not hold since it started (MapUsage.overflows), where any.
+    overflows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class MapUsage(Record):
-    """How full a bounded BPF map is (exported as aiprobe_bpf_map_entries / _capacity)."""
+    """How full a bounded BPF map is (exported as aiprobe_bpf_map_entries / _capacity), and what it
+    could not hold: entries that failed to insert or were evicted (monotonic; _overflows_total)."""
 
     map: str
     entries: int
     capacity: int
+    overflows: int = 0
 
 
 @dataclass

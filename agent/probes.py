@@ -56,7 +56,8 @@ class Probe:
         """Running (with its strategy and what it measures), or why not."""
         if self.loaded is None:
             return ProbeStatus(False, reason="not started")
-        return ProbeStatus(True, self.loaded.strategy.name, self.loaded.strategy.span)
+        overflows = {usage.map: usage.overflows for usage in self.map_usage() if usage.overflows}
+        return ProbeStatus(True, self.loaded.strategy.name, self.loaded.strategy.span, overflows=overflows)
 
     def map_usage(self) -> list[MapUsage]:
         return []

@@ -167,10 +167,13 @@ def header_lines(snapshot: dict) -> list[str]:
         f"{name}:{probe.get('strategy') if probe.get('up') else 'DOWN'}"
         for name, probe in (snapshot.get("probes") or {}).items()
     )
+    lost = " ".join(f"{name}.{table}:{count}" for name, probe in (snapshot.get("probes") or {}).items()
+                    for table, count in (probe.get("overflows") or {}).items())
     return [
         f"{host.get('hostname', '?')} · kernel {host.get('kernel', '?')} · {gpus} GPU{'s' if gpus != 1 else ''}"
         f" · alerts: {states.count('firing')} firing, {states.count('pending')} pending",
         f"probes: {probes or 'none'}",
+        *([f"LOST (full BPF tables: entries evicted or never stored): {lost}"] if lost else []),
     ]
 
 

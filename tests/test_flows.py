@@ -27,6 +27,7 @@ from aiprobe.flows import MIN_RATE_WINDOW_NS, TC_HANDLE, FlowsProbe
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject
 from aiprobe.model import FlowRecord, FlowsSnapshot
+from aiprobe.top_views import header_lines
 from conftest import VethPair, programs_on, run, unique, wait_until
 from fixtures import flows_frames as frames
 
@@ -654,10 +655,14 @@ def test_more_flows_than_the_table_holds_are_counted_not_lost(veth: VethPair) ->
             s.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, port))
         second = probe.read()
         sent = _stat(veth.host, "tx_packets") - before
+        usage, status = probe.map_usage()[0], probe.status()
     assert first.insert_failures > 0 and first.evictions > 0
     assert second.insert_failures > first.insert_failures and second.evictions > first.evictions
     assert len(second.flows) <= capacity
-    assert probe.map_usage()[0].capacity == capacity
+    # What was lost is said: the table's overflows, in the probe's status (the snapshot, top's header).
+    assert (usage.map, usage.capacity) == ("flows", capacity)
+    assert usage.overflows == second.insert_failures + second.evictions == status.overflows["flows"]
+    assert "LOST" in header_lines({"probes": {"flows": status.to_dict()}})[-1]
     # Flows evicted or never inserted still count toward the interface.
     assert 2 * flows <= _totals(second, veth.host, "egress")[1] <= sent + 2
 
