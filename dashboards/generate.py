@@ -162,7 +162,7 @@ def network_flows() -> dict:
     flow_key = "instance, interface, direction, protocol, local_address, local_port, remote_address, remote_port"
     interface = label_variable("interface", "interface", "aiprobe_interface_bytes_total", TARGET)
     return dashboard("aiprobe-network-flows", "aiprobe / Network flows",
-                     "Per-flow and per-interface throughput from XDP (ingress) and tc (egress).", [
+                     "Per-flow and per-interface throughput (wire packets and bytes) from tc ingress and egress.", [
         Panel("Top flows by throughput", [
             Target(f"topk(20, {rate('aiprobe_flow_bytes_total', selector, flow_key)})", instant=True)],
               kind="table", unit="Bps", width=24,
