@@ -1,6 +1,11 @@
-"""Per-flow throughput against the real kernel: XDP and tc on a veth into a namespace, real UDP and
-TCP traffic, raw VLAN frames, interface hotplug, clean detach after SIGTERM / SIGKILL, coexistence
-with foreign programs, malformed frames through BPF_PROG_TEST_RUN, and a flow table run full.
+"""Per-flow throughput against the real kernel: tc on a veth into a namespace, real UDP and TCP
+traffic, raw VLAN frames, interface hotplug, clean detach after SIGTERM / SIGKILL, coexistence with
+foreign programs, malformed frames through BPF_PROG_TEST_RUN, and a flow table run full.
+
+Each figure against an independent truth: the datagrams and bytes the test sent, each namespace's
+/proc/net/snmp segment counts and the interface counters (iperf3 with TSO/GSO on), iperf3's own
+rate, `ethtool -k` for the offloads the probe must leave alone, and a real Prometheus scraping the
+agent every second while flows churn and expire.
 
 Every probe here watches only the test's own interfaces, so traffic of parallel tests never counts.
 """
