@@ -1,21 +1,25 @@
-"""The inputs of two built-in rules, end to end through a real agent: each rule fires from real
-traffic (or the fake NVML's GPUs) and resolves when it stops, and its evidence matches the kernel's
-own counters.
+"""Built-in rules end to end through a real agent: each fires from real traffic (or the fake NVML's
+GPUs) and resolves when it stops, and its evidence matches the kernel's own counters.
 
 - gpu_idle_with_traffic reads the interfaces' ingress rate from the snapshot (it could never fire
   while the interface rows had no rate);
 - listen_queue_overflow counts TcpExt ListenDrops alone (the kernel counts every ListenOverflows
-  in ListenDrops too: their sum counted each overflow twice).
+  in ListenDrops too: their sum counted each overflow twice);
+- tcp_retransmits_high from real losses on a veth.
+
+network_send_stall is tested in test_agent.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -135,3 +139,79 @@ def test_snapshot_interface_rows_carry_their_rate(tmp_path: Path, veth: VethPair
             flood.wait(20)
         time.sleep(2.5)
         assert ingress_rate() < 10_000
+
+
+# --- tcp_retransmits_high: segments lost on the wire, retransmitted by the kernel ---
+
+
+DROPPER = """
+import ctypes, socket, sys
+from aiprobe.libbpf import BPF_TCX_INGRESS, call
+
+
+class Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("regs", ctypes.c_uint8), ("off", ctypes.c_int16), ("imm", ctypes.c_int32)]
+
+
+one_in = int(sys.argv[2])
+insns = (Insn * 7)(
+    Insn(0x85, 0, 0, 7),  # r0 = bpf_get_prandom_u32()
+    Insn(0x57, 0, 0, one_in - 1),  # r0 &= one_in - 1
+    Insn(0x55, 0, 2, 0),  # if r0 != 0 goto pass
+    Insn(0xB7, 0, 0, 2),  # r0 = TC_ACT_SHOT
+    Insn(0x95, 0, 0, 0),  # exit
+    Insn(0xB7, 0, 0, 0),  # pass: r0 = TC_ACT_OK
+    Insn(0x95, 0, 0, 0),  # exit
+)
+prog = call("bpf_prog_load", 3, b"aipt_drop", b"GPL", insns, len(insns), None)  # BPF_PROG_TYPE_SCHED_CLS
+link = call("bpf_link_create", prog, socket.if_nametoindex(sys.argv[1]), BPF_TCX_INGRESS, None)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes it; the link goes with this process
+"""
+
+
+@contextlib.contextmanager
+def dropping_ingress(veth: VethPair, one_in: int) -> Iterator[None]:
+    """Drops one frame in `one_in` at random as the peer receives it (this kernel has neither netem
+    nor gact): losses on the wire, which the sender must retransmit."""
+    dropper = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", DROPPER, veth.peer, str(one_in)]),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert dropper.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        dropper.stdin.close()
+        dropper.wait(10)
+
+
+TCP_SINK = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 5001))
+print("ready", flush=True)
+conn, _ = server.accept()
+while conn.recv(1 << 20):
+    pass
+"""
+
+
+def test_tcp_retransmits_high_fires_on_real_losses_and_resolves(tmp_path: Path, veth: VethPair) -> None:
+    """One frame in 16 that the host sends is lost before the peer gets it: the host retransmits
+    (the root namespace's RetransSegs / OutSegs, which the rule reads)."""
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n' \
+             "[rules.tcp_retransmits_high]\nfor_seconds = 0\n"
+    sink = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", TCP_SINK, veth.peer_ip4]), stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        with Agent(tmp_path, config) as agent, dropping_ingress(veth, 16), \
+                socket.create_connection((veth.peer_ip4, 5001), timeout=10) as conn:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and "firing" not in _states(agent, "tcp_retransmits_high", "host"):
+                conn.sendall(bytes(1 << 20))
+            assert "firing" in _states(agent, "tcp_retransmits_high", "host")
+            conn.close()
+            assert wait_until(lambda: "resolved" in _states(agent, "tcp_retransmits_high", "host"), timeout=20)
+    finally:
+        sink.kill()
+    fired = next(e for e in _transitions(agent, "tcp_retransmits_high") if e["state"] == "firing")
+    assert fired["evidence"]["retransmit_ratio"] > 0.02 and fired["evidence"]["segments_sent"] >= 100
