@@ -279,8 +279,8 @@ class _Ledger:
     """What read() remembers: recent reads' totals (for rates), and counts of flows gone from the map."""
 
     recent: deque[_Baseline] = field(default_factory=deque)  # oldest first
-    retired_bytes: Counter = field(default_factory=Counter)  # (ifindex, direction) -> bytes
-    retired_packets: Counter = field(default_factory=Counter)
+    retired_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (ifindex, direction) -> bytes
+    retired_packets: Counter[tuple[int, int]] = field(default_factory=Counter)
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
