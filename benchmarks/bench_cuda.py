@@ -79,7 +79,7 @@ def _probed(libdir: Path) -> tuple[float, float]:
 
 def run() -> list[Result]:
     FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
-    libdir, _ = build(CBuild(FIXTURE_BUILD))
+    libdir = build(CBuild(FIXTURE_BUILD)).libdir
     _ns_per_call(libdir, CALLS_DETACHED)  # warm-up: page cache, CPU frequency
     cases = {
         "detached": lambda: (_ns_per_call(libdir, CALLS_DETACHED), 0.0),

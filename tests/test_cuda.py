@@ -17,18 +17,21 @@ from pathlib import Path
 
 import pytest
 from aiprobe.cuda import (
+    DRIVER,
+    RUNTIME,
+    STATIC_RUNTIME,
     CLOCK_TICKS,
     CudaProbe,
     LibraryScanner,
     MappedLibrary,
-    mapped_libcuda,
+    mapped_cuda_libraries,
     process_record,
 )
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.histogram import log2_buckets
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from conftest import fd_id, link_ids
-from fixtures.cuda_fake import Driver, LateLoader, build
+from fixtures.cuda_fake import Driver, FakeCuda, LateLoader, build, counters
 
 ALTERNATIONS, LAUNCHES, SYNCS = 1000, 500, 100
 SYNC_US = 2500  # lands in log2 bucket [2^21, 2^22) ns = [2.10, 4.19) ms
@@ -36,8 +39,8 @@ SYNC_BUCKET_LE = 2**22 / 1e9
 
 
 @pytest.fixture(scope="module")
-def cuda_libs(cbuild) -> tuple[Path, Path]:
-    """Two copies (two inodes) of the fake libcuda.so.1; the driver program sits next to the first."""
+def cuda_libs(cbuild) -> FakeCuda:
+    """The fake CUDA stack: libcuda.so.1 (two copies: two inodes), libcudart.so.12, the programs."""
     return build(cbuild)
 
 
@@ -99,10 +102,10 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
 
     try:
         expect("watching for processes")
-        driver = Driver(cuda_libs[0], ALTERNATIONS, LAUNCHES, SYNCS, sync_us=SYNC_US)
+        driver = Driver(cuda_libs.libdir, ALTERNATIONS, LAUNCHES, SYNCS, sync_us=SYNC_US)
         drivers.append(driver)
         expect(f"probing {driver.library}")
-        assert driver.go().startswith("done")
+        truth = counters(driver.go())
         cli.send_signal(signal.SIGINT)
         out, _ = cli.communicate(timeout=30)
     finally:
@@ -114,8 +117,14 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
     [process] = [p for p in report["processes"] if p["pid"] == driver.pid]
     assert process["comm"] == "cuda_driver"
     assert process["library"] == driver.library
+    # Every change the fake driver counted itself: the alternations, and the two made by creating
+    # contexts (a created context is pushed over the current one) and making the first current.
+    assert truth["ctx_changes"] == ALTERNATIONS + 2
     assert (process["context_switches"], process["kernel_launches"], process["syncs"]) == \
-        (ALTERNATIONS, LAUNCHES, SYNCS)
+        (truth["ctx_changes"], LAUNCHES, SYNCS)
+    assert [process[f"{kind}_syncs"] for kind in ("stream", "device", "event")] == \
+        [truth[f"{kind}_syncs"] for kind in ("stream", "device", "event")]
+    assert (process["graph_launches"], process["runtime_launches"], process["counted_at"]) == (0, 0, "driver")
     assert process["gpu_threads"] == 1
     # Every sync slept SYNC_US: none is shorter, nearly all land in its log2 bucket.
     buckets = _bucket_counts(process["sync_histogram"])
@@ -128,18 +137,18 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
 @pytest.mark.bpf
 def test_two_copies_of_the_library_are_probed_and_counted_separately(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2) as probe:
-        first = Driver(cuda_libs[0], 10, 20, 3)
+        first = Driver(cuda_libs.libdir, 10, 20, 3)
         drivers.append(first)
-        second = Driver(cuda_libs[1], 30, 40, 5)
+        second = Driver(cuda_libs.copy_dir, 30, 40, 5)
         drivers.append(second)
         _wait_attached(probe, first.library, second.library)
-        first.go()
-        second.go()
+        truths = [counters(first.go()), counters(second.go())]
         by_pid = {p.pid: p for p in probe.read().processes}
         libraries = probe.libraries
     assert len({lib.host_path for lib in libraries if lib.path in (first.library, second.library)}) == 2
-    for driver, counts in ((first, (10, 20, 3)), (second, (30, 40, 5))):
+    for driver, truth, counts in ((first, truths[0], (12, 20, 3)), (second, truths[1], (32, 40, 5))):
         process = by_pid[driver.pid]
+        assert truth["ctx_changes"] == counts[0]
         assert (process.context_switches, process.kernel_launches, process.syncs) == counts
         assert process.library == driver.library
 
@@ -150,7 +159,7 @@ def test_each_scheduler_strategy_times_wakeups_of_gpu_threads(cuda_libs, drivers
     [strategy] = [s for s in CUDA_STRATEGIES if s.name == f"uprobe+{sched.name}"]
     with CudaProbe(rescan_interval=0.2, strategies=[strategy]) as probe:
         assert probe.sched_strategy == sched.name
-        driver = Driver(cuda_libs[0], 0, 0, 20, sync_us=500)
+        driver = Driver(cuda_libs.libdir, 0, 0, 20, sync_us=500)
         drivers.append(driver)
         _wait_attached(probe, driver.library)
         driver.go()
@@ -178,14 +187,14 @@ def _runqueue_delay(probe: CudaProbe, cpu: int, libdir: Path, drivers: list[Driv
 def test_cpu_hog_next_to_a_gpu_thread_raises_its_runqueue_delay(cuda_libs, drivers) -> None:
     cpu = max(os.sched_getaffinity(0))
     with CudaProbe(rescan_interval=0.2) as probe:
-        alone, _ = _runqueue_delay(probe, cpu, cuda_libs[0], drivers)
+        alone, _ = _runqueue_delay(probe, cpu, cuda_libs.libdir, drivers)
         # Two busy loops on the same CPU leave the launch loop a third of it at most, so it waits
         # about twice as long as it runs, whatever else the machine is doing.
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
         try:
             for hog in hogs:
                 os.sched_setaffinity(hog.pid, {cpu})
-            contended, preemptions = _runqueue_delay(probe, cpu, cuda_libs[0], drivers)
+            contended, preemptions = _runqueue_delay(probe, cpu, cuda_libs.libdir, drivers)
         finally:
             for hog in hogs:
                 hog.kill()
@@ -199,7 +208,7 @@ def test_cpu_hog_next_to_a_gpu_thread_raises_its_runqueue_delay(cuda_libs, drive
 def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> None:
     probe = CudaProbe(rescan_interval=0.2)
     probe.start()
-    driver = Driver(cuda_libs[0], 2, 2, 2)
+    driver = Driver(cuda_libs.libdir, 2, 2, 2)
     drivers.append(driver)
     _wait_attached(probe, driver.library)
     ours = {link.fd for link in probe.loaded.obj.links}
@@ -228,7 +237,7 @@ def _counters(process) -> tuple[int, ...]:
 def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2, max_threads=MAX_THREADS) as probe:
         assert probe.loaded.obj.maps["threads"].max_entries == MAX_THREADS
-        driver = Driver(cuda_libs[0], "threads", WAVES, WIDTH, THREAD_LAUNCHES, sync_us=3000)
+        driver = Driver(cuda_libs.libdir, "threads", WAVES, WIDTH, THREAD_LAUNCHES, sync_us=3000)
         drivers.append(driver)
         _wait_attached(probe, driver.library)
         runner = threading.Thread(target=driver.go)
@@ -243,7 +252,8 @@ def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_lib
         entries = probe.loaded.obj.maps["processes"].lookup(driver.pid), _thread_entries(probe, driver.pid)
     threads = WAVES * WIDTH
     # The last read that reported the process had its final values.
-    assert readings[-1][:4] == (threads, threads * THREAD_LAUNCHES, threads, threads + 1)  # + the main thread
+    # Each thread changes a -> b once; the main thread twice (creating b over a, then making a current).
+    assert readings[-1][:4] == (threads + 2, threads * THREAD_LAUNCHES, threads, threads + 1)  # + the main thread
     assert entries == (None, 0)
     assert len(readings) >= 3
     for earlier, later in itertools.pairwise(readings):
@@ -253,7 +263,7 @@ def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_lib
 @pytest.mark.bpf
 def test_a_library_dlopened_later_is_found(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2) as probe:
-        loader = LateLoader(cuda_libs[1], 300)
+        loader = LateLoader(cuda_libs.copy_dir, 300)
         drivers.append(loader)
         time.sleep(1.0)  # scanned several times without libcuda
         assert loader.library not in {lib.path for lib in probe.libraries}
@@ -313,11 +323,14 @@ def test_process_entry_becomes_a_record() -> None:
     slots = [0] * 36
     slots[10], slots[20] = 2, 2
     hist = {"slots": slots, "count": 4, "sum_ns": 2 * 2**10 + 2 * 2**20}
-    entry = {"comm": b"python\0\0", "gpu_threads": 2, "context_switches": 7, "kernel_launches": 2,
-             "involuntary_preemptions": 0, "sync": hist, "runqueue": hist}
+    entry = {"comm": b"python\0\0", "gpu_threads": 2, "thread_ctx_changes": 7, "kernel_launches": 2,
+             "graph_launches": 3, "runtime_launches": 4, "involuntary_preemptions": 0, "sync": hist,
+             "runqueue": hist, "sync_count": [1, 2, 1], "sync_ns": [10**9, 2, 3]}
     process = process_record(9, entry, "/lib/libcuda.so.1")
     assert (process.comm, process.context_switches, process.kernel_launches, process.gpu_threads) == \
         ("python", 7, 2, 2)
+    assert (process.graph_launches, process.counted_at, process.stream_sync_seconds_sum) == (3, "runtime+driver", 1.0)
+    assert (process.stream_syncs, process.device_syncs, process.event_syncs) == (1, 2, 1)
     assert process.syncs == 4
     assert process.sync_histogram[10] == (2**11 / 1e9, 2)
     assert process.sync_histogram[20] == (2**21 / 1e9, 4)
@@ -326,19 +339,39 @@ def test_process_entry_becomes_a_record() -> None:
     assert log2_buckets([1, 0, 2])[-1] == (float("inf"), 3)
 
 
-def test_maps_parsing_finds_libcuda_and_ignores_cudart(tmp_path) -> None:
-    library = tmp_path / "libcuda.so.535.104.05"
-    library.write_bytes(b"")
-    st = library.stat()
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+def _maps_line(path: Path, address: str) -> str:
+    st = path.stat()
+    return f"{address} r-xp 00000000 {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} {path}\n"
+
+
+def test_maps_parsing_finds_the_driver_and_runtimes_wherever_they_are(tmp_path) -> None:
+    files = {
+        "driver": tmp_path / "usr/lib/libcuda.so.535.104.05",
+        "wheel": tmp_path / "site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+        "torch": tmp_path / "site-packages/torch/lib/libcudart-9335f6a2.so.12",
+        "other": tmp_path / "usr/lib/libcudnn.so.9",
+    }
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
     maps = tmp_path / "77" / "maps"
     maps.parent.mkdir()
-    maps.write_text(
-        f"7f0000000000-7f0000001000 r-xp 00000000 {dev} 1 /usr/lib/libcudart.so.12\n"
-        f"7f0000002000-7f0000003000 r-xp 00000000 {dev} {st.st_ino} {library}\n"
-    )
-    found = mapped_libcuda(77, tmp_path)
-    assert found == MappedLibrary(77, str(library), st.st_dev, st.st_ino, "7f0000002000-7f0000003000")
+    maps.write_text("".join(_maps_line(path, f"7f00000{i}0000-7f00000{i}1000") for i, path in enumerate(files.values())))
+    found = {lib.path: lib.kind for lib in mapped_cuda_libraries(77, tmp_path)}
+    assert found == {str(files["driver"]): DRIVER, str(files["wheel"]): RUNTIME, str(files["torch"]): RUNTIME}
+    [driver] = [lib for lib in mapped_cuda_libraries(77, tmp_path) if lib.kind == DRIVER]
+    assert driver.key == (files["driver"].stat().st_dev, files["driver"].stat().st_ino)
     # The process's root does not lead to that inode here: fall back to the mapping itself.
-    assert found.host_path(tmp_path) == f"{tmp_path}/77/map_files/7f0000002000-7f0000003000"
-    assert mapped_libcuda(78, tmp_path) is None
+    assert driver.host_path(tmp_path) == f"{tmp_path}/77/map_files/{driver.address}"
+    assert mapped_cuda_libraries(78, tmp_path) == []
+
+
+def test_an_executable_mapping_libcuda_without_libcudart_is_a_static_runtime_candidate(tmp_path) -> None:
+    exe, driver = tmp_path / "server", tmp_path / "libcuda.so.1"
+    for path in (exe, driver):
+        path.write_bytes(b"")
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "exe").symlink_to(exe)
+    (tmp_path / "5" / "maps").write_text(_maps_line(exe, "5600-5700") + _maps_line(driver, "7f00-7f10"))
+    assert {(lib.path, lib.kind) for lib in mapped_cuda_libraries(5, tmp_path)} == \
+        {(str(exe), STATIC_RUNTIME), (str(driver), DRIVER)}
