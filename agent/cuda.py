@@ -518,18 +518,20 @@ class _LaunchRates:
     """Launches per context since the previous read (a context that launched is active)."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[int, int], tuple[int, float]] = {}
+        self._last: dict[tuple[int, int], int] = {}
+        self._last_read = time.monotonic()
 
     def update(self, key: tuple[int, int], launches: int, now: float) -> tuple[int, float]:
-        """(launches added, per second) since the previous update; a context seen for the first
-        time counts all its launches, over the time since its process's first read."""
-        previous, at = self._last.get(key, (0, now))
-        self._last[key] = (launches, now)
-        added = launches - previous if launches >= previous else launches  # LRU evicted and back
-        return added, added / (now - at) if now > at else 0.0
+        """(launches added, per second) since the previous read; a context seen for the first time
+        launched all of its launches since then."""
+        previous = self._last.get(key, 0)
+        self._last[key] = launches
+        added = launches - previous if launches >= previous else launches  # LRU-evicted and back
+        return added, added / (now - self._last_read) if now > self._last_read else 0.0
 
-    def keep(self, keys: set[tuple[int, int]]) -> None:
+    def read_done(self, keys: set[tuple[int, int]], now: float) -> None:
         self._last = {key: value for key, value in self._last.items() if key in keys}
+        self._last_read = now
 
 
 # ---- the probe ----
@@ -680,11 +682,13 @@ class CudaProbe(Probe):
             if pid not in visible:
                 visible[pid] = visible_devices(pid, self._proc)
             launches = entry["kernel_launches"] + entry["graph_launches"]
+            if not launches:  # known (created, retained) but never launched on
+                continue
             added, rate = self._launches.update((pid, key.ctx), launches, now)
             contexts.append(CudaContext(pid, context_name(key.ctx), entry["device"],
                                         physical_gpu(entry["device"], visible[pid]), entry["kernel_launches"],
                                         entry["graph_launches"], rate, added > 0))
-        self._launches.keep(seen)
+        self._launches.read_done(seen, now)
         return sorted(contexts, key=lambda c: (c.gpu, c.pid, c.context))
 
     def _forget(self, pids: set[int]) -> None:
@@ -731,9 +735,15 @@ def print_table(snapshot: CudaSnapshot) -> None:
                    f"{_seconds(p.runqueue_delay_p99_seconds):>10} {p.involuntary_preemptions:>8} {p.library}")
 
 
+def printable(name: str) -> str:
+    """A name another process chose, safe on a terminal: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
 def _announce(library: AttachedLibrary) -> None:
     outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
-    click.echo(f"aiprobe cuda: probing {library.path} via {library.host_path} ({outcome})", err=True)
+    click.echo(f"aiprobe cuda: probing {library.kind} {printable(library.path)} via "
+               f"{printable(library.host_path)} ({outcome})", err=True)
 
 
 @click.command()

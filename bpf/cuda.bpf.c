@@ -376,8 +376,11 @@ static __always_inline void count_launch(bool graph, bool runtime)
 
 	if (!current_caller(&c))
 		return;
-	if (!runtime && c.thread && c.thread->runtime_depth)
+	if (c.thread && c.thread->runtime_depth) { /* inside a runtime call that counted it */
+		if (runtime)
+			c.thread->runtime_depth++; /* its uretprobe pairs with this */
 		return;
+	}
 	p = c.process;
 	__sync_fetch_and_add(graph ? &p->graph_launches : &p->kernel_launches, 1);
 	if (runtime)

@@ -7,7 +7,10 @@ import itertools
 import json
 import os
 import queue
+import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -17,21 +20,30 @@ from pathlib import Path
 
 import pytest
 from aiprobe.cuda import (
+    CLOCK_TICKS,
     DRIVER,
     RUNTIME,
     STATIC_RUNTIME,
-    CLOCK_TICKS,
     CudaProbe,
+    CudaSnapshot,
     LibraryScanner,
-    MappedLibrary,
     mapped_cuda_libraries,
     process_record,
 )
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import log2_buckets
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from conftest import fd_id, link_ids
-from fixtures.cuda_fake import Driver, FakeCuda, LateLoader, build, counters
+from fixtures.cuda_fake import (
+    RUNTIME_DRIVER,
+    STATIC_RUNTIME_DRIVER,
+    Driver,
+    FakeCuda,
+    LateLoader,
+    build,
+    counters,
+)
 
 ALTERNATIONS, LAUNCHES, SYNCS = 1000, 500, 100
 SYNC_US = 2500  # lands in log2 bucket [2^21, 2^22) ns = [2.10, 4.19) ms
@@ -104,7 +116,7 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
         expect("watching for processes")
         driver = Driver(cuda_libs.libdir, ALTERNATIONS, LAUNCHES, SYNCS, sync_us=SYNC_US)
         drivers.append(driver)
-        expect(f"probing {driver.library}")
+        expect(f"probing driver {driver.library}")
         truth = counters(driver.go())
         cli.send_signal(signal.SIGINT)
         out, _ = cli.communicate(timeout=30)
@@ -219,6 +231,239 @@ def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> Non
     assert not [t for t in threading.enumerate() if t.name == "aiprobe-cuda-scan"]
     assert _wait_for(lambda: not ids & link_ids())
     driver.go()
+
+
+# ---- every path, exact against the fake driver's own counts ----
+
+
+def _run(probe: CudaProbe, drivers: list[Driver], driver: Driver, *libraries: str) -> tuple[dict, CudaSnapshot]:
+    """Let an attached program run; (the fake driver's counts, a snapshot read after it exited)."""
+    drivers.append(driver)
+    _wait_attached(probe, driver.library, *libraries)
+    truth = counters(driver.go())
+    return truth, probe.read()
+
+
+def _process(snapshot: CudaSnapshot, pid: int):
+    [process] = [p for p in snapshot.processes if p.pid == pid]
+    return process
+
+
+def _syncs(process) -> dict[str, int]:
+    return {f"{kind}_syncs": getattr(process, f"{kind}_syncs") for kind in ("stream", "device", "event")}
+
+
+GRAPH_NODES, GRAPH_REPLAYS = 7, 40
+
+
+@pytest.mark.bpf
+def test_graph_launches_are_their_own_counter(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "graphs", GRAPH_NODES, GRAPH_REPLAYS)
+        truth, snapshot = _run(probe, drivers, driver)
+    process = _process(snapshot, driver.pid)
+    assert (truth["kernel_launches"], truth["graph_launches"]) == (GRAPH_NODES, GRAPH_REPLAYS)
+    # The launches made while capturing are calls too (the graph's nodes); each replay is one graph launch.
+    assert (process.kernel_launches, process.graph_launches) == (GRAPH_NODES, GRAPH_REPLAYS)
+    assert process.counted_at == "driver"
+
+
+ROUNDS = 5
+
+
+@pytest.mark.bpf
+def test_implicit_context_changes_are_counted_exactly(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "contexts", ROUNDS)
+        truth, snapshot = _run(probe, drivers, driver)
+    process = _process(snapshot, driver.pid)
+    # Per round: create (pushed), destroy of the current (popped), the retained primary context
+    # made current, push, pop, cuCtxSetCurrent; plus the two of making contexts a and b.
+    assert truth["ctx_changes"] == 2 + 6 * ROUNDS
+    assert process.context_switches == truth["ctx_changes"]
+    assert process.kernel_launches == truth["kernel_launches"] == 2 * ROUNDS
+    by_device = {}
+    for context in snapshot.contexts:
+        if context.pid == driver.pid:
+            by_device[context.device] = by_device.get(context.device, 0) + context.kernel_launches
+    # One launch per round in a fresh context on device 1, one in device 0's primary context.
+    assert by_device == {1: ROUNDS, 0: ROUNDS}
+    assert sum(c.context == "primary:0" for c in snapshot.contexts if c.pid == driver.pid) == 1
+
+
+RT_LAUNCHES, RT_NODES, RT_REPLAYS, RT_SYNCS, RT_DRIVER_LAUNCHES = 60, 5, 10, 8, 7
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("proc_address", ["internal", "exported"])
+@pytest.mark.parametrize("linked", ["shared", "static"])
+def test_runtime_calls_are_counted_once_whichever_layers_fire(cuda_libs, drivers, proc_address, linked) -> None:
+    """The fake libcudart reaches the driver only through cuGetProcAddress pointers: internal
+    functions, which no driver probe sees, or (exported) the probed entry points themselves."""
+    program = RUNTIME_DRIVER if linked == "shared" else STATIC_RUNTIME_DRIVER
+    runtime = str(cuda_libs.libdir / "libcudart.so.12") if linked == "shared" else str(program)
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, RT_LAUNCHES, RT_NODES, RT_REPLAYS, RT_SYNCS, RT_DRIVER_LAUNCHES,
+                        program=(str(program),), env={"FAKE_CUDA_PROC_ADDRESS": proc_address})
+        truth, snapshot = _run(probe, drivers, driver, runtime)
+        kinds = {lib.path: lib.kind for lib in probe.libraries}
+    process = _process(snapshot, driver.pid)
+    assert kinds[runtime] == (RUNTIME if linked == "shared" else STATIC_RUNTIME)
+    assert (process.runtime, process.runtime_library) == (linked, runtime)
+    runtime_kernels = RT_LAUNCHES + RT_NODES + 1  # + the one on device 1
+    assert (truth["kernel_launches"], truth["graph_launches"]) == (runtime_kernels + RT_DRIVER_LAUNCHES, RT_REPLAYS)
+    assert (process.kernel_launches, process.graph_launches) == (truth["kernel_launches"], truth["graph_launches"])
+    assert process.runtime_launches == runtime_kernels + RT_REPLAYS
+    assert process.counted_at == "runtime+driver"
+    # Device 0's primary context -> device 1's (cudaSetDevice) -> back: the driver saw 2 as well.
+    assert process.context_switches == truth["ctx_changes"] == 2
+    assert process.syncs == RT_SYNCS
+    assert _syncs(process) == {kind: truth[kind] for kind in ("stream_syncs", "device_syncs", "event_syncs")}
+    launches = {c.context: c.kernel_launches + c.graph_launches for c in snapshot.contexts if c.pid == driver.pid}
+    assert launches == {"primary:0": runtime_kernels - 1 + RT_DRIVER_LAUNCHES + RT_REPLAYS, "primary:1": 1}
+
+
+def _read_until(probe: CudaProbe, predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snapshot = probe.read()
+        if predicate(snapshot):
+            return snapshot
+        time.sleep(0.3)
+    pytest.fail(f"not seen within {timeout} s: {snapshot}")
+
+
+@pytest.mark.bpf
+def test_two_threads_on_two_contexts_share_one_gpu(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "shared")
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        driver.say("go")
+        driver.expect("launching")
+        busy = _read_until(probe, lambda s: any(g.active_contexts == 2 and driver.pid in g.pids for g in s.gpus))
+        driver.say("stop")
+        truth = counters(driver.finish())
+        seen = []  # the process's records, the last with its final values (it exits)
+
+        def idle(snapshot: CudaSnapshot) -> bool:
+            seen.extend(p for p in snapshot.processes if p.pid == driver.pid)
+            return not [g for g in snapshot.gpus if driver.pid in g.pids]  # nothing launched since the last read
+
+        _read_until(probe, idle)
+        final = seen[-1]
+    [gpu] = [g for g in busy.gpus if driver.pid in g.pids]
+    assert (gpu.gpu, gpu.active_contexts, gpu.pids) == ("0", 2, [driver.pid])
+    assert gpu.launches_per_second > 0
+    # No thread changed its current context while launching: the per-thread counter says so.
+    assert final.context_switches == truth["ctx_changes"] == 2
+    assert final.kernel_launches == truth["kernel_launches"]
+
+
+COLD = {"before_init_ms": 1000, "init_ms": 200, "ctx_ms": 150, "module_ms": 60, "modules": 3, "before_launch_ms": 100}
+
+
+@pytest.mark.bpf
+def test_cold_start_phases_of_a_process_started_while_watching(cuda_libs, drivers) -> None:
+    env = {"FAKE_CUDA_INIT_MS": str(COLD["init_ms"]), "FAKE_CUDA_CTX_MS": str(COLD["ctx_ms"]),
+           "FAKE_CUDA_MODULE_MS": str(COLD["module_ms"])}
+    with CudaProbe(rescan_interval=0.1) as probe:
+        driver = Driver(cuda_libs.libdir, "coldstart", COLD["before_init_ms"], COLD["before_launch_ms"],
+                        COLD["modules"], handshake=False, env=env)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)  # well before its cuInit
+        truth = counters(driver.finish())
+        cold = _process(probe.read(), driver.pid).cold_start
+    assert (truth["inits"], truth["ctx_creates"], truth["module_loads"]) == (1, 1, COLD["modules"])
+    assert (cold.context_creates, cold.module_loads) == (1, COLD["modules"])
+    to_init = COLD["before_init_ms"]
+    first_launch = to_init + COLD["init_ms"] + COLD["ctx_ms"] + COLD["modules"] * COLD["module_ms"] + \
+        COLD["before_launch_ms"]
+    for measured, expected_ms in ((cold.to_init_seconds, to_init), (cold.init_seconds, COLD["init_ms"]),
+                                  (cold.context_create_seconds, COLD["ctx_ms"]),
+                                  (cold.module_load_seconds, COLD["modules"] * COLD["module_ms"]),
+                                  (cold.to_first_launch_seconds, first_launch)):
+        assert measured == pytest.approx(expected_ms / 1000, rel=0.10), (measured, expected_ms)
+
+
+@pytest.mark.bpf
+def test_a_process_started_before_the_probe_has_no_cold_start(cuda_libs, drivers) -> None:
+    driver = Driver(cuda_libs.libdir, 2, 6, 1)
+    drivers.append(driver)
+    time.sleep(0.05)
+    with CudaProbe(rescan_interval=0.2) as probe:
+        _, snapshot = _run(probe, drivers, driver)
+    assert _process(snapshot, driver.pid).cold_start is None
+
+
+# ---- hostile libraries ----
+
+MAPPER = """
+import mmap, sys
+files = [open(path, "rb") for path in sys.argv[1:]]
+maps = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in files]
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.bpf
+def test_files_named_libcuda_that_are_not_the_driver_are_read_safely_and_not_probed(cuda_libs, drivers,
+                                                                                   tmp_path) -> None:
+    odd = tmp_path / "a dir \x1b[31m with\tcontrol characters"
+    paths = {"text": odd / "text" / "libcuda.so.1", "runtime": odd / "runtime" / "libcuda.so.1",
+             "truncated": odd / "truncated" / "libcuda.so.1"}
+    for path in paths.values():
+        path.parent.mkdir(parents=True)
+    paths["text"].write_text("not a library\n" * 100)
+    shutil.copy(cuda_libs.libdir / "libcudart.so.12", paths["runtime"])  # an ELF file without cuInit
+    paths["truncated"].write_bytes((cuda_libs.libdir / "libcuda.so.1").read_bytes()[:3000])
+    with CudaProbe(rescan_interval=0.2) as probe:
+        mapper = Driver(cuda_libs.libdir, program=(sys.executable, "-c", MAPPER, *map(str, paths.values())))
+        drivers.append(mapper)
+        assert _wait_for(lambda: len({lib.path for lib in probe.libraries} & set(map(str, paths.values()))) == 3)
+        by_path = {lib.path: lib for lib in probe.libraries}
+        # The agent goes on probing real drivers.
+        driver = Driver(cuda_libs.libdir, 0, 12, 0)
+        truth, snapshot = _run(probe, drivers, driver)
+    assert _process(snapshot, driver.pid).kernel_launches == truth["kernel_launches"] == 12
+    errors = {name: by_path[str(path)].error for name, path in paths.items()}
+    assert errors == {"text": "not an ELF file", "runtime": "no cuInit",
+                      "truncated": "section headers lies outside the file"}
+    assert not any(by_path[str(path)].symbols for path in paths.values())
+    mapper.kill()
+
+
+def _patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    return data[:offset] + struct.pack(fmt, value) + data[offset + struct.calcsize(fmt):]
+
+
+def test_elf_reader_checks_headers_and_bounds_before_reading(cuda_libs, tmp_path) -> None:
+    library = (cuda_libs.libdir / "libcuda.so.1").read_bytes()
+    shoff = struct.unpack_from("<Q", library, 0x28)[0]
+    cases = {
+        b"": "shorter than an ELF header",
+        b"#!/bin/sh\n" * 10: "not an ELF file",
+        _patched(library, 4, "<B", 1): "not a 64-bit little-endian ELF file",
+        _patched(library, 0x10, "<H", 1): "neither a shared object nor an executable",
+        _patched(library, 0x3C, "<H", 60000): "unexpected section header table",
+        _patched(library, 0x28, "<Q", len(library)): "section headers lies outside the file",
+        _patched(library, 0x38, "<H", 1000): "unexpected program header table",
+    }
+    # Every symbol table claims more bytes than the file has.
+    huge_tables = library
+    for index in range(struct.unpack_from("<H", library, 0x3C)[0]):
+        header = shoff + index * 64
+        if struct.unpack_from("<I", library, header + 4)[0] in (2, 11):
+            huge_tables = _patched(huge_tables, header + 32, "<Q", 24 * 10**5)
+    cases[huge_tables] = "symbol table lies outside the file"
+    for index, (data, reason) in enumerate(cases.items()):
+        path = tmp_path / f"case{index}"
+        path.write_bytes(data)
+        with pytest.raises(ElfError, match=re.escape(reason)):
+            function_offsets(str(path), ["cuInit"])
+    offsets = function_offsets(str(cuda_libs.libdir / "libcuda.so.1"), ["cuInit", "cuLaunchKernel", "nothing"])
+    assert set(offsets) == {"cuInit", "cuLaunchKernel"}
 
 
 # ---- bounded maps, exact and monotonic counts ----
@@ -356,7 +601,8 @@ def test_maps_parsing_finds_the_driver_and_runtimes_wherever_they_are(tmp_path) 
         path.write_bytes(b"")
     maps = tmp_path / "77" / "maps"
     maps.parent.mkdir()
-    maps.write_text("".join(_maps_line(path, f"7f00000{i}0000-7f00000{i}1000") for i, path in enumerate(files.values())))
+    lines = (_maps_line(path, f"7f00000{i}0000-7f00000{i}1000") for i, path in enumerate(files.values()))
+    maps.write_text("".join(lines))
     found = {lib.path: lib.kind for lib in mapped_cuda_libraries(77, tmp_path)}
     assert found == {str(files["driver"]): DRIVER, str(files["wheel"]): RUNTIME, str(files["torch"]): RUNTIME}
     [driver] = [lib for lib in mapped_cuda_libraries(77, tmp_path) if lib.kind == DRIVER]
