@@ -3,6 +3,7 @@ driver program (tests/fixtures/cuda_*.c) that make a known sequence of driver ca
 
 from __future__ import annotations
 
+import ctypes.util
 import itertools
 import json
 import os
@@ -34,7 +35,7 @@ from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import log2_buckets
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
-from conftest import fd_id, link_ids
+from conftest import ROOT, fd_id, link_ids
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
     STATIC_RUNTIME_DRIVER,
@@ -464,6 +465,36 @@ def test_elf_reader_checks_headers_and_bounds_before_reading(cuda_libs, tmp_path
             function_offsets(str(path), ["cuInit"])
     offsets = function_offsets(str(cuda_libs.libdir / "libcuda.so.1"), ["cuInit", "cuLaunchKernel", "nothing"])
     assert set(offsets) == {"cuInit", "cuLaunchKernel"}
+
+
+# ---- benchmarks/gpu_check.py ----
+
+
+def _gpu_check(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="this host has a CUDA driver")
+def test_gpu_check_says_clearly_when_there_is_no_gpu() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    result = _gpu_check(env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == \
+        "gpu_check: no NVIDIA driver here (libcuda.so.1 not found): nothing to check on this host"
+    assert result.stdout == ""
+
+
+@pytest.mark.bpf
+def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs) -> None:
+    """The real-GPU check's own logic, end to end, with the fake libcuda standing in for the GPU."""
+    result = _gpu_check({**os.environ, "LD_LIBRARY_PATH": str(cuda_libs.libdir)},
+                        "--launches", "300", "--nodes", "5", "--replays", "40")
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = dict(line.split()[:3:2] for line in result.stdout.splitlines() if line.split()[:1] in (
+        ["kernel_launches"], ["graph_launches"], ["context_switches"]))
+    assert table == {"kernel_launches": "305", "graph_launches": "40", "context_switches": "2"}
+    assert "all counts match" in result.stdout
 
 
 # ---- bounded maps, exact and monotonic counts ----
