@@ -33,19 +33,20 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import click
+from typing import Any
 
 from . import elf, sched
 from .btf import decode
-from .cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
+from .histogram import NS_PER_SECOND, log2_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Strategy, load_first
+from .metrics import PROCESS_LABELS, Family
+from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text
-from .probes import MapUsage, Probe, ProbeSpec
+from .probes import Probe, ProbeSpec
+from .procfs import StartTimes, start_ticks
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -54,6 +55,7 @@ LIBRARY_PREFIX = "libcuda.so"
 # libcudart.so.12, and the renamed copies wheels bundle (auditwheel: libcudart-<hash>.so.12).
 RUNTIME_LIBRARY = re.compile(r"libcudart(-[0-9a-f]+)?\.so")
 DRIVER, RUNTIME, STATIC_RUNTIME = "driver", "runtime", "static runtime"
+_COUNTED_MAPS = ("threads", "processes", "contexts")  # bounded maps reported as aiprobe_bpf_map_entries
 
 
 @dataclass(frozen=True)
@@ -128,11 +130,73 @@ STRATEGIES = (
     Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), f"{_UPROBE_SPAN}; no scheduler side"),
 )
 
+def _cold_start(phase: str) -> Callable[[CudaProcess], float | None]:
+    return lambda process: getattr(process.cold_start, phase) if process.cold_start else None
+
+
+def _cold_start_gauge(phase: str, help_text: str) -> Family:
+    return Family(f"aiprobe_cuda_cold_start_{phase}", "gauge", help_text, CudaProcess, _cold_start(phase),
+                  (("pid", "pid"), *PROCESS_LABELS),
+                  doc_note="Only for live processes started while the agent runs (the one family with pid).")
+
+
+def _syncs(field_suffix: str) -> tuple[tuple[str, str], ...]:
+    return tuple((kind, f"{kind}_sync{field_suffix}") for kind in ("stream", "device", "event"))
+
+
+_GPU_LABELS = (("gpu", "gpu"),)
+
 SPEC = ProbeSpec(
     name="cuda",
-    description="CUDA driver calls per process: context switches, launches, syncs",
+    description="CUDA driver and runtime calls per process: launches, graph launches, syncs, context changes, "
+                "cold start; contexts sharing a GPU",
     strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
+    bpf_object="cuda",
+    order=30,
+    factory=lambda _config, _running: CudaProbe(),
+    command="aiprobe.commands.cuda:command",
+    metrics=(
+        Family("aiprobe_cuda_context_switches_total", "counter",
+               "Times one of the process's threads changed its current CUDA context to a different one "
+               "(cuCtxSetCurrent, push/pop, create, destroy, cudaSetDevice). Per thread: contexts "
+               "time-sliced on a GPU are aiprobe_gpu_active_contexts.", CudaProcess,
+               "context_switches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_kernel_launches_total", "counter",
+               "CUDA kernel launches (cuLaunchKernel*, cuLaunchCooperativeKernel*, cudaLaunchKernel*, "
+               "cudaLaunchKernelExC*, cudaLaunchCooperativeKernel*), each call once.", CudaProcess,
+               "kernel_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_graph_launches_total", "counter",
+               "CUDA graph launches (cuGraphLaunch*, cudaGraphLaunch*).", CudaProcess,
+               "graph_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_runtime_launches_total", "counter",
+               "Of kernel and graph launches, those counted at libcudart's entry points (the rest at "
+               "libcuda's).", CudaProcess, "runtime_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_sync_duration_seconds", "histogram",
+               "Duration of synchronize calls (stream, context/device, event).", CudaProcess, "sync_histogram",
+               PROCESS_LABELS, sum_field="sync_seconds_sum", per_identity=True),
+        Family("aiprobe_cuda_syncs_total", "counter", "Synchronize calls by kind.", CudaProcess,
+               labels=PROCESS_LABELS, per_identity=True, expand_label="kind", expand=_syncs("s")),
+        Family("aiprobe_cuda_sync_seconds_total", "counter", "Time in synchronize calls by kind.", CudaProcess,
+               labels=PROCESS_LABELS, per_identity=True, expand_label="kind", expand=_syncs("_seconds_sum")),
+        _cold_start_gauge("to_init_seconds", "From the process's start to its first cuInit."),
+        _cold_start_gauge("init_seconds", "Time in cuInit."),
+        _cold_start_gauge("context_create_seconds", "Time creating or retaining contexts."),
+        _cold_start_gauge("module_loads", "Module and library loads (cuModuleLoad*, cuLibraryLoad*)."),
+        _cold_start_gauge("module_load_seconds", "Time loading modules and libraries."),
+        _cold_start_gauge("to_first_launch_seconds", "From the process's start to its first kernel or graph launch."),
+        Family("aiprobe_gpu_active_contexts", "gauge",
+               "CUDA contexts that launched work on the GPU since the previous refresh: two or more busy "
+               "contexts are time-sliced by the GPU.", CudaGpu, "active_contexts", _GPU_LABELS),
+        Family("aiprobe_gpu_context_launches_per_second", "gauge",
+               "Kernel and graph launches per second into contexts on the GPU, by the process behind them.",
+               CudaContext, "launches_per_second", (*_GPU_LABELS, *PROCESS_LABELS)),
+    ),
 )
+
+
+def printable(name: str) -> str:
+    """A name another process chose (a library path), safe on a terminal: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
 # ---- finding the libraries ----
@@ -210,16 +274,6 @@ def mapped_cuda_libraries(pid: int, proc: Path = Path("/proc")) -> list[MappedLi
     return list(found.values())
 
 
-def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """When process `pid` started, in clock ticks after boot (/proc/PID/stat field 22): with the
-    pid, the process's identity (a reused pid starts later)."""
-    try:
-        stat = (proc / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None
-    return int(stat.rsplit(b")", 1)[1].split()[19])  # fields after "(comm)" start at field 3
-
-
 @dataclass
 class _Watched:
     start: int  # start_ticks()
@@ -277,17 +331,6 @@ class LibraryScanner:
         return new
 
 
-@dataclass
-class AttachedLibrary:
-    """One probed library file: which entry points it defined, or why it could not be probed."""
-
-    path: str
-    host_path: str
-    symbols: list[str] = field(default_factory=list)
-    error: str = ""
-    kind: str = DRIVER
-
-
 class NotACudaLibrary(Exception):
     """The file does not define the anchor symbol of its kind of library."""
 
@@ -313,125 +356,26 @@ def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER) -> l
     return attached
 
 
-# ---- snapshot ----
-
-Histogram = list[tuple[float, int]]  # cumulative (le_seconds, count); the last le is +Inf
-
+# ---- records ----
 
 SYNC_KINDS = ("stream", "device", "event")  # enum sync_kind
 CALL_INIT, CALL_CTX_CREATE, CALL_MODULE_LOAD = range(3)  # enum timed_call
 PRIMARY_CTX_TAG = 1 << 63
 
 
-@dataclass
-class ColdStart:
-    """Where a process started while aiprobe watched spent its CUDA start-up (seconds; None: the
-    step has not happened). Measured from the process's start (its fork; exec follows at once
-    for a spawned program)."""
-
-    to_init_seconds: float | None  # start -> first cuInit
-    init_seconds: float  # in cuInit
-    context_creates: int  # cuCtxCreate*, cuDevicePrimaryCtxRetain
-    context_create_seconds: float
-    module_loads: int  # cuModuleLoad*, cuLibraryLoad*
-    module_load_seconds: float
-    to_first_launch_seconds: float | None  # start -> first kernel or graph launch
-
-
-@dataclass
-class CudaProcess:
-    pid: int
-    comm: str
-    library: str
-    context_switches: int  # a thread's current context became a different one (not GPU time-slicing)
-    kernel_launches: int
-    syncs: int
-    sync_seconds_sum: float
-    sync_p99_seconds: float | None
-    sync_histogram: Histogram
-    runqueue_delay_seconds_sum: float
-    runqueue_delay_p99_seconds: float | None
-    runqueue_histogram: Histogram
-    involuntary_preemptions: int
-    gpu_threads: int  # threads ever seen calling into libcuda / libcudart
-    graph_launches: int = 0
-    runtime_launches: int = 0  # of kernel and graph launches, those counted at libcudart's entry points
-    counted_at: str = ""  # "runtime", "driver", "runtime+driver": the layers its launches were counted at
-    runtime: str = ""  # "" (none seen), "shared" (a libcudart file) or "static" (linked into the executable)
-    runtime_library: str = ""
-    stream_syncs: int = 0
-    device_syncs: int = 0
-    event_syncs: int = 0
-    stream_sync_seconds_sum: float = 0.0
-    device_sync_seconds_sum: float = 0.0
-    event_sync_seconds_sum: float = 0.0
-    cold_start: ColdStart | None = None  # processes started while aiprobe watched
-
-    def to_dict(self) -> dict:
-        record = dict(vars(self))  # flat but for the histograms and cold start, rebuilt below
-        for name in ("sync_histogram", "runqueue_histogram"):
-            record[name] = buckets_to_json(record[name])
-        record["cold_start"] = asdict(self.cold_start) if self.cold_start else None
-        return record
-
-
-@dataclass
-class CudaContext:
-    """A context that launched work, in its process."""
-
-    pid: int
-    context: str  # the CUcontext value, "primary:N" (device N's primary context) or "unknown"
-    device: int  # CUDA device ordinal in the process; -1: created before aiprobe watched
-    gpu: str  # the physical GPU (index, or UUID), through the process's CUDA_VISIBLE_DEVICES
-    kernel_launches: int
-    graph_launches: int
-    launches_per_second: float  # kernel + graph launches, since the previous read
-    active: bool  # launched since the previous read
-
-
-@dataclass
-class CudaGpu:
-    """A GPU and the contexts that launched work on it since the previous read: two or more busy
-    contexts are time-sliced by the GPU (each switch saves and restores the GPU's state)."""
-
-    gpu: str
-    active_contexts: int
-    contexts: list[str]  # "pid/context"
-    pids: list[int]
-    launches_per_second: float
-
-
-@dataclass
-class CudaSnapshot:
-    processes: list[CudaProcess]
-    sched_strategy: str | None
-    libraries: list[AttachedLibrary]
-    contexts: list[CudaContext] = field(default_factory=list)
-    gpus: list[CudaGpu] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {
-            "processes": [p.to_dict() for p in self.processes],
-            "sched_strategy": self.sched_strategy,
-            "libraries": [asdict(lib) for lib in self.libraries],
-            "contexts": [asdict(c) for c in self.contexts],
-            "gpus": [asdict(g) for g in self.gpus],
-        }
-
-
-def counted_at(entry: dict) -> str:
+def counted_at(entry: dict[str, Any]) -> str:
     """The layers a process's launches were counted at."""
     runtime = entry["runtime_launches"]
     driver = entry["kernel_launches"] + entry["graph_launches"] - runtime
     return "+".join(layer for layer, count in (("runtime", runtime), ("driver", driver)) if count)
 
 
-def _since_start(entry: dict, field_name: str) -> float | None:
+def _since_start(entry: dict[str, Any], field_name: str) -> float | None:
     at = entry[field_name]
     return (at - entry["start_ns"]) / NS_PER_SECOND if at and at >= entry["start_ns"] else None
 
 
-def cold_start(entry: dict) -> ColdStart:
+def cold_start(entry: dict[str, Any]) -> ColdStart:
     count, ns = entry["call_count"], entry["call_ns"]
     return ColdStart(
         to_init_seconds=_since_start(entry, "init_ns"),
@@ -444,7 +388,7 @@ def cold_start(entry: dict) -> ColdStart:
     )
 
 
-def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
+def process_record(pid: int, entry: dict[str, Any], library: str, started: int = 0) -> CudaProcess:
     """One process from its entry in map `processes`."""
     sync, runqueue = entry["sync"], entry["runqueue"]
     sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
@@ -467,6 +411,7 @@ def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
         graph_launches=entry["graph_launches"],
         runtime_launches=entry["runtime_launches"],
         counted_at=counted_at(entry),
+        start_ticks=started,
         **{f"{kind}_syncs": count for kind, (count, _) in by_kind.items()},
         **{f"{kind}_sync_seconds_sum": ns / NS_PER_SECOND for kind, (_, ns) in by_kind.items()},
     )
@@ -574,6 +519,7 @@ class CudaProbe(Probe):
         self._process_library: dict[int, str] = {}  # pid -> library path as the process sees it
         self._process_runtime: dict[int, AttachedLibrary] = {}  # pid -> its probed libcudart
         self._reported: set[int] = set()  # pids the last read reported
+        self._starts = StartTimes(proc)
         self._started_ns = 0  # CLOCK_MONOTONIC, as the kernel's timestamps
         self._launches = _LaunchRates()
         self._stop = threading.Event()
@@ -587,7 +533,7 @@ class CudaProbe(Probe):
 
     def start(self) -> None:
         self._started_ns = time.monotonic_ns()
-        self.loaded = load_first("cuda", "cuda", self._strategies, configure=self._configure,
+        self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
                                  attach=_attach_scheduler)
         self.rescan()
         self._stop.clear()
@@ -657,13 +603,14 @@ class CudaProbe(Probe):
             maps = self.loaded.obj.maps
             entries = {key.value: decode(value) for key, value in maps["processes"].items()}
             processes = [self._process(pid, entry) for pid, entry in sorted(entries.items())]
-            contexts = self._contexts(maps["contexts"].items())
+            self._starts.keep_only(set(entries))
+            contexts = self._contexts(maps["contexts"].items(), {p.pid: p.comm for p in processes})
             self._forget(gone)
             self._reported = entries.keys() - gone
         return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts))
 
-    def _process(self, pid: int, entry: dict) -> CudaProcess:
-        process = process_record(pid, entry, self._process_library.get(pid, ""))
+    def _process(self, pid: int, entry: dict[str, Any]) -> CudaProcess:
+        process = process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
         runtime = self._process_runtime.get(pid)
         if runtime is not None:
             process.runtime = "static" if runtime.kind == STATIC_RUNTIME else "shared"
@@ -672,7 +619,7 @@ class CudaProbe(Probe):
             process.cold_start = cold_start(entry)
         return process
 
-    def _contexts(self, items: list) -> list[CudaContext]:
+    def _contexts(self, items: list[tuple[Any, Any]], comms: dict[int, str]) -> list[CudaContext]:
         now = time.monotonic()
         visible: dict[int, list[str] | None] = {}
         contexts, seen = [], set()
@@ -685,7 +632,7 @@ class CudaProbe(Probe):
             if not launches:  # known (created, retained) but never launched on
                 continue
             added, rate = self._launches.update((pid, key.ctx), launches, now)
-            contexts.append(CudaContext(pid, context_name(key.ctx), entry["device"],
+            contexts.append(CudaContext(pid, comms.get(pid, ""), context_name(key.ctx), entry["device"],
                                         physical_gpu(entry["device"], visible[pid]), entry["kernel_launches"],
                                         entry["graph_launches"], rate, added > 0))
         self._launches.read_done(seen, now)
@@ -706,7 +653,7 @@ class CudaProbe(Probe):
         with self._lock:
             if self.loaded is None:
                 return []
-            maps = [self.loaded.obj.maps[name] for name in ("threads", "processes", "contexts")]
+            maps = [self.loaded.obj.maps[name] for name in _COUNTED_MAPS]
             return [MapUsage(m.name, sum(1 for _ in m.keys()), m.max_entries) for m in maps]
 
     def close(self) -> None:
@@ -716,50 +663,3 @@ class CudaProbe(Probe):
         self._scan_thread = None
         with self._lock:
             super().close()
-
-
-# ---- `aiprobe cuda` ----
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6f}"
-
-
-def print_table(snapshot: CudaSnapshot) -> None:
-    click.echo(f"scheduler side: {snapshot.sched_strategy or 'unavailable'}")
-    click.echo(f"{'PID':>8} {'COMM':<16} {'CTX_SW':>9} {'LAUNCHES':>10} {'SYNCS':>8} {'SYNC_S':>10} "
-               f"{'SYNC_P99_S':>10} {'RUNQ_P99_S':>10} {'PREEMPT':>8} LIBRARY")
-    for p in snapshot.processes:
-        click.echo(f"{p.pid:>8} {p.comm:<16} {p.context_switches:>9} {p.kernel_launches:>10} {p.syncs:>8} "
-                   f"{p.sync_seconds_sum:>10.4f} {_seconds(p.sync_p99_seconds):>10} "
-                   f"{_seconds(p.runqueue_delay_p99_seconds):>10} {p.involuntary_preemptions:>8} {p.library}")
-
-
-def printable(name: str) -> str:
-    """A name another process chose, safe on a terminal: control characters escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
-
-
-def _announce(library: AttachedLibrary) -> None:
-    outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
-    click.echo(f"aiprobe cuda: probing {library.kind} {printable(library.path)} via "
-               f"{printable(library.host_path)} ({outcome})", err=True)
-
-
-@click.command()
-@duration_option
-@json_option
-@friendly_errors
-def command(duration: float | None, as_json: bool) -> None:
-    """CUDA context switches, kernel launches, syncs and run-queue delay per process."""
-    require_privileges()
-    with CudaProbe(on_attach=_announce) as probe:
-        click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* "
-                   f"(scheduler side: {probe.sched_strategy or 'unavailable'})", err=True)
-        for _ in ticks(duration, 1.0):
-            pass
-        snapshot = probe.read()
-    if as_json:
-        emit_json(snapshot.to_dict())
-    else:
-        print_table(snapshot)

@@ -27,7 +27,8 @@ from collections import Counter
 from pathlib import Path
 
 from aiprobe.cuda import STATIC_RUNTIME, CudaProbe, CudaProcess, mapped_cuda_libraries
-from aiprobe.nvml import NvmlCollector
+from aiprobe.loader import ProbeUnavailable
+from aiprobe.nvml import NvmlProbe
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_EXIT = 2
@@ -169,10 +170,14 @@ def nvidia_smi() -> list[str]:
 
 
 def nvml_lines(pid: int) -> list[str]:
-    with NvmlCollector() as nvml:
+    nvml = NvmlProbe()
+    try:
+        nvml.start()
         snapshot = nvml.read()
-    if not snapshot.available:
-        return [f"({snapshot.reason})"]
+    except ProbeUnavailable:
+        return [f"({nvml.reason})"]
+    finally:
+        nvml.close()
     lines = [f"gpu{g.index} {g.name}: utilization {g.utilization_gpu_ratio}, memory used {g.memory_used_bytes} B"
              for g in snapshot.gpus]
     lines += [f"gpu{p.gpu_index} pid {p.pid} ({p.comm}): {p.used_memory_bytes} B"

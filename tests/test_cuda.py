@@ -20,20 +20,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.config import RuleConfig
 from aiprobe.cuda import (
     CLOCK_TICKS,
     DRIVER,
     RUNTIME,
     STATIC_RUNTIME,
     CudaProbe,
-    CudaSnapshot,
     LibraryScanner,
+    gpus_of,
     mapped_cuda_libraries,
     process_record,
 )
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.daemon import time_slicing_signals
 from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import log2_buckets
+from aiprobe.model import CudaSnapshot
+from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from conftest import ROOT, fd_id, link_ids
 from fixtures.cuda_fake import (
@@ -324,39 +328,54 @@ def test_runtime_calls_are_counted_once_whichever_layers_fire(cuda_libs, drivers
     assert launches == {"primary:0": runtime_kernels - 1 + RT_DRIVER_LAUNCHES + RT_REPLAYS, "primary:1": 1}
 
 
-def _read_until(probe: CudaProbe, predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snapshot = probe.read()
-        if predicate(snapshot):
-            return snapshot
-        time.sleep(0.3)
-    pytest.fail(f"not seen within {timeout} s: {snapshot}")
+def _ours(snapshot: CudaSnapshot, pid: int) -> CudaSnapshot:
+    """The snapshot as if `pid` were the only CUDA process (other test suites may run fake drivers
+    on the same fake GPU meanwhile)."""
+    contexts = [c for c in snapshot.contexts if c.pid == pid]
+    return CudaSnapshot([p for p in snapshot.processes if p.pid == pid], snapshot.sched_strategy, [], contexts,
+                        gpus_of(contexts))
 
 
 @pytest.mark.bpf
-def test_two_threads_on_two_contexts_share_one_gpu(cuda_libs, drivers) -> None:
+def test_two_threads_on_two_contexts_share_one_gpu_and_the_rule_fires_and_resolves(cuda_libs, drivers) -> None:
+    engine = RuleEngine({"gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=0.5)})
+    transitions: list[str] = []
+    readings: list[CudaSnapshot] = []
+
+    def read(probe: CudaProbe) -> CudaSnapshot:
+        snapshot = _ours(probe.read(), driver.pid)
+        readings.append(snapshot)
+        alerts = engine.evaluate(time_slicing_signals(snapshot.gpus, snapshot.contexts, []), time.monotonic())
+        transitions.extend(alert.state for alert in alerts)
+        return snapshot
+
     with CudaProbe(rescan_interval=0.2) as probe:
         driver = Driver(cuda_libs.libdir, "shared")
         drivers.append(driver)
         _wait_attached(probe, driver.library)
         driver.say("go")
         driver.expect("launching")
-        busy = _read_until(probe, lambda s: any(g.active_contexts == 2 and driver.pid in g.pids for g in s.gpus))
+        deadline = time.monotonic() + 15
+        while "firing" not in transitions and time.monotonic() < deadline:
+            read(probe)
+            time.sleep(0.3)
         driver.say("stop")
         truth = counters(driver.finish())
-        seen = []  # the process's records, the last with its final values (it exits)
-
-        def idle(snapshot: CudaSnapshot) -> bool:
-            seen.extend(p for p in snapshot.processes if p.pid == driver.pid)
-            return not [g for g in snapshot.gpus if driver.pid in g.pids]  # nothing launched since the last read
-
-        _read_until(probe, idle)
-        final = seen[-1]
-    [gpu] = [g for g in busy.gpus if driver.pid in g.pids]
+        while "resolved" not in transitions and time.monotonic() < deadline + 10:
+            read(probe)  # nothing launched since the previous read: no active context
+            time.sleep(0.3)
+    busy = [s for s in readings if s.gpus]
+    assert busy, "never saw the GPU busy"
+    [gpu] = busy[-1].gpus
     assert (gpu.gpu, gpu.active_contexts, gpu.pids) == ("0", 2, [driver.pid])
     assert gpu.launches_per_second > 0
+    assert transitions == ["pending", "firing", "resolved"]
+    [alert] = engine.resolved
+    assert (alert.target, alert.value) == ("gpu0", 2)
+    assert {c["pid"] for c in alert.evidence["contexts"]} == {driver.pid}
+    assert all(c["launches_per_second"] > 0 for c in alert.evidence["contexts"])
     # No thread changed its current context while launching: the per-thread counter says so.
+    [final] = [p for s in readings for p in s.processes][-1:]
     assert final.context_switches == truth["ctx_changes"] == 2
     assert final.kernel_launches == truth["kernel_launches"]
 
