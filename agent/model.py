@@ -337,6 +337,8 @@ class GpuInfo(Record):
     gpm_context_switch_requests: float | None = None
     gpm_context_switch_cycles_per_request: float | None = None
     gpm_context_switch_active_ratio: float | None = None
+    # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
+    cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
 
 
 @dataclass
@@ -422,6 +424,10 @@ class ProcessRow(Record):
     cuda_context_switches_per_second: float | None = None
     cuda_kernel_launches_per_second: float | None = None
     cuda_syncs_per_second: float | None = None
+    cuda_graph_launches_per_second: float | None = None
+    cuda_counted_at: str | None = None  # the layers its launches were counted at ("runtime+driver", ...)
+    # Started while the agent runs: from its start to its first kernel or graph launch.
+    cuda_time_to_first_launch_seconds: float | None = None
     runqueue_delay_p99_seconds: float | None = None
     gpu_utilization_ratio: float | None = None
     gpu_memory_used_bytes: int | None = None

@@ -77,8 +77,10 @@ VIEWS: dict[str, View] = {
                 Column("SEND p50", "send_p50_seconds", 9),
                 Column("SEND p99", "send_p99_seconds", 9),
                 Column("SEND", "send_bytes_per_second", 10),
-                Column("CTXSW", "cuda_context_switches_per_second", 8),
+                Column("THR CTX", "cuda_context_switches_per_second", 8),  # a thread changing its context
                 Column("LAUNCH", "cuda_kernel_launches_per_second", 8),
+                Column("GRAPHS", "cuda_graph_launches_per_second", 8),
+                Column("1ST LAUNCH", "cuda_time_to_first_launch_seconds", 10),  # cold start, recent processes
                 Column("RUNQ p99", "runqueue_delay_p99_seconds", 9),
                 Column("GPU", "gpu_utilization_ratio", 5),
                 Column("GPU MEM", "gpu_memory_used_bytes", 9),
@@ -118,6 +120,7 @@ VIEWS: dict[str, View] = {
                 Column("SM CLK", "sm_clock_hz", 9),
                 Column("MEM CLK", "memory_clock_hz", 9),
                 Column("THROTTLE", "clock_event_reasons", 20, numeric=False),
+                Column("CUDA CTXS", "cuda_active_contexts", 9),  # 2+: time-sliced between contexts
             ),
             "index", False, ("nvml",), _listed("gpus"),
             identity=("index",),
