@@ -521,6 +521,8 @@ class CudaProbe(Probe):
         self._reported: set[int] = set()  # pids the last read reported
         self._starts = StartTimes(proc)
         self._started_ns = 0  # CLOCK_MONOTONIC, as the kernel's timestamps
+        self._attached_ns: dict[tuple[int, int], int] = {}  # library file -> when its probes were attached
+        self._watched_since: dict[int, int] = {}  # pid -> when its driver's probes were attached
         self._launches = _LaunchRates()
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
@@ -571,6 +573,7 @@ class CudaProbe(Probe):
         if mapped.key in self._libraries:
             return self._libraries[mapped.key], False
         library: AttachedLibrary | None = AttachedLibrary(mapped.path, mapped.host_path(self._proc), kind=mapped.kind)
+        self._attached_ns[mapped.key] = time.monotonic_ns()
         try:
             library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind)
         except (NotACudaLibrary, BpfError, elf.ElfError, OSError) as exc:
@@ -583,6 +586,7 @@ class CudaProbe(Probe):
     def _note_process_library(self, mapped: MappedLibrary, library: AttachedLibrary | None) -> None:
         if mapped.kind == DRIVER:
             self._process_library[mapped.pid] = mapped.path
+            self._watched_since[mapped.pid] = self._attached_ns[mapped.key]
         elif library is not None and not library.error:
             self._process_runtime[mapped.pid] = library
 
@@ -615,9 +619,17 @@ class CudaProbe(Probe):
         if runtime is not None:
             process.runtime = "static" if runtime.kind == STATIC_RUNTIME else "shared"
             process.runtime_library = runtime.path
-        if entry["start_ns"] >= self._started_ns:
+        if self._saw_start(pid, entry):
             process.cold_start = cold_start(entry)
         return process
+
+    def _saw_start(self, pid: int, entry: dict[str, Any]) -> bool:
+        """Whether the process's CUDA start-up was watched from its beginning: it started while the
+        probe ran, and either its driver's probes were attached before it started, or its cuInit
+        (the first call of every CUDA program) was seen."""
+        start = entry["start_ns"]
+        attached = self._watched_since.get(pid)
+        return start >= self._started_ns and (bool(entry["init_ns"]) or (attached is not None and attached <= start))
 
     def _contexts(self, items: list[tuple[Any, Any]], comms: dict[int, str]) -> list[CudaContext]:
         now = time.monotonic()
@@ -648,6 +660,7 @@ class CudaProbe(Probe):
         for pid in pids:
             self._process_library.pop(pid, None)
             self._process_runtime.pop(pid, None)
+            self._watched_since.pop(pid, None)
 
     def map_usage(self) -> list[MapUsage]:
         with self._lock:

@@ -416,6 +416,18 @@ def test_a_process_started_before_the_probe_has_no_cold_start(cuda_libs, drivers
     assert _process(snapshot, driver.pid).cold_start is None
 
 
+@pytest.mark.bpf
+def test_a_process_whose_start_up_was_missed_has_no_cold_start(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        loader = LateLoader(cuda_libs.copy_dir, 10)
+        drivers.append(loader)
+        loader.load()  # cuInit and a context, before the probe can have attached to this library
+        assert _wait_for(lambda: loader.library in {lib.path for lib in probe.libraries}, timeout=5)
+        loader.go()
+        process = _process(probe.read(), loader.pid)
+    assert (process.kernel_launches, process.cold_start) == (10, None)
+
+
 # ---- hostile libraries ----
 
 MAPPER = """
