@@ -12,8 +12,8 @@ counted at libcudart's entry point, and a driver entry point firing inside it is
 Libraries are found, not configured: every CUDA library file that a process maps is probed once
 per file (dev, inode), whatever path or container it is reached through. Files are parsed by
 aiprobe.elf (bounded, checked) and uprobes attach at the offsets found, only where the library
-defines its anchor symbol. A uprobe on a file covers
-every process mapping it, so the probe cost grows only with calls. A background thread scans /proc
+defines its anchor symbol. A uprobe on a file covers every process mapping it, so the probe cost
+grows only with calls. A background thread scans /proc
 every RESCAN_INTERVAL seconds (`close()` stops it), incrementally (see LibraryScanner): a process
 not seen before has its maps read at the next scan, so processes started later are picked up
 within about RESCAN_INTERVAL; a process already seen is looked at again only after as long as it
@@ -22,7 +22,12 @@ the dlopen (early, when frameworks usually load it) and never later than REVISIT
 
 Counts live per process in the kernel (map `processes`) and only grow; a thread's entry in map
 `threads` goes when it exits. `read()` deletes a process's entries once it has reported them with
-the process already gone, so both maps stay bounded on a busy host.
+the process already gone, so the maps stay bounded on a busy host (map `contexts` is also LRU).
+
+A context is known by the value its process sees, its device from its creation or retain; a
+device's primary context is one context whether a thread reached it through cudaSetDevice or
+cuCtxSetCurrent. Contexts made current before aiprobe attached are one "unknown" context per
+process (device -1) until a thread makes a context current again.
 """
 
 from __future__ import annotations
