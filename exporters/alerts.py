@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import IO
 
 from aiprobe.model import Alert
+from aiprobe.rules import alert_name
 
 log = logging.getLogger("aiprobe.alerts")
 
@@ -46,7 +47,7 @@ class JsonLinesSink:
 
 def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict:
     labels = {
-        "alertname": "Aiprobe" + "".join(part.title() for part in alert.rule.split("_")),
+        "alertname": alert_name(alert.rule),
         "rule": alert.rule,
         "severity": alert.severity,
         "target": alert.target,
