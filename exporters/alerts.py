@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 
 from aiprobe.model import Alert
 from aiprobe.rules import alert_name
@@ -45,7 +45,7 @@ class JsonLinesSink:
             self._file.close()
 
 
-def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict:
+def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict[str, Any]:
     labels = {
         "alertname": alert_name(alert.rule),
         "rule": alert.rule,
