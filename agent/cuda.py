@@ -46,7 +46,7 @@ from . import elf, sched
 from .btf import decode
 from .histogram import NS_PER_SECOND, log2_buckets, quantile
 from .libbpf import BpfError
-from .loader import BpfObject, Strategy, load_first
+from .loader import BpfObject, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text
@@ -559,7 +559,7 @@ class CudaProbe(Probe):
         """Probe the CUDA libraries mapped since the last scan; returns the newly probed ones."""
         with self._scan_lock:
             found = self._scanner.scan()
-        new = []
+        new: list[AttachedLibrary] = []
         for mapped in found:
             with self._lock:
                 if self.loaded is None:
@@ -577,16 +577,16 @@ class CudaProbe(Probe):
         executable without a runtime in it). Every outcome is remembered per file."""
         if mapped.key in self._libraries:
             return self._libraries[mapped.key], False
-        library: AttachedLibrary | None = AttachedLibrary(mapped.path, mapped.host_path(self._proc), kind=mapped.kind)
+        assert self.loaded is not None  # rescan() holds the lock and checked
+        library = AttachedLibrary(mapped.path, mapped.host_path(self._proc), kind=mapped.kind)
         self._attached_ns[mapped.key] = time.monotonic_ns()
         try:
             library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind)
         except (NotACudaLibrary, BpfError, elf.ElfError, OSError) as exc:
             library.error = str(exc)
-        if mapped.kind == STATIC_RUNTIME and library.error:
-            library = None
-        self._libraries[mapped.key] = library
-        return library, True
+        probed = None if mapped.kind == STATIC_RUNTIME and library.error else library
+        self._libraries[mapped.key] = probed
+        return probed, True
 
     def _note_process_library(self, mapped: MappedLibrary, library: AttachedLibrary | None) -> None:
         if mapped.kind == DRIVER:
@@ -614,7 +614,7 @@ class CudaProbe(Probe):
             processes = [self._process(pid, entry) for pid, entry in sorted(entries.items())]
             self._starts.keep_only(set(entries))
             contexts = self._contexts(maps["contexts"].items(), {p.pid: p.comm for p in processes})
-            self._forget(gone)
+            self._forget(maps, gone)
             self._reported = entries.keys() - gone
         return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts))
 
@@ -655,10 +655,9 @@ class CudaProbe(Probe):
         self._launches.read_done(seen, now)
         return sorted(contexts, key=lambda c: (c.gpu, c.pid, c.context))
 
-    def _forget(self, pids: set[int]) -> None:
+    def _forget(self, maps: dict[str, Map], pids: set[int]) -> None:
         """Delete the entries of processes that are gone. Their threads' entries normally went as
         each thread exited; without a scheduler side (no sched_process_exit) they go here."""
-        maps = self.loaded.obj.maps
         maps["processes"].delete_keys(pids)
         maps["threads"].delete_keys(key for key, thread in maps["threads"].items() if thread.tgid in pids)
         maps["contexts"].delete_keys(key for key in maps["contexts"].keys() if key.tgid in pids)

@@ -13,6 +13,7 @@ import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 MAX_SECTIONS = 4096
 MAX_SEGMENTS = 256
@@ -64,7 +65,7 @@ class _Reader:
         return data
 
 
-def _header(reader: _Reader) -> tuple:
+def _header(reader: _Reader) -> tuple[Any, ...]:
     if reader.size < _HEADER.size:
         raise ElfError("shorter than an ELF header")
     header = _HEADER.unpack(reader.read(0, _HEADER.size, "header"))
@@ -78,7 +79,7 @@ def _header(reader: _Reader) -> tuple:
     return header
 
 
-def _sections(reader: _Reader, header: tuple) -> list[_Section]:
+def _sections(reader: _Reader, header: tuple[Any, ...]) -> list[_Section]:
     shoff, shentsize, shnum = header[6], header[11], header[12]
     if shnum > MAX_SECTIONS or (shnum and shentsize != _SECTION.size):
         raise ElfError("unexpected section header table")
@@ -86,7 +87,7 @@ def _sections(reader: _Reader, header: tuple) -> list[_Section]:
     return [_Section(s[1], s[4], s[5], s[6], s[9]) for s in _SECTION.iter_unpack(table)]
 
 
-def _executable_segments(reader: _Reader, header: tuple) -> list[_Segment]:
+def _executable_segments(reader: _Reader, header: tuple[Any, ...]) -> list[_Segment]:
     phoff, phentsize, phnum = header[5], header[9], header[10]
     if phnum > MAX_SEGMENTS or (phnum and phentsize != _SEGMENT.size):
         raise ElfError("unexpected program header table")
