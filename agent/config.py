@@ -51,6 +51,8 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
     "gpu_threads_starved": RuleConfig(threshold=0.005, clear=0.002, for_seconds=10, severity="critical"),
     # CUDA context switches per second in one process
     "cuda_context_switch_storm": RuleConfig(threshold=1000.0, clear=500.0, for_seconds=10, severity="warning"),
+    # CUDA contexts that launched work on one GPU in the last refresh (2 or more: time-sliced)
+    "gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=30, severity="warning"),
     # listen-queue drops per second (TcpExt ListenDrops, which counts every overflow too)
     "listen_queue_overflow": RuleConfig(threshold=1.0, clear=0.0, for_seconds=0, severity="critical"),
     # retransmitted / sent TCP segments

@@ -26,6 +26,8 @@ from .histogram import quantile
 from .loader import ProbeUnavailable
 from .model import (
     Alert,
+    CudaContext,
+    CudaGpu,
     CudaProcess,
     FlowRecord,
     GpuInfo,
@@ -229,11 +231,12 @@ class Agent:
             workload = self._workload(send.cgroup_id, send.pid)
             send.container, send.pod_uid = workload.container, workload.pod_uid
             live_pids.add(send.pid)
-        for proc in [*r.of(CudaProcess), *r.of(GpuProcess)]:
+        for proc in [*r.of(CudaProcess), *r.of(CudaContext), *r.of(GpuProcess)]:
             workload = self._workload_of_pid(proc.pid)
             proc.container, proc.pod_uid = workload.container, workload.pod_uid
             live_pids.add(proc.pid)
         self._workloads = {pid: w for pid, w in self._workloads.items() if pid in live_pids}
+        _join_active_contexts(r.of(GpuInfo), r.of(CudaGpu))
 
     def _add_rates(self, r: Readings, now: float) -> None:
         """Per-second rates of cumulative counters over the interval since the last refresh, each
@@ -241,9 +244,9 @@ class Agent:
         for send in r.of(ProcessSendLatency):
             (send.bytes_per_second,) = self._rates.rate(("send", send.identity()), [send.bytes], now)
         for cuda in r.of(CudaProcess):
-            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs]
-            cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second = \
-                self._rates.rate(("cuda", cuda.identity()), counters, now)
+            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs, cuda.graph_launches]
+            (cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second,
+             cuda.graph_launches_per_second) = self._rates.rate(("cuda", cuda.identity()), counters, now)
         for side in r.of(InterfaceTotals):
             side.bytes_per_second, side.packets_per_second = \
                 self._rates.rate(("interface", side.identity()), [side.bytes, side.packets], now)
@@ -277,6 +280,7 @@ class Agent:
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
                     "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
         signals += self._gpu_signals(r)
+        signals += time_slicing_signals(r.of(CudaGpu), r.of(CudaContext), r.of(GpuInfo))
         signals += self._tcp_signals(r, now)
         return signals
 
@@ -346,6 +350,10 @@ class Agent:
             entry.cuda_context_switches_per_second = cuda.context_switches_per_second
             entry.cuda_kernel_launches_per_second = cuda.kernel_launches_per_second
             entry.cuda_syncs_per_second = cuda.syncs_per_second
+            entry.cuda_graph_launches_per_second = cuda.graph_launches_per_second
+            entry.cuda_counted_at = cuda.counted_at or None
+            entry.cuda_time_to_first_launch_seconds = cuda.cold_start.to_first_launch_seconds \
+                if cuda.cold_start else None
             entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
         for gpu in r.of(GpuProcess):
             entry = row(gpu.pid, gpu.comm, gpu.container, gpu.pod_uid)
@@ -354,6 +362,27 @@ class Agent:
             if gpu.sm_utilization_ratio is not None:
                 entry.gpu_utilization_ratio = (entry.gpu_utilization_ratio or 0) + gpu.sm_utilization_ratio
         return sorted(rows.values(), key=lambda p: p.send_bytes_per_second or 0, reverse=True)
+
+
+def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
+    """Each NVML GPU's active CUDA contexts (the cuda probe names a GPU by index or UUID)."""
+    active = {gpu.gpu: gpu.active_contexts for gpu in gpus}
+    for info in infos:
+        info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
+
+
+def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo]) -> list[Signal]:
+    """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
+    processes, launch rates and the GPU's utilization (NVML, matched by index or UUID) as evidence."""
+    utilization = {key: info.utilization_gpu_ratio for info in infos for key in (str(info.index), info.uuid)}
+    signals = []
+    for gpu in gpus:
+        active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
+        signals.append(Signal("gpu_time_sliced", f"gpu{gpu.gpu}", gpu.active_contexts, {
+            "contexts": [{"pid": c.pid, "process": f"{c.comm or c.pid}@{c.container}", "context": c.context,
+                          "launches_per_second": round(c.launches_per_second, 1)} for c in active],
+            "utilization_ratio": utilization.get(gpu.gpu)}))
+    return signals
 
 
 def _target(proc: ProcessSendLatency | CudaProcess) -> str:

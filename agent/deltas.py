@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
 
 Values = Sequence[float]
+Labels = TypeVar("Labels", bound=Hashable)
 
 
 def _added(values: Values, last: Values | None) -> list[float]:
@@ -50,14 +52,14 @@ class Deltas:
         return source in self._last
 
 
-class Totals:
+class Totals(Generic[Labels]):
     """Monotonic sums per label set of the increases of every source carrying those labels."""
 
     def __init__(self) -> None:
         self.deltas = Deltas()
-        self.sums: dict[Hashable, list[float]] = {}
+        self.sums: dict[Labels, list[float]] = {}
 
-    def add(self, labels: Hashable, source: Hashable, values: Values) -> list[float]:
+    def add(self, labels: Labels, source: Hashable, values: Values) -> list[float]:
         """Add the source's increase to its label set; returns the increase."""
         added = self.deltas.increase(source, values)
         current = self.sums.get(labels)

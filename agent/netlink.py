@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
@@ -38,7 +39,7 @@ class LinkInfo:
     kind: str | None = None  # rtnetlink link kind of a virtual device ("veth", "bridge", ...); None for a NIC
 
 
-def _link_info(msg: dict) -> LinkInfo:
+def _link_info(msg: Any) -> LinkInfo:  # a pyroute2 ifinfmsg
     flags = msg["flags"]
     linkinfo = msg.get_attr("IFLA_LINKINFO")
     return LinkInfo(
@@ -110,7 +111,7 @@ class LinkWatcher:
             for msg in marshal.parse(data):
                 self._dispatch(msg)
 
-    def _dispatch(self, msg: dict) -> None:
+    def _dispatch(self, msg: Any) -> None:
         event = msg.get("event")
         try:
             if event == "RTM_NEWLINK":

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -30,7 +30,7 @@ class SnapshotError(Exception):
 class SnapshotSource(Protocol):
     label: str
 
-    def snapshot(self) -> dict: ...
+    def snapshot(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -53,10 +53,11 @@ class AgentClient:
         self.timeout = timeout
         self.label = f"agent {self.url}"
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         try:
             with urllib.request.urlopen(self.url + SNAPSHOT_PATH, timeout=self.timeout) as response:
-                return json.load(response)
+                document: dict[str, Any] = json.load(response)
+                return document
         except (OSError, ValueError) as exc:  # URLError, refused, timeout; JSONDecodeError
             raise SnapshotError(str(getattr(exc, "reason", exc))) from None
 
@@ -86,7 +87,7 @@ class InProcessAgent:
             self.agent.close()
             raise
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return self.agent.refresh()
 
     def close(self) -> None:

@@ -16,9 +16,10 @@ import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 
 from aiprobe.model import Alert
+from aiprobe.rules import alert_name
 
 log = logging.getLogger("aiprobe.alerts")
 
@@ -44,9 +45,9 @@ class JsonLinesSink:
             self._file.close()
 
 
-def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict:
+def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict[str, Any]:
     labels = {
-        "alertname": "Aiprobe" + "".join(part.title() for part in alert.rule.split("_")),
+        "alertname": alert_name(alert.rule),
         "rule": alert.rule,
         "severity": alert.severity,
         "target": alert.target,

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 class AgentHTTPServer:
     """Serves in a daemon thread; `snapshot` returns the latest document, `healthy` the health state."""
 
-    def __init__(self, address: tuple[str, int], registry: Any, snapshot: Callable[[], dict],
+    def __init__(self, address: tuple[str, int], registry: Any, snapshot: Callable[[], dict[str, Any]],
                  healthy: Callable[[], bool]) -> None:
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
