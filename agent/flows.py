@@ -45,7 +45,7 @@ from .loader import (
     tc_clsact_query,
 )
 from .metrics import Family, Series
-from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage
+from .model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage
 from .names import ip_text
 from .netlink import LinkInfo, LinkWatcher, xdp_program_id
 from .probes import Probe, ProbeSpec
@@ -229,6 +229,7 @@ def remove_stale_tc_filter(link: LinkInfo, direction: str) -> None:
 def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
                state: InterfaceAttachment) -> Link | None:
     program = obj.programs[TC_PROGRAM_OF[direction]]
+    attached: Link
     try:
         if mode == "tcx":
             attached = program.attach_tcx(link.index, direction)
@@ -561,7 +562,7 @@ class TopFlows:
     def __init__(self, k: int, field: str) -> None:
         self.k = k
         self.index = ("bytes", "packets").index(field)
-        self._members: dict[tuple, _Member] = {}
+        self._members: dict[Identity, _Member] = {}
 
     def __call__(self, snapshots: list[FlowsSnapshot]) -> list[Series]:
         return [series for snapshot in snapshots for series in self._series(snapshot)]
@@ -571,14 +572,14 @@ class TopFlows:
         self._update_membership(live, snapshot.timestamp)
         own = [(_labels(live[ident]), [float(_counts(live[ident])[self.index] - member.since[self.index])])
                for ident, member in self._members.items()]
-        taken: Counter = Counter()
+        taken: dict[tuple[str, ...], float] = {}
         for labels, (value,) in own:
-            taken[labels[:2]] += value
+            taken[labels[:2]] = taken.get(labels[:2], 0.0) + value
         other = [((t.interface, t.direction, "", "", "", "other", ""),
-                  [float(_counts(t)[self.index] - taken[(t.interface, t.direction)])]) for t in snapshot.interfaces]
+                  [_counts(t)[self.index] - taken.get((t.interface, t.direction), 0.0)]) for t in snapshot.interfaces]
         return own + other
 
-    def _update_membership(self, live: dict[tuple, FlowRecord], now: float) -> None:
+    def _update_membership(self, live: dict[Identity, FlowRecord], now: float) -> None:
         ranked = sorted(live, key=lambda ident: (live[ident].bytes_per_second, live[ident].bytes), reverse=True)
         in_top = set(ranked[: self.k])
         for ident, member in list(self._members.items()):
@@ -598,7 +599,7 @@ def _labels(f: FlowRecord) -> tuple[str, ...]:
     return tuple(str(getattr(f, name)) for name in FLOW_LABEL_NAMES)
 
 
-def _incarnation(f: FlowRecord) -> tuple:
+def _incarnation(f: FlowRecord) -> Identity:
     # first_seen tells a flow apart from an earlier one with the same key (expired, then back).
     return (*_labels(f), f.first_seen)
 
