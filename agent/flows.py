@@ -69,7 +69,7 @@ def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
 
 FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
                     "remote_port")
-FLOW_LABELS = tuple((name, name) for name in FLOW_LABEL_NAMES)
+FLOW_LABELS = tuple((name, "") for name in FLOW_LABEL_NAMES)  # named only: TopFlows gives their values
 _SIDE = (("interface", "interface"), ("direction", "direction"))
 
 

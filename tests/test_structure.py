@@ -57,7 +57,7 @@ def test_metric_tables_name_fields_their_records_have() -> None:
     for spec in specs():
         for family in spec.metrics:
             names = {f.name for f in fields(family.record)}
-            getters = [family.value, family.sum_field, family.top_by,
+            getters = [family.value, family.sum_field,
                        *(g for _, g in family.labels), *(g for _, g in family.expand)]
             wrong = [g for g in getters if isinstance(g, str) and g and g not in names]
             assert wrong == [], f"{family.name}: {family.record.__name__} has no field {wrong}"
