@@ -172,11 +172,13 @@ class Agent:
         last = self.readings
         collectors = dict(last.collectors)
         for name in self._read_at_scrape:
-            at = self._newest.get(name, (None, None))[0]
+            with self._newest_lock:
+                at = self._newest.get(name, (None, None))[0]
             probe = self._probes.get(name)
             if probe is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
                 self._read(name, probe, collectors)
-        fresh = {name: record for name, (_at, record) in self._newest.items()}
+        with self._newest_lock:
+            fresh = {name: record for name, (_at, record) in self._newest.items()}
         cached = self._scraped
         if cached is not None and cached[0] is last and all(cached[1].records[n] is r for n, r in fresh.items()):
             return cached[1]

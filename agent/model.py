@@ -134,8 +134,8 @@ class FlowsSnapshot(Record):
     evictions: int  # monotonic: flows evicted to make room
     insert_failures: int  # monotonic: new flows that found the table full (counted per interface only)
     malformed_frames: int  # monotonic: frames with truncated or inconsistent headers
-    lost_frames: int  # monotonic: frames counted nowhere, not even in interface totals (struct lost_counters)
     attachments: list[InterfaceAttachment]
+    lost_frames: int = 0  # monotonic: frames counted nowhere, not even in interface totals (struct lost_counters)
 
 
 @dataclass

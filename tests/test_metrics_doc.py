@@ -41,7 +41,7 @@ def every_kind_of_reading() -> Readings:
     gpu = GpuInfo(0, "u", "n", 0.5, 0.5, 2, 1, 1, 1.0, 1.0, 1, 1, ["sw_power_cap"], 1, 1)
     return Readings(
         records={
-            "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, 0, []),
+            "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, []),
             "sendlat": SendLatencySnapshot("tracepoint", "", [
                 ProcessSendLatency(1, "x", 0, 1, 5, 0.1, 0.1, 0.1, HISTOGRAM)]),
             "cuda": CudaSnapshot([CudaProcess(1, "x", "lib", 1, 1, 1, 0.1, 0.1, HISTOGRAM, 0.1, 0.1, HISTOGRAM, 1,

@@ -62,7 +62,7 @@ def test_readings_find_records_inside_each_probes_reading() -> None:
     flow = model.FlowRecord("eth0", "egress", "udp", "a", 1, "b", 2, 1, 1, 0.0, 0.0, 0, 0.0, 0.0)
     totals = model.InterfaceTotals("eth0", "egress", 1, 1)
     readings = model.Readings(records={
-        "flows": model.FlowsSnapshot(0.0, 1.0, [flow], [totals], 0, 0, 0, 0, []),
+        "flows": model.FlowsSnapshot(0.0, 1.0, [flow], [totals], 0, 0, 0, []),
         "netstat": model.TcpCounters(1, 2, 3, 4), "sched": None})
     assert readings.of(model.FlowRecord) == [flow]
     assert readings.of(model.InterfaceTotals) == [totals]
