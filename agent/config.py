@@ -6,12 +6,16 @@ the key (`ConfigError`), so a typo never silently disables a rule.
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import stat
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 DEFAULT_PORT = 9645
+MAX_FILE_BYTES = 1 << 20
 PROBE_NAMES = ("flows", "sendlat", "cuda", "nvml")
 
 
@@ -68,6 +72,11 @@ class Config:
     dcgm_compatible_metrics: bool = False
     traffic_floor_bytes_per_second: float = DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND
     alertmanager_url: str | None = None
+    # TLS and basic auth, Prometheus exporter-toolkit format (exporters/webconfig.py)
+    web_config_file: str | None = None
+    # "local": /api/v1/snapshot answers loopback clients only (and, with basic auth, any authenticated
+    # one); "network": anyone who reaches the listen address
+    snapshot_api: str = "local"
     alert_log: str = "-"  # "-" is stdout; a path appends JSON lines to that file
     rules: dict[str, RuleConfig] = field(default_factory=lambda: dict(DEFAULT_RULES))
 
@@ -103,16 +112,24 @@ def _check_value(key: str, value: Any, expected: Any) -> Any:
     return value
 
 
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _validate_top(key: str, value: Any) -> Any:
     defaults = Config()
     expected = getattr(defaults, key)
-    if key == "alertmanager_url":
+    if expected is None:  # optional strings
         expected = ""
     value = _check_value(key, value, expected)
     if key == "listen":
-        _host, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"listen: expected HOST:PORT, got {value!r}")
+        host, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not _is_ip(host.strip("[]") or "0.0.0.0"):
+            raise ConfigError(f"listen: expected IP:PORT or [IPv6]:PORT, got {value!r}")
     if key == "probes":
         unknown = set(value) - set(PROBE_NAMES)
         if unknown:
@@ -121,6 +138,8 @@ def _validate_top(key: str, value: Any) -> Any:
         raise ConfigError(f"interval_seconds: must be at least 0.1, got {value!r}")
     if key == "top_flows" and (not isinstance(value, int) or value < 1):
         raise ConfigError(f"top_flows: expected a whole number >= 1, got {value!r}")
+    if key == "snapshot_api" and value not in ("local", "network"):
+        raise ConfigError(f"snapshot_api: expected \"local\" or \"network\", got {value!r}")
     if key == "alertmanager_url" and not value.startswith(("http://", "https://")):
         raise ConfigError(f"alertmanager_url: expected an http(s) URL, got {value!r}")
     return value
@@ -160,15 +179,37 @@ def from_dict(data: dict[str, Any]) -> Config:
     return Config(**values)
 
 
+def read_config_file(path: str | Path, what: str = "config") -> bytes:
+    """A config file's bytes: a regular file of at most 1 MiB — not /dev/zero, a FIFO or a directory,
+    which would read for ever, block or fail oddly."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO does not block open
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{what} {path}: not a regular file")
+        try:
+            data = file.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{what} {path}: larger than {MAX_FILE_BYTES} bytes")
+    return data
+
+
 def load(path: str | Path | None, **overrides: Any) -> Config:
     """The config from `path` (None: defaults), then command-line `overrides` (None values ignored)."""
     data: dict[str, Any] = {}
     if path is not None:
+        raw = read_config_file(path)
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: {exc.strerror}") from None
+            data = tomllib.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+            raise ConfigError(f"config {path}: not valid TOML ({exc})") from None
+        except RecursionError:
+            raise ConfigError(f"config {path}: nested too deeply") from None
     data.update({k: v for k, v in overrides.items() if v is not None})
     return from_dict(data)

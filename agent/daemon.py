@@ -24,7 +24,7 @@ from . import __version__, libbpf
 from .config import PROBE_NAMES, Config, ConfigError, load
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .histogram import Rates, WindowedHistograms, buckets_from_json, quantile
-from .names import process_name
+from .names import endpoint, process_name
 from .netstat import read_tcp_counters
 from .rules import Alert, RuleEngine, Signal
 from .system import kernel_release
@@ -398,16 +398,19 @@ class ConfigProblem(click.ClickException):
 @click.option("--interfaces", help="Comma-separated globs of interfaces to watch (default: all up, except lo).")
 @click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(PROBE_NAMES)}).")
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL to push alerts to.")
+@click.option("--web.config.file", "web_config_file", metavar="PATH",
+              help="TLS and basic auth, in the Prometheus exporter-toolkit web config format.")
 @click.option("--dcgm-compatible", "dcgm", is_flag=True, default=None,
               help="Also export DCGM-exporter metric names for existing GPU dashboards.")
 def command(config_path: str | None, listen: str | None, interfaces: str | None, probes: str | None,
-            alertmanager_url: str | None, dcgm: bool | None) -> None:
+            alertmanager_url: str | None, web_config_file: str | None, dcgm: bool | None) -> None:
     """Run every available probe and serve Prometheus metrics, health and the snapshot API."""
     from .cli import require_privileges, ticks
 
     try:
         config = load(config_path, listen=listen, interfaces=_csv(interfaces), probes=_csv(probes),
-                      alertmanager_url=alertmanager_url, dcgm_compatible_metrics=dcgm)
+                      alertmanager_url=alertmanager_url, web_config_file=web_config_file,
+                      dcgm_compatible_metrics=dcgm)
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
     require_privileges()
@@ -419,6 +422,7 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Any]) -> No
     from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
     from aiprobe.exporters.http import AgentHTTPServer
     from aiprobe.exporters.prometheus import AgentCollector, registry_for
+    from aiprobe.exporters.webconfig import load_web_config
 
     sink = JsonLinesSink(config.alert_log)
     pusher = (AlertmanagerPusher(config.alertmanager_url, instance=socket.gethostname())
@@ -434,7 +438,12 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Any]) -> No
                                build_info={"version": __version__, "kernel": kernel_release(),
                                            "libbpf": libbpf.version()})
     try:
-        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy)
+        web = load_web_config(config.web_config_file) if config.web_config_file else None
+    except ConfigError as exc:
+        raise ConfigProblem(str(exc)) from None
+    try:
+        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy,
+                                 web=web, snapshot_remote=config.snapshot_api == "network")
     except OSError as exc:
         raise ConfigProblem(f"listen {config.listen}: {exc.strerror}") from None
     try:
@@ -444,7 +453,8 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Any]) -> No
         agent.refresh()
         collector.update(agent.readings)
         server.start()
-        log.info("serving http://%s:%d/metrics (pid %d)", config.listen_address[0], server.port, os.getpid())
+        log.info("serving %s://%s/metrics (pid %d)", "https" if server.tls else "http",
+                 endpoint(config.listen_address[0], server.port), os.getpid())
         for _ in ticks(None, config.interval_seconds):
             agent.refresh()
             collector.update(agent.readings)
