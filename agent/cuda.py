@@ -34,7 +34,7 @@ from .cli import duration_option, emit_json, friendly_errors, json_option, requi
 from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Strategy, load_first
-from .names import comm_text
+from .names import comm_text, printable
 from .probes import MapUsage, Probe, ProbeSpec
 
 RESCAN_INTERVAL = 1.0
@@ -128,8 +128,11 @@ def mapped_libcuda(pid: int, proc: Path = Path("/proc")) -> MappedLibrary | None
             continue
         path = fields[5].removesuffix(" (deleted)")
         if os.path.basename(path).startswith(LIBRARY_PREFIX):
-            major, minor = (int(part, 16) for part in fields[3].split(":"))
-            return MappedLibrary(pid, path, os.makedev(major, minor), int(fields[4]), fields[0])
+            try:
+                major, minor = (int(part, 16) for part in fields[3].split(":"))
+                return MappedLibrary(pid, path, os.makedev(major, minor), int(fields[4]), fields[0])
+            except ValueError:  # not a line the kernel writes; the next one may do
+                continue
     return None
 
 
@@ -362,14 +365,14 @@ class CudaProbe(Probe):
             with self._lock:
                 if self.loaded is None:
                     return new
-                self._process_library[mapped.pid] = mapped.path
+                self._process_library[mapped.pid] = printable(mapped.path)
                 if mapped.key in self._libraries:
                     continue
-                library = AttachedLibrary(mapped.path, mapped.host_path(self._proc))
+                library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc))
                 try:
                     library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
                 except BpfError as exc:
-                    library.error = str(exc)
+                    library.error = printable(str(exc))
                 self._libraries[mapped.key] = library
             new.append(library)
             if self._on_attach is not None:
@@ -436,7 +439,7 @@ def print_table(snapshot: CudaSnapshot) -> None:
 
 def _announce(library: AttachedLibrary) -> None:
     outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
-    click.echo(f"aiprobe cuda: probing {library.path} via {library.host_path} ({outcome})", err=True)
+    click.echo(f"aiprobe cuda: probing {library.path} via {printable(library.host_path)} ({outcome})", err=True)
 
 
 @click.command()
