@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import sys
 import time
@@ -415,7 +416,17 @@ def command(config_path: str | None, listen: str | None, interfaces: str | None,
         raise ConfigProblem(str(exc)) from None
     require_privileges()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="aiprobe: %(message)s")
+    _raise_open_files_limit()
     run_agent(config, ticks)
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit of open files up to the hard one (as Prometheus does): clients, probes, the
+    CUDA scan and netlink share it, and the usual soft 1024 is within reach of any local user."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, 1 << 20), hard))
 
 
 def run_agent(config: Config, ticks: Callable[[float | None, float], Any]) -> None:
