@@ -1,0 +1,112 @@
+"""What any unprivileged process on the node can do to the agent (issue 13), done for real against a
+real agent: names and paths that are not UTF-8 or carry terminal escapes, a squatted port, bad
+configuration. The agent must stay up, keep refreshing, answer /healthz within 1 s and exit 0 on
+SIGTERM with nothing left attached. (The HTTP floods are in tests/test_http.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiprobe.containers import cgroup2_root
+from conftest import VethPair, programs_on, wait_until
+from fixtures.cuda_fake import build
+from servers import AIPROBE, Agent, http_get
+from test_agent import tcp_sink
+
+pytestmark = pytest.mark.bpf
+
+# Not UTF-8, and a terminal escape that clears the screen and retitles the window.
+HOSTILE_NAME = b"\xff\xfe\x1b[2J\x1b]0;x\x07"
+
+HOSTILE_PROCESS = r"""
+import ctypes, os, socket, sys, time
+cgroup, library = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
+host, port, name = sys.argv[3], int(sys.argv[4]), bytes.fromhex(sys.argv[5])
+with open(os.path.join(cgroup, b"cgroup.procs"), "wb") as procs:
+    procs.write(str(os.getpid()).encode())
+ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: the comm every probe reports
+ctypes.CDLL(library)  # maps libcuda.so.1 from a directory whose name is not UTF-8
+print("ready", flush=True)
+while True:
+    with socket.create_connection((host, port)) as conn:
+        conn.sendall(b"x" * 65536)
+    time.sleep(0.1)
+"""
+
+
+@pytest.fixture
+def hostile_places(cbuild, tmp_path: Path) -> Iterator[tuple[bytes, bytes]]:
+    """A cgroup and a libcuda.so.1 whose paths are not UTF-8 and hold escapes: (cgroup, library)."""
+    libdir, _copy = build(cbuild)
+    odd = b"aipt-" + secrets.token_hex(3).encode() + b"-\xff\x1b[31m"
+    library_dir = os.fsencode(tmp_path) + b"/" + odd
+    os.mkdir(library_dir)
+    shutil.copy(libdir / "libcuda.so.1", library_dir + b"/libcuda.so.1")
+    cgroup = os.fsencode(cgroup2_root()) + b"/" + odd
+    os.mkdir(cgroup)
+    try:
+        yield cgroup, library_dir + b"/libcuda.so.1"
+    finally:
+        wait_until(lambda: not Path(os.fsdecode(cgroup + b"/cgroup.procs")).read_text().strip(), timeout=5)
+        with contextlib.suppress(OSError):
+            os.rmdir(cgroup)
+
+
+def start_hostile(places: tuple[bytes, bytes], veth: VethPair, port: int) -> subprocess.Popen:
+    cgroup, library = places
+    process = subprocess.Popen([sys.executable, "-c", HOSTILE_PROCESS, cgroup.hex(), library.hex(), veth.peer_ip4,
+                                str(port), HOSTILE_NAME.hex()], stdout=subprocess.PIPE)
+    assert process.stdout.readline().strip() == b"ready"
+    return process
+
+
+def healthz_within_1s(agent: Agent) -> bool:
+    return http_get(agent.url + "/healthz", timeout=1.0)[0] == 200
+
+
+def send_bytes(agent: Agent, pid: int) -> float:
+    """What sendlat counted for `pid` so far (the snapshot's per-process send bytes)."""
+    rows = [p for p in agent.snapshot().get("processes", []) if p["pid"] == pid]
+    return (rows[0].get("send_bytes") or 0) if rows else 0
+
+
+def test_non_utf8_and_escape_names_degrade_one_record_not_the_agent(tmp_path: Path, veth: VethPair,
+                                                                    hostile_places: tuple[bytes, bytes]) -> None:
+    sink = tcp_sink(veth, 9000)
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows", "sendlat", "cuda"]\n'
+    before = start_hostile(hostile_places, veth, 9000)  # already running when the agent starts
+    after = None
+    try:
+        with Agent(tmp_path, config) as agent:
+            after = start_hostile(hostile_places, veth, 9000)
+            for pid in (before.pid, after.pid):
+                assert wait_until(lambda p=pid: send_bytes(agent, p) > 0, timeout=20), agent.log.read_text()[-2000:]
+            first = send_bytes(agent, after.pid)
+            assert wait_until(lambda: send_bytes(agent, after.pid) > first, timeout=10)  # still refreshing
+            assert healthz_within_1s(agent)
+            names = {p["comm"] for p in agent.snapshot()["processes"] if p["pid"] in (before.pid, after.pid)}
+            assert names == {"\ufffd\ufffd\\x1b[2J\\x1b]0;x\\x07"}, names
+            metrics = agent.metrics()
+            assert "\x1b" not in metrics and "\\\\x1b[2J" in metrics
+            top = subprocess.run([AIPROBE, "top", "--batch", "--iterations", "1", "--connect", agent.url],
+                                 capture_output=True, timeout=60)
+            assert top.returncode == 0, top.stderr
+            assert b"\\x1b[2J" in top.stdout and b"\x1b" not in top.stdout + top.stderr
+            agent.stop()
+            assert agent.process.returncode == 0
+        log = agent.log.read_text(errors="replace")
+        assert "Traceback" not in log and "UnicodeDecodeError" not in log, log[-3000:]
+        assert programs_on(veth.host) == set()
+    finally:
+        for process in (before, after, sink):
+            if process is not None:
+                process.kill()
+                process.wait()
