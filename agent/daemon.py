@@ -394,7 +394,7 @@ class ConfigProblem(click.ClickException):
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (docs/config.md).")
+@click.option("--config", "config_path", metavar="PATH", help="TOML config (docs/config.md).")
 @click.option("--listen", help="HOST:PORT to serve /metrics, /healthz, /api/v1/snapshot (default 0.0.0.0:9645).")
 @click.option("--interfaces", help="Comma-separated globs of interfaces to watch (default: all up, except lo).")
 @click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(PROBE_NAMES)}).")

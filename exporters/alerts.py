@@ -8,6 +8,7 @@ a firing alert whose agent died expires there on its own (`endsAt` runs a few re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -33,15 +34,24 @@ class JsonLinesSink:
     def __init__(self, target: str = "-") -> None:
         self._file: IO[str] = sys.stdout if target == "-" else open(target, "a", buffering=1)  # noqa: SIM115
         self._owned = target != "-"
+        self._target = target
+        self.failures = 0  # transitions lost to a full disk, a vanished file system, a closed stdout
 
     def write(self, transitions: list[Alert], now: float) -> None:
-        for alert in transitions:
-            self._file.write(json.dumps({"time": _iso(now), **alert.to_dict()}, default=str) + "\n")
-        self._file.flush()
+        text = "".join(json.dumps({"time": _iso(now), **alert.to_dict()}, default=str) + "\n" for alert in transitions)
+        try:
+            self._file.write(text)
+            self._file.flush()
+        except (OSError, ValueError) as exc:  # the log is a copy of what the metrics and Alertmanager say
+            self.failures += len(transitions)
+            if self.failures == len(transitions):  # the first loss is news; the count says the rest
+                log.warning("alert log %s: %s; transitions are counted in aiprobe_alert_log_errors_total",
+                            self._target, getattr(exc, "strerror", None) or exc)
 
     def close(self) -> None:
         if self._owned:
-            self._file.close()
+            with contextlib.suppress(OSError):  # what a full disk kept is lost either way
+                self._file.close()
 
 
 def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict:
@@ -106,10 +116,10 @@ class AlertmanagerPusher:
             with urllib.request.urlopen(request, timeout=self._timeout) as response:
                 response.read()
             self.delivered += 1
-        except (urllib.error.URLError, OSError) as exc:
+        except Exception as exc:  # refused, timed out, HTTP errors, a URL http.client rejects: never the thread
             # Kept and sent again on the next round: Alertmanager may be restarting.
             self.failures += 1
-            log.warning("alertmanager %s unreachable (%s); will retry", self._endpoint, exc)
+            log.warning("alertmanager %s: %s; will retry", self._endpoint, exc)
 
     def close(self) -> None:
         self._stop.set()

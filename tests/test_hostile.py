@@ -110,3 +110,58 @@ def test_non_utf8_and_escape_names_degrade_one_record_not_the_agent(tmp_path: Pa
             if process is not None:
                 process.kill()
                 process.wait()
+
+
+# --- bad configuration: one line, exit 2, never a traceback ---
+
+def _write(tmp_path: Path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def _fifo(tmp_path: Path) -> str:
+    os.mkfifo(tmp_path / "fifo.toml")
+    return str(tmp_path / "fifo.toml")
+
+
+BAD_CONFIGS = {
+    "binary": lambda t: ["--config", _write(t, "c.toml", bytes(range(256)) * 8)],
+    "latin-1": lambda t: ["--config", _write(t, "c.toml", 'alert_log = "caf\xe9"\n'.encode("latin-1"))],
+    "deeply nested": lambda t: ["--config", _write(t, "c.toml", b"a = " + b"[" * 50_000 + b"]" * 50_000)],
+    "interval nan": lambda t: ["--config", _write(t, "c.toml", b"interval_seconds = nan\n")],
+    "interval inf": lambda t: ["--config", _write(t, "c.toml", b"interval_seconds = inf\n")],
+    "interval 1e308": lambda t: ["--config", _write(t, "c.toml", b"interval_seconds = 1e308\n")],
+    "flow idle inf": lambda t: ["--config", _write(t, "c.toml", b"flow_idle_seconds = inf\n")],
+    "flow idle nan": lambda t: ["--config", _write(t, "c.toml", b"flow_idle_seconds = nan\n")],
+    "rule for -inf": lambda t: ["--config", _write(t, "c.toml", b"[rules.gpu_saturated]\nfor_seconds = -inf\n")],
+    "huge integer": lambda t: ["--config", _write(t, "c.toml", b"top_flows = 1" + b"0" * 400 + b"\n")],
+    "/dev/zero": lambda t: ["--config", "/dev/zero"],
+    "fifo": lambda t: ["--config", _fifo(t)],
+    "directory": lambda t: ["--config", str(t)],
+    "over 1 MiB": lambda t: ["--config", _write(t, "c.toml", b"# padding\n" * 120_000)],
+    "interfaces []": lambda t: ["--config", _write(t, "c.toml", b"interfaces = []\n")],
+    "--interfaces ,": lambda t: ["--interfaces", ","],
+    "escape in a glob": lambda t: ["--config", _write(t, "c.toml", b'interfaces = ["eth\\u001b[2J"]\n')],
+    "alertmanager without port number": lambda t: ["--alertmanager", "http://h:notaport"],
+    "alertmanager without scheme": lambda t: ["--alertmanager", "alertmanager:9093"],
+    "alertmanager without host": lambda t: ["--alertmanager", "http://:9093"],
+    "alert_log in a missing directory": lambda t: ["--config", _write(t, "c.toml", b'alert_log = "/nonexistent/a"\n')],
+    "alert_log a directory": lambda t: ["--config", _write(t, "c.toml", f'alert_log = "{t}"\n'.encode())],
+    "listen on a name": lambda t: ["--listen", "localhost:9645"],
+    "web config /dev/zero": lambda t: ["--web.config.file", "/dev/zero"],
+    "web config not YAML": lambda t: ["--web.config.file", _write(t, "web.yml", b"tls_server_config: [\n")],
+    "web config plain password": lambda t: ["--web.config.file",
+                                            _write(t, "web.yml", b"basic_auth_users:\n  admin: hunter2\n")],
+    "web config missing key file": lambda t: ["--web.config.file", _write(
+        t, "web.yml", b"tls_server_config:\n  cert_file: none.crt\n  key_file: none.key\n")],
+}
+
+
+@pytest.mark.parametrize("make_args", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
+def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path, make_args) -> None:
+    result = subprocess.run([AIPROBE, "agent", "--listen", "127.0.0.1:1", *make_args(tmp_path)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("aiprobe: config: ")
