@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import IO
 
 from aiprobe.rules import Alert
+from aiprobe.supervisor import SUPERVISOR
 
 log = logging.getLogger("aiprobe.alerts")
 
@@ -85,8 +86,7 @@ class AlertmanagerPusher:
         self._stop = threading.Event()
         self.delivered = 0
         self.failures = 0
-        self._thread = threading.Thread(target=self._run, name="aiprobe-alertmanager", daemon=True)
-        self._thread.start()
+        self._thread = SUPERVISOR.start_thread("alertmanager", self._run, self._stop)
 
     def update(self, firing_and_resolved: list[Alert], *, changed: bool) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from aiprobe import __version__
+from aiprobe.supervisor import SUPERVISOR
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .webconfig import WebConfig
@@ -129,8 +130,10 @@ class AgentHTTPServer:
         self._busy = 0
         self._stop = threading.Event()
         self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="aiprobe-http-worker")
-        self._thread = threading.Thread(target=self._poll, name="aiprobe-http", daemon=True)
+        self._thread: threading.Thread | None = None
         self._handler_class = _handler_class(self)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
 
     @property
     def port(self) -> int:
@@ -140,18 +143,14 @@ class AgentHTTPServer:
     def tls(self) -> bool:
         return self._web.tls is not None
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def start(self) -> None:
-        self._thread.start()
+        self._thread = SUPERVISOR.start_thread("http", self._poll, self._stop)
 
     def close(self) -> None:
-        """Stop serving; safe whether or not `start()` ran."""
+        """Stop serving; safe whether or not `start()` ran (a server never started is not waited for)."""
         self._stop.set()
         self._wake()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(timeout=5)
         self._workers.shutdown(wait=False, cancel_futures=True)
         for conn in list(self._idle):
@@ -164,8 +163,6 @@ class AgentHTTPServer:
     # --- the poller thread ---
 
     def _poll(self) -> None:
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         while not self._stop.is_set():
             for key, _events in self._selector.select(timeout=1.0):
                 if key.fileobj is self._listener:

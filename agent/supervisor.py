@@ -1,0 +1,111 @@
+"""Background parts of the agent under supervision. A part is a loop in its own thread (the CUDA
+library scan, the link watcher, the Alertmanager pusher, the HTTP server) or a collector the
+refresh loop calls. When a thread's loop raises, the supervisor logs it, counts it
+(aiprobe_thread_restarts_total) and runs the loop again after a back-off, until its owner stops it;
+collector failures are counted (aiprobe_collector_errors_total). A part that stays down longer than
+a few refreshes makes /healthz fail, so the kubelet restarts an agent that cannot heal itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("aiprobe.supervisor")
+
+FIRST_BACKOFF_SECONDS = 0.5
+MAX_BACKOFF_SECONDS = 30.0
+# A loop that ran this long before failing starts its back-off from the beginning again.
+STABLE_SECONDS = 60.0
+# A collector failing this many refreshes in a row is down.
+FAILED_REFRESHES_DOWN = 3
+
+
+@dataclass
+class Part:
+    name: str
+    restarts: int = 0  # threads: times its loop was run again after raising
+    errors: int = 0  # collectors: failed reads; threads: exceptions
+    down_since: float | None = None  # monotonic time it failed and has not run again since
+    consecutive_failures: int = 0
+    last_error: str = ""
+    logged: set[str] = field(default_factory=set)  # error texts logged already: each once
+
+    def to_dict(self) -> dict:
+        return {"restarts": self.restarts, "errors": self.errors, "down": self.down_since is not None,
+                "last_error": self.last_error}
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.parts: dict[str, Part] = {}
+        self._lock = threading.Lock()
+
+    def _part(self, name: str) -> Part:
+        with self._lock:
+            return self.parts.setdefault(name, Part(name))
+
+    def _note_error(self, part: Part, exc: BaseException, what: str) -> None:
+        part.errors += 1
+        part.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        if part.last_error not in part.logged and len(part.logged) < 100:  # each distinct failure once
+            part.logged.add(part.last_error)
+            log.warning("%s %s failed: %s", what, part.name, part.last_error)
+
+    # --- threads ---
+
+    def start_thread(self, name: str, loop: Callable[[], None], stop: threading.Event) -> threading.Thread:
+        """Run `loop` in a daemon thread until it returns or `stop` is set, running it again after a
+        back-off whenever it raises."""
+        part = self._part(name)
+        thread = threading.Thread(target=self._run, args=(part, loop, stop), name=f"aiprobe-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self, part: Part, loop: Callable[[], None], stop: threading.Event) -> None:
+        backoff = FIRST_BACKOFF_SECONDS
+        while not stop.is_set():
+            started = time.monotonic()
+            part.down_since = None
+            try:
+                loop()
+                return
+            except Exception as exc:  # the part, not the agent
+                part.down_since = time.monotonic()
+                self._note_error(part, exc, "thread")
+            if time.monotonic() - started >= STABLE_SECONDS:
+                backoff = FIRST_BACKOFF_SECONDS
+            if stop.wait(backoff):
+                return
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            part.restarts += 1
+
+    # --- collectors ---
+
+    def collected(self, name: str, error: BaseException | None) -> None:
+        """Record one read of collector `name`: None when it worked."""
+        part = self._part(name)
+        if error is None:
+            part.consecutive_failures = 0
+            part.down_since = None
+            return
+        self._note_error(part, error, "collector")
+        part.consecutive_failures += 1
+        if part.consecutive_failures >= FAILED_REFRESHES_DOWN and part.down_since is None:
+            part.down_since = time.monotonic()
+
+    # --- health ---
+
+    def down(self, longer_than: float) -> list[str]:
+        """Parts down for longer than `longer_than` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            parts = list(self.parts.values())
+        return [p.name for p in parts if p.down_since is not None and now - p.down_since > longer_than]
+
+
+# One per process: the parts are created deep inside probes and exporters, the agent reads them all.
+SUPERVISOR = Supervisor()
