@@ -67,13 +67,12 @@ class Server:
 
 class Agent(Server):
     def __init__(self, workdir: Path, config: str = "", env: dict | None = None, *, https: bool = False,
-                 args: tuple[str, ...] = (), listen_host: str = "127.0.0.1") -> None:
+                 args: tuple[str, ...] = (), listen_host: str = "127.0.0.1", alert_log: str | None = None) -> None:
         """`listen_host`: where it listens (e.g. `[::]`); the test reaches it on 127.0.0.1 anyway."""
         port = free_port()
         self.config_path = workdir / f"aiprobe-{port}.toml"
-        self.config_path.write_text(f'listen = "{listen_host}:{port}"\nalert_log = "{workdir}/alerts-{port}.jsonl"\n'
-                                    + config)
-        self.alert_log = workdir / f"alerts-{port}.jsonl"
+        self.alert_log = Path(alert_log or workdir / f"alerts-{port}.jsonl")
+        self.config_path.write_text(f'listen = "{listen_host}:{port}"\nalert_log = "{self.alert_log}"\n' + config)
         self.target = f"127.0.0.1:{port}"
         super().__init__([AIPROBE, "agent", "--config", str(self.config_path), *args],
                          f"{'https' if https else 'http'}://{self.target}", "/healthz",

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from aiprobe.containers import cgroup2_root
-from conftest import VethPair, programs_on, wait_until
+from conftest import VethPair, free_port, programs_on, wait_until
 from fixtures.cuda_fake import build
 from servers import AIPROBE, Agent, http_get
 from test_agent import tcp_sink
@@ -165,3 +170,138 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path, make_args) -> 
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("aiprobe: config: ")
+
+
+# --- what the agent meets at run time ---
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 when there are none)."""
+    total = 0.0
+    for line in text.splitlines():
+        named = line.startswith((name + "{", name + " "))
+        if named and all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def series_count(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError("no VmRSS")
+
+
+GARBAGE_SERVER = """
+import socket, sys
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+while True:
+    conn, _ = server.accept()
+    conn.recv(65536)
+    conn.sendall(b"\\x00\\xffnot HTTP at all\\r\\n\\r\\n")  # http.client raises BadStatusLine
+    conn.close()
+"""
+
+# Any TCP send fires this at once: the agent's own HTTP answers are enough.
+FIRING_RULE = "[rules.network_send_stall]\nthreshold = 1e-9\nclear = 0\nfor_seconds = 0\n"
+
+
+def test_alert_log_on_a_full_disk_and_a_broken_alertmanager_are_counted_not_fatal(tmp_path: Path) -> None:
+    garbage = subprocess.Popen([sys.executable, "-c", GARBAGE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(garbage.stdout.readline())
+        config = f'probes = ["sendlat"]\nalertmanager_url = "http://127.0.0.1:{port}"\n' + FIRING_RULE
+        with Agent(tmp_path, config, alert_log="/dev/full") as agent:
+            assert wait_until(lambda: metric(agent.metrics(), "aiprobe_alert_log_errors_total") > 0, timeout=20)
+            failed = "aiprobe_alertmanager_notifications_total"
+            assert wait_until(lambda: metric(agent.metrics(), failed, result="failure") > 0, timeout=20)
+            first = metric(agent.metrics(), failed, result="failure")
+            # The pusher lives on: it keeps trying on its resend interval.
+            assert wait_until(lambda: metric(agent.metrics(), failed, result="failure") > first, timeout=20)
+            assert metric(agent.metrics(), failed, result="success") == 0
+            assert healthz_within_1s(agent)
+            agent.stop()
+        assert agent.process.returncode == 0
+        log = agent.log.read_text()
+        assert "Traceback" not in log and "No space left on device" in log, log[-2000:]
+        assert log.count("No space left on device") == 1  # logged once, counted after
+    finally:
+        garbage.kill()
+        garbage.wait()
+
+
+SQUATTER = """
+import os, socket, sys
+server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+os.setuid(65534)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_squatted_listen_port_is_retried_until_free(tmp_path: Path) -> None:
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, "-c", SQUATTER, str(port)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    assert squatter.stdout.readline().strip() == "ready"
+    config = tmp_path / "squat.toml"
+    config.write_text(f'listen = "127.0.0.1:{port}"\nprobes = ["sendlat"]\nalert_log = "{tmp_path}/a.jsonl"\n')
+    log = tmp_path / "agent.log"
+    with log.open("wb") as out:
+        agent = subprocess.Popen([AIPROBE, "agent", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: "in use" in log.read_text(), timeout=20), log.read_text()
+        assert agent.poll() is None  # up, refreshing, waiting for the port
+        squatter.stdin.close()
+        squatter.wait(timeout=10)
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: http_get(url + "/healthz", timeout=1.0)[0] == 200, timeout=30), log.read_text()
+        assert b"aiprobe_build_info" in http_get(url + "/metrics")[1]
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=10) == 0
+    finally:
+        for process in (agent, squatter):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert "Traceback" not in log.read_text()
+
+
+def run_churn(cbuild, port: int, first: int, count: int) -> None:
+    churn = cbuild("churn_senders", "churn_senders.c")
+    subprocess.run([str(churn), str(first), str(count), str(port)], check=True, timeout=120)
+
+
+def test_five_thousand_short_lived_senders_keep_series_and_memory_flat(tmp_path: Path, cbuild) -> None:
+    sink = socket.create_server(("127.0.0.1", 0))
+    sink.listen(4096)
+    threading.Thread(target=lambda: [sink.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+    limit, idle = 50, 6
+    config = f'probes = ["sendlat"]\nmax_process_labels = {limit}\nidle_series_seconds = {idle}\n'
+    with Agent(tmp_path, config) as agent:
+        port = sink.getsockname()[1]
+        run_churn(cbuild, port, 0, 200)  # warm up: caches, first series, allocator arenas
+        time.sleep(2)
+        baseline_rss, baseline_series = rss_bytes(agent.process.pid), series_count(agent.metrics())
+        for batch in range(10):
+            run_churn(cbuild, port, 200 + batch * 500, 500)
+            time.sleep(0.5)  # a few refreshes see each batch
+        time.sleep(2)
+        metrics = agent.metrics()
+        processes = {re.search(r'process="([^"]*)"', line).group(1) for line in metrics.splitlines()
+                     if line.startswith("aiprobe_tcp_send_bytes_total{")}
+        assert len(processes) <= limit + 1 and "other" in processes, sorted(processes)[:10]
+        assert metric(metrics, "aiprobe_process_labels_folded_total") > 0
+        peak_series = series_count(metrics)
+        assert peak_series <= baseline_series + 20 * (limit + 1), (baseline_series, peak_series)
+        assert rss_bytes(agent.process.pid) <= baseline_rss + (24 << 20), (baseline_rss, rss_bytes(agent.process.pid))
+        # Idle label sets go: the churned processes' series leave /metrics.
+        assert wait_until(lambda: "churn" not in agent.metrics(), timeout=idle + 15)
+        assert healthz_within_1s(agent)
+        agent.stop()
+    assert agent.process.returncode == 0
+    sink.close()
