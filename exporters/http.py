@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import ipaddress
 import json
 import logging
@@ -44,6 +45,7 @@ BACKLOG = 1024
 WORKERS = 4
 REQUEST_TIMEOUT = 10.0
 IDLE_TIMEOUT = 60.0
+MAX_HEAD_BYTES = 64 << 10
 PUBLIC_PATHS = ("/healthz",)  # open without basic auth: kubelet probes carry no credentials
 SNAPSHOT_PATH = "/api/v1/snapshot"
 
@@ -73,35 +75,55 @@ def _is_loopback(host: str) -> bool:
 
 
 class _Connection:
-    """One client: its socket, buffered streams and handler, kept across keep-alive requests."""
+    """One client, kept across keep-alive requests: its socket, the bytes of a request head still
+    arriving, and its handler once a request came."""
 
-    def __init__(self, sock: socket.socket, peer: tuple, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, sock: socket.socket, peer: tuple) -> None:
         self.sock = sock
         self.peer = peer
-        self.tls = tls
+        self.handshaken = not isinstance(sock, ssl.SSLSocket)
+        self.buffer = bytearray()
         self.handler: BaseHTTPRequestHandler | None = None
-        self.last_active = time.monotonic()
+        self.last_active = self.started = time.monotonic()  # started: of the TLS handshake or request head
 
     def close(self) -> None:
-        for stream in (getattr(self.handler, "wfile", None), getattr(self.handler, "rfile", None)):
-            with contextlib.suppress(OSError):
-                stream and stream.close()
+        with contextlib.suppress(OSError):
+            self.handler and self.handler.wfile.close()
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def has_buffered_request(self) -> bool:
-        """Bytes already read (or decrypted) but not yet handled: a pipelined request."""
-        rfile = self.handler.rfile
-        self.sock.setblocking(False)
-        try:
-            return bool(rfile.peek(1))
-        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            return False
-        except (OSError, ValueError):
-            return True  # EOF or error: the next read finds out and closes
-        finally:
-            with contextlib.suppress(OSError):
-                self.sock.settimeout(REQUEST_TIMEOUT)
+    def receive(self) -> bool:
+        """Read what arrived, without blocking (the poller's side); False when the client is gone,
+        or sent a head larger than MAX_HEAD_BYTES."""
+        if not self.handshaken:
+            try:
+                self.sock.do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return True
+            self.handshaken = True
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return True
+            if not data:
+                return False
+            if not self.buffer:
+                self.started = time.monotonic()
+            self.buffer += data
+            self.last_active = time.monotonic()
+            if len(self.buffer) > MAX_HEAD_BYTES and not self.has_request():
+                return False
+
+    def has_request(self) -> bool:
+        return b"\r\n\r\n" in self.buffer
+
+    def next_request(self) -> io.BytesIO:
+        """The first complete request head; what follows it stays for the next one."""
+        end = self.buffer.index(b"\r\n\r\n") + 4
+        head, self.buffer = bytes(self.buffer[:end]), self.buffer[end:]
+        self.started = time.monotonic()
+        return io.BytesIO(head)
 
 
 class AgentHTTPServer:
@@ -122,12 +144,12 @@ class AgentHTTPServer:
         self._listener = listen_socket(address)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
-        self._returned: queue.SimpleQueue[_Connection] = queue.SimpleQueue()
+        self._returned: queue.SimpleQueue[tuple[_Connection, bool]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._idle: dict[_Connection, None] = {}  # insertion order: the longest idle first
-        self._busy = 0
+        self._idle: dict[_Connection, None] = {}  # insertion order: the longest waiting first
+        self._busy: dict[_Connection, float] = {}  # -> when its worker took it (touched by the poller only)
         self._stop = threading.Event()
         self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="aiprobe-http-worker")
         self._thread: threading.Thread | None = None
@@ -171,7 +193,7 @@ class AgentHTTPServer:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
                 else:
-                    self._dispatch(key.data)
+                    self._readable(key.data)
             self._take_back_returned()
             self._close_expired()
 
@@ -187,14 +209,18 @@ class AgentHTTPServer:
                     continue
                 log.debug("accept failed: %s", exc)
                 return
-            if len(self._idle) + self._busy >= self._max_connections and self._idle:
+            if len(self._idle) + len(self._busy) >= self._max_connections and self._idle:
                 self._drop(next(iter(self._idle)))
-            sock.setblocking(True)
-            sock.settimeout(REQUEST_TIMEOUT)
-            self._watch(_Connection(sock, peer, self._web.tls))
+            sock.setblocking(False)
+            if self._web.tls is not None:  # the handshake happens as bytes arrive, in receive()
+                sock = self._web.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            self._watch(_Connection(sock, peer))
 
     def _watch(self, conn: _Connection) -> None:
-        conn.last_active = time.monotonic()
+        if conn.has_request():  # pipelined: the next request is here already
+            self._dispatch(conn)
+            return
+        conn.sock.setblocking(False)
         try:
             self._selector.register(conn.sock, selectors.EVENT_READ, conn)
         except (OSError, ValueError):  # closed meanwhile
@@ -208,32 +234,52 @@ class AgentHTTPServer:
             self._selector.unregister(conn.sock)
         conn.close()
 
+    def _readable(self, conn: _Connection) -> None:
+        """Bytes from a waiting client: a worker gets the connection only once a whole request head
+        is here, so clients that send slowly or not at all never hold a worker."""
+        try:
+            alive = conn.receive()
+        except (OSError, ssl.SSLError) as exc:
+            log.debug("client %s: %s", conn.peer[0], exc)
+            alive = False
+        if not alive:
+            self._drop(conn)
+        elif conn.has_request():
+            self._idle.pop(conn, None)
+            self._selector.unregister(conn.sock)
+            self._dispatch(conn)
+
     def _dispatch(self, conn: _Connection) -> None:
-        self._idle.pop(conn, None)
-        self._selector.unregister(conn.sock)
-        self._busy += 1
+        self._busy[conn] = time.monotonic()
         try:
             self._workers.submit(self._serve, conn)
         except RuntimeError:  # shutting down
-            self._busy -= 1
+            self._busy.pop(conn, None)
             conn.close()
 
     def _take_back_returned(self) -> None:
         while True:
             try:
-                conn = self._returned.get_nowait()
+                conn, keep = self._returned.get_nowait()
             except queue.Empty:
                 return
-            self._busy -= 1
-            if conn is not None:
+            self._busy.pop(conn, None)
+            if keep:
                 self._watch(conn)
 
     def _close_expired(self) -> None:
-        deadline = time.monotonic() - IDLE_TIMEOUT
+        """Idle clients after IDLE_TIMEOUT; a handshake, request head or answer not done within
+        REQUEST_TIMEOUT (a busy worker's socket is shut down under it, which ends its wait)."""
+        now = time.monotonic()
         for conn in list(self._idle):
-            if conn.last_active > deadline:
-                break
-            self._drop(conn)
+            midway = conn.buffer or not conn.handshaken
+            if now - (conn.started if midway else conn.last_active) > (REQUEST_TIMEOUT if midway else IDLE_TIMEOUT):
+                self._drop(conn)
+        for conn, since in list(self._busy.items()):
+            if now - since > REQUEST_TIMEOUT:
+                self._busy[conn] = float("inf")  # once
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -244,28 +290,25 @@ class AgentHTTPServer:
     def _serve(self, conn: _Connection) -> None:
         keep = False
         try:
-            keep = self._serve_requests(conn)
+            keep = self._serve_request(conn)
         except (OSError, ssl.SSLError, ValueError) as exc:  # a client gone, timed out or speaking nonsense
             log.debug("client %s: %s", conn.peer[0], exc)
         except Exception:  # a bug must cost one connection, not the worker
             log.exception("client %s: request failed", conn.peer[0])
         if not keep:
             conn.close()
-        self._returned.put(conn if keep else None)
+        self._returned.put((conn, keep))
         self._wake()
 
-    def _serve_requests(self, conn: _Connection) -> bool:
+    def _serve_request(self, conn: _Connection) -> bool:
+        conn.sock.settimeout(REQUEST_TIMEOUT)
         if conn.handler is None:
-            if conn.tls is not None:
-                conn.sock = conn.tls.wrap_socket(conn.sock, server_side=True)  # handshake, under the timeout
             conn.handler = self._handler_class(conn, self)
-        while True:
-            conn.handler.handle_one_request()
-            conn.handler.wfile.flush()
-            if conn.handler.close_connection or self._stop.is_set():
-                return False
-            if not conn.has_buffered_request():
-                return True
+        handler = conn.handler
+        handler.rfile = conn.next_request()
+        handler.handle_one_request()
+        handler.wfile.flush()
+        return not handler.close_connection and not self._stop.is_set()
 
     # --- routing, called by the handler ---
 
@@ -296,7 +339,7 @@ def _handler_class(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
             self.connection = self.request = conn.sock
             self.client_address = conn.peer
             self.server = owner
-            self.rfile = conn.sock.makefile("rb")
+            self.rfile = io.BytesIO()  # each request's head, read by the poller
             self.wfile = conn.sock.makefile("wb")
             self.close_connection = True
 

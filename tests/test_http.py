@@ -183,3 +183,27 @@ def test_top_refuses_a_squatter(tmp_path: Path) -> None:
     finally:
         squatter.kill()
         squatter.wait()
+
+
+def test_slow_clients_hold_no_worker_and_pipelined_requests_are_answered(tmp_path: Path) -> None:
+    with Agent(tmp_path, NO_PROBES) as agent:
+        slow = [socket.create_connection(("127.0.0.1", agent.port)) for _ in range(64)]
+        try:
+            for conn in slow:  # request heads that never end (slowloris)
+                conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(3):
+                for conn in slow:
+                    conn.sendall(b"X-Slow: 1\r\n")
+                assert http_get(agent.url + "/healthz", timeout=1.0)[0] == 200
+                time.sleep(0.3)
+            with socket.create_connection(("127.0.0.1", agent.port)) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n"
+                             b"Connection: close\r\n\r\n")
+                answers = b""
+                while chunk := conn.recv(65536):
+                    answers += chunk
+            assert answers.count(b"HTTP/1.1 200") == 2, answers
+        finally:
+            for conn in slow:
+                conn.close()
+    assert agent.process.returncode == 0
