@@ -8,6 +8,7 @@ a few refreshes makes /healthz fail, so the kubelet restarts an agent that canno
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -107,5 +108,68 @@ class Supervisor:
         return [p.name for p in parts if p.down_since is not None and now - p.down_since > longer_than]
 
 
+# --- attachments: per interface and per library ---
+
+_REASONS = {
+    errno.EBUSY: "busy", errno.EEXIST: "busy",  # another program holds the hook
+    errno.EOPNOTSUPP: "unsupported", 524: "unsupported", errno.EINVAL: "unsupported",  # 524: ENOTSUPP
+    errno.EPERM: "permission", errno.EACCES: "permission",
+    errno.ENOENT: "gone", errno.ENODEV: "gone", errno.ENXIO: "gone", errno.ESRCH: "gone",
+    errno.EMFILE: "resources", errno.ENFILE: "resources", errno.ENOMEM: "resources",
+}
+
+
+def attach_reason(exc: BaseException) -> str:
+    """A bounded label value for why an attach failed."""
+    return _REASONS.get(getattr(exc, "errno", None) or 0, "other")
+
+
+class Attachments:
+    """Attach failures by (probe, target, reason), each distinct failure of a target logged once;
+    aiprobe_attach_errors_total."""
+
+    def __init__(self) -> None:
+        self.errors: dict[tuple[str, str, str], int] = {}
+        self._logged: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, probe: str, target: str, reason: str, detail: str) -> None:
+        with self._lock:
+            key = (probe, target, reason)
+            self.errors[key] = self.errors.get(key, 0) + 1
+            if self._logged.get((probe, target)) == detail:
+                return
+            self._logged[(probe, target)] = detail
+        log.warning("%s: cannot attach to %s (%s): %s; retrying with back-off", probe, target, reason, detail)
+
+    def succeeded(self, probe: str, target: str) -> None:
+        with self._lock:
+            if self._logged.pop((probe, target), None) is not None:
+                log.info("%s: attached to %s", probe, target)
+
+
+class Backoff:
+    """When to try a failed target again: after `first` seconds, doubling up to `most`."""
+
+    def __init__(self, first: float = 1.0, most: float = 60.0) -> None:
+        self._first, self._most = first, most
+        self._pending: dict[object, tuple[float, float]] = {}  # target -> (due, delay)
+
+    def due(self, target: object, now: float) -> bool:
+        pending = self._pending.get(target)
+        return pending is None or now >= pending[0]
+
+    def failed(self, target: object, now: float) -> None:
+        delay = min(self._pending[target][1] * 2, self._most) if target in self._pending else self._first
+        self._pending[target] = (now + delay, delay)
+
+    def forget(self, target: object) -> None:
+        self._pending.pop(target, None)
+
+    def waiting(self) -> list[object]:
+        return list(self._pending)
+
+
 # One per process: the parts are created deep inside probes and exporters, the agent reads them all.
 SUPERVISOR = Supervisor()
+ATTACHMENTS = Attachments()
