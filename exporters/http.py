@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from aiprobe import __version__
+from aiprobe.names import endpoint
 from aiprobe.supervisor import SUPERVISOR
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -141,8 +142,8 @@ class AgentHTTPServer:
             "/healthz": lambda: (200, "text/plain", b"ok\n") if healthy() else (503, "text/plain", b"unhealthy\n"),
             SNAPSHOT_PATH: lambda: (200, "application/json", json.dumps(snapshot(), default=str).encode()),
         }
-        self._listener = listen_socket(address)
-        self._listener.setblocking(False)
+        self._address = address
+        self._listener: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
         self._returned: queue.SimpleQueue[tuple[_Connection, bool]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -154,12 +155,23 @@ class AgentHTTPServer:
         self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="aiprobe-http-worker")
         self._thread: threading.Thread | None = None
         self._handler_class = _handler_class(self)
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            self._bind()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            # Any local user can take the port first: serve once it is free (the poller retries).
+            log.warning("listen %s: %s; serving once it is free", endpoint(*address), exc.strerror)
+
+    def _bind(self) -> None:
+        self._listener = listen_socket(self._address)
+        self._listener.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
 
     @property
     def port(self) -> int:
-        return self._listener.getsockname()[1]
+        return self._listener.getsockname()[1] if self._listener is not None else self._address[1]
 
     @property
     def tls(self) -> bool:
@@ -179,12 +191,16 @@ class AgentHTTPServer:
             conn.close()
         self._idle.clear()
         for sock in (self._listener, self._wake_r, self._wake_w):
-            sock.close()
+            if sock is not None:
+                sock.close()
         self._selector.close()
 
     # --- the poller thread ---
 
     def _poll(self) -> None:
+        if self._listener is None:
+            self._bind()  # EADDRINUSE again: the supervisor retries with back-off
+            log.info("listening on %s", endpoint(self._address[0], self.port))
         while not self._stop.is_set():
             for key, _events in self._selector.select(timeout=1.0):
                 if key.fileobj is self._listener:
