@@ -19,9 +19,9 @@ from typing import Protocol
 
 import psutil
 
-from .cli import AiprobeError, require_privileges
 from .config import DEFAULT_PORT, ConfigError, load
 from .names import printable, printable_document
+from .system import UserError, require_privileges
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 SNAPSHOT_PATH = "/api/v1/snapshot"
@@ -81,7 +81,7 @@ class AgentClient:
         self._context = credentials.context(self.url)
         impostor = local_impostor(self.url)
         if impostor:
-            raise AiprobeError(f"{self.url} is served by {impostor}, not an aiprobe agent; refusing to read it")
+            raise UserError(f"{self.url} is served by {impostor}, not an aiprobe agent; refusing to read it")
 
     def _get(self, path: str) -> tuple[str, bytes]:
         request = urllib.request.Request(self.url + path, headers=self._credentials.headers())
@@ -142,7 +142,7 @@ class InProcessAgent:
         try:
             config = load(None, interfaces=interfaces, interval_seconds=interval)
         except ConfigError as exc:
-            raise AiprobeError(str(exc)) from None
+            raise UserError(str(exc)) from None
         require_privileges()
         # The snapshot carries each probe's reason for being down; log lines would scribble over the screen.
         logging.getLogger("aiprobe").addHandler(logging.NullHandler())
@@ -206,7 +206,7 @@ def open_source(connect: str, interfaces: list[str] | None, interval: float,
         for url in urls:
             if answers(url, credentials):
                 return AgentClient(url, credentials=credentials)
-        raise AiprobeError(
+        raise UserError(
             f"an aiprobe agent runs (pid {pid}) but does not answer at {', '.join(urls) or 'any address yet'}; "
             "try again, or --connect its address"
         )

@@ -19,7 +19,7 @@ import urllib.request
 from datetime import UTC, datetime
 from typing import IO
 
-from aiprobe.rules import Alert
+from aiprobe.model import Alert
 from aiprobe.supervisor import SUPERVISOR
 
 log = logging.getLogger("aiprobe.alerts")
