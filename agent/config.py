@@ -88,6 +88,10 @@ class Config:
     # one); "network": anyone who reaches the listen address
     snapshot_api: str = "local"
     alert_log: str = "-"  # "-" is stdout; a path appends JSON lines to that file
+    # Bounded series under churn: distinct `process` label values (the rest are process="other"),
+    # and how long a label set may go unseen before it leaves /metrics.
+    max_process_labels: int = 200
+    idle_series_seconds: float = 300.0
     rules: dict[str, RuleConfig] = field(default_factory=lambda: dict(DEFAULT_RULES))
 
     @property
@@ -109,6 +113,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "flow_idle_seconds": (1.0, 86_400.0),
     "slow_send_threshold_ms": (0.001, 60_000.0),
     "traffic_floor_bytes_per_second": (0.0, 1e12),
+    "max_process_labels": (1, 100_000),
+    "idle_series_seconds": (1.0, 7 * 86_400.0),
     # [rules.*]
     "threshold": (0.0, 1e12),
     "clear": (0.0, 1e12),
@@ -197,8 +203,8 @@ def _validate_top(key: str, value: Any) -> Any:
         unknown = set(value) - set(probe_names())
         if unknown:
             raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(probe_names())})")
-    if key == "top_flows" and not isinstance(value, int):
-        raise ConfigError(f"top_flows: expected a whole number, got {value!r}")
+    if key in ("top_flows", "max_process_labels") and not isinstance(value, int):
+        raise ConfigError(f"{key}: expected a whole number, got {value!r}")
     if key == "snapshot_api" and value not in ("local", "network"):
         raise ConfigError(f"snapshot_api: expected \"local\" or \"network\", got {value!r}")
     if key == "alertmanager_url":

@@ -12,8 +12,10 @@ import errno
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("aiprobe.supervisor")
 
@@ -33,6 +35,7 @@ class Part:
     down_since: float | None = None  # monotonic time it failed and has not run again since
     consecutive_failures: int = 0
     last_error: str = ""
+    collector: bool = False  # a collector of the refresh loop, not a thread
     logged: set[str] = field(default_factory=set)  # error texts logged already: each once
 
     def to_dict(self) -> dict:
@@ -44,6 +47,9 @@ class Supervisor:
     def __init__(self) -> None:
         self.parts: dict[str, Part] = {}
         self._lock = threading.Lock()
+        # Alert outputs: Alertmanager pushes by result, alert_log transitions lost.
+        self.notifications: Counter[str] = Counter()
+        self.alert_log_errors = 0
 
     def _part(self, name: str) -> Part:
         with self._lock:
@@ -89,6 +95,7 @@ class Supervisor:
     def collected(self, name: str, error: BaseException | None) -> None:
         """Record one read of collector `name`: None when it worked."""
         part = self._part(name)
+        part.collector = True
         if error is None:
             part.consecutive_failures = 0
             part.down_since = None
@@ -97,6 +104,16 @@ class Supervisor:
         part.consecutive_failures += 1
         if part.consecutive_failures >= FAILED_REFRESHES_DOWN and part.down_since is None:
             part.down_since = time.monotonic()
+
+    def fill(self, readings: Any) -> None:
+        """Copy the counts into one refresh's readings (model.Readings), for the exporter."""
+        with self._lock:
+            parts = list(self.parts.values())
+        readings.collector_errors = {p.name: p.errors for p in parts if p.collector}
+        readings.thread_restarts = {p.name: p.restarts for p in parts if not p.collector}
+        readings.attach_errors = dict(ATTACHMENTS.errors)
+        readings.notifications = dict(self.notifications)
+        readings.alert_log_errors = self.alert_log_errors
 
     # --- health ---
 

@@ -45,6 +45,7 @@ class JsonLinesSink:
             self._file.flush()
         except (OSError, ValueError) as exc:  # the log is a copy of what the metrics and Alertmanager say
             self.failures += len(transitions)
+            SUPERVISOR.alert_log_errors += len(transitions)
             if self.failures == len(transitions):  # the first loss is news; the count says the rest
                 log.warning("alert log %s: %s; transitions are counted in aiprobe_alert_log_errors_total",
                             self._target, getattr(exc, "strerror", None) or exc)
@@ -86,6 +87,7 @@ class AlertmanagerPusher:
         self._stop = threading.Event()
         self.delivered = 0
         self.failures = 0
+        self._last_error = ""
         self._thread = SUPERVISOR.start_thread("alertmanager", self._run, self._stop)
 
     def update(self, firing_and_resolved: list[Alert], *, changed: bool) -> None:
@@ -116,10 +118,17 @@ class AlertmanagerPusher:
             with urllib.request.urlopen(request, timeout=self._timeout) as response:
                 response.read()
             self.delivered += 1
+            SUPERVISOR.notifications["success"] += 1
+            if self._last_error:
+                log.info("alertmanager %s: delivered again", self._endpoint)
+                self._last_error = ""
         except Exception as exc:  # refused, timed out, HTTP errors, a URL http.client rejects: never the thread
             # Kept and sent again on the next round: Alertmanager may be restarting.
             self.failures += 1
-            log.warning("alertmanager %s: %s; will retry", self._endpoint, exc)
+            SUPERVISOR.notifications["failure"] += 1
+            if str(exc) != self._last_error:  # each new failure once; the metric counts them all
+                self._last_error = str(exc)
+                log.warning("alertmanager %s: %s; will retry", self._endpoint, exc)
 
     def close(self) -> None:
         self._stop.set()
