@@ -37,6 +37,7 @@ from .model import AttachedLibrary, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text, printable
 from .probes import Probe, ProbeSpec
 from .procfs import StartTimes, start_ticks
+from .supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -205,14 +206,16 @@ class LibraryScanner:
 
 def attach_entry_points(obj: BpfObject, host_path: str) -> list[str]:
     """Attach every entry point the library exports; the symbols attached."""
-    attached = []
+    attached, links = [], []
     for entry in ENTRY_POINTS:
         try:
-            obj.programs[entry.program].attach_uprobe(host_path, entry.symbol, retprobe=entry.retprobe)
+            links.append(obj.programs[entry.program].attach_uprobe(host_path, entry.symbol, retprobe=entry.retprobe))
         except BpfError as exc:
-            if exc.errno != errno.ENOENT:  # ENOENT: symbol not exported by this driver version
-                raise
-            continue
+            if exc.errno == errno.ENOENT:  # ENOENT: symbol not exported by this driver version
+                continue
+            for link in links:  # all or nothing: a retry must not count the same calls twice
+                obj.release(link)
+            raise
         if not entry.retprobe:
             attached.append(entry.symbol)
     return attached
@@ -286,6 +289,8 @@ class CudaProbe(Probe):
         self._starts = StartTimes(proc)
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
+        self._retry: dict[tuple[int, int], MappedLibrary] = {}  # libraries whose attach failed
+        self._backoff = Backoff()
 
     @property
     def sched_strategy(self) -> str | None:
@@ -303,8 +308,7 @@ class CudaProbe(Probe):
                                  attach=_attach_scheduler)
         self.rescan()
         self._stop.clear()
-        self._scan_thread = threading.Thread(target=self._scan_loop, name="aiprobe-cuda-scan", daemon=True)
-        self._scan_thread.start()
+        self._scan_thread = SUPERVISOR.start_thread("cuda_scan", self._scan_loop, self._stop)
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         if self._max_threads is not None:
@@ -315,27 +319,52 @@ class CudaProbe(Probe):
             self.rescan()
 
     def rescan(self) -> list[AttachedLibrary]:
-        """Probe the libcuda files mapped since the last scan; returns the newly probed ones."""
+        """Probe the libcuda files mapped since the last scan, and again those that failed once their
+        back-off is over; returns the newly probed ones."""
         with self._scan_lock:
-            found = self._scanner.scan()
+            found = self._scanner.scan() + self._due_retries()
         new = []
         for mapped in found:
             with self._lock:
                 if self.loaded is None:
                     return new
                 self._process_library[mapped.pid] = printable(mapped.path)
-                if mapped.key in self._libraries:
+                known = self._libraries.get(mapped.key)
+                if known is not None and not known.error:
                     continue
-                library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc))
-                try:
-                    library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
-                except BpfError as exc:
-                    library.error = printable(str(exc))
+                library = self._attach_library(mapped)
                 self._libraries[mapped.key] = library
             new.append(library)
             if self._on_attach is not None:
                 self._on_attach(library)
         return new
+
+    def _attach_library(self, mapped: MappedLibrary) -> AttachedLibrary:
+        library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc))
+        try:
+            library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
+        except BpfError as exc:
+            library.error = printable(str(exc))
+            ATTACHMENTS.failed(SPEC.name, library.path, attach_reason(exc), library.error)
+            self._backoff.failed(mapped.key, time.monotonic())
+            self._retry[mapped.key] = mapped
+            return library
+        ATTACHMENTS.succeeded(SPEC.name, library.path)
+        self._backoff.forget(mapped.key)
+        self._retry.pop(mapped.key, None)
+        return library
+
+    def _due_retries(self) -> list[MappedLibrary]:
+        """Libraries that failed to attach and may be tried again: by a process that still maps them."""
+        now = time.monotonic()
+        due = []
+        for key, mapped in list(self._retry.items()):
+            if not os.path.exists(f"{self._proc}/{mapped.pid}"):
+                self._retry.pop(key)
+                self._backoff.forget(key)
+            elif self._backoff.due(key, now):
+                due.append(mapped)
+        return due
 
     def read(self) -> CudaSnapshot:
         """Every process with counts. A process gone before the maps are read has its final values
