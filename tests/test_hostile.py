@@ -305,3 +305,51 @@ def test_five_thousand_short_lived_senders_keep_series_and_memory_flat(tmp_path:
         agent.stop()
     assert agent.process.returncode == 0
     sink.close()
+
+
+XDP_HOLDER = """
+import sys
+from aiprobe.loader import BpfObject
+obj = BpfObject("features", programs=["probe_xdp"])
+obj.load()
+obj.programs["probe_xdp"].attach_xdp(int(sys.argv[1]), None)  # a bpf_link: gone with this process
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_foreign_xdp_holder_is_reported_and_replaced_once_it_leaves(tmp_path: Path, veth: VethPair) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", XDP_HOLDER, str(veth.host_ifindex)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n'
+    try:
+        with Agent(tmp_path, config) as agent:
+            errors = 'aiprobe_attach_errors_total'
+            assert wait_until(lambda: metric(agent.metrics(), errors, probe="flows", target=veth.host,
+                                             reason="busy") > 0, timeout=10), agent.metrics()[-3000:]
+            assert "flows_xdp" not in programs_on(veth.host)
+            holder.stdin.close()
+            holder.wait(timeout=10)
+            # Retried with back-off: ours takes the hook once it is free.
+            assert wait_until(lambda: "flows_xdp" in programs_on(veth.host), timeout=30), agent.log.read_text()
+            ingress = 'aiprobe_interface_bytes_total'
+
+            def ingress_bytes() -> float:
+                return metric(agent.metrics(), ingress, interface=veth.host, direction="ingress")
+
+            before = ingress_bytes()
+            send = "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n" \
+                   "for _ in range(3): s.sendto(b'x' * 1000, (sys.argv[1], 9))"
+            veth.ns_run(["python3", "-c", send, veth.host_ip4])
+            assert wait_until(lambda: ingress_bytes() >= before + 3 * 1000, timeout=10)
+            assert healthz_within_1s(agent)
+            agent.stop()
+        assert agent.process.returncode == 0
+        log = agent.log.read_text()
+        assert log.count("another XDP program holds") == 1, log  # logged once, however often retried
+        assert programs_on(veth.host) == set()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
