@@ -144,6 +144,17 @@ def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
     return f"another XDP program holds the interface ({program_name(prog_id)!r}, id {prog_id}); left in place"
 
 
+def foreign_xdp_holders() -> list[str]:
+    """Interfaces whose XDP hook another program holds, as "eth0: 'name' (id N)": flows leaves them
+    in place and attaches there once they leave (`aiprobe check` lists them)."""
+    held = []
+    for link in current_links():
+        prog_id = xdp_program_id(link.index)
+        if prog_id is not None and (name := program_name(prog_id)) != XDP_PROGRAM:
+            held.append(f"{link.name}: {name!r} (id {prog_id})")
+    return held
+
+
 def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) -> Link | None:
     """Native mode where the driver has it, else generic; never over someone else's program."""
     errors = []

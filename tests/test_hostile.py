@@ -6,6 +6,7 @@ SIGTERM with nothing left attached. (The HTTP floods are in tests/test_http.py.)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -334,6 +335,9 @@ def test_a_foreign_xdp_holder_is_reported_and_replaced_once_it_leaves(tmp_path: 
             assert wait_until(lambda: metric(agent.metrics(), errors, probe="flows", target=veth.host,
                                              reason="busy") > 0, timeout=10), agent.metrics()[-3000:]
             assert "flows_xdp" not in programs_on(veth.host)
+            check = subprocess.run([AIPROBE, "check", "--json"], capture_output=True, text=True, timeout=120)
+            assert any(held.startswith(f"{veth.host}: 'probe_xdp'")
+                       for held in json.loads(check.stdout)["xdp_held_by_others"]), check.stdout[-2000:]
             holder.stdin.close()
             holder.wait(timeout=10)
             # Retried with back-off: ours takes the hook once it is free.
