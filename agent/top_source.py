@@ -96,8 +96,8 @@ class AgentClient:
             raise SnapshotError(f"HTTP {exc.code} {exc.reason}") from None
         except (OSError, ValueError) as exc:  # URLError, refused, timeout, TLS; JSONDecodeError
             raise SnapshotError(str(getattr(exc, "reason", exc))) from None
-        if not server.startswith("aiprobe/") or not _is_snapshot(document):
-            raise SnapshotError(f"not an aiprobe agent (server {printable(server) or 'unnamed'})")
+        if not _is_snapshot(document):  # not the header alone: agents of older versions name no server
+            raise SnapshotError(f"not an aiprobe agent's snapshot (server {printable(server) or 'unnamed'})")
         return printable_document(document)  # names come from other processes, maybe via another host
 
     def close(self) -> None:
