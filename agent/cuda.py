@@ -31,7 +31,7 @@ from . import sched
 from .btf import decode
 from .histogram import NS_PER_SECOND, log2_buckets, quantile
 from .libbpf import BpfError
-from .loader import BpfObject, Strategy, load_first
+from .loader import BpfObject, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import AttachedLibrary, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text, printable
@@ -323,7 +323,7 @@ class CudaProbe(Probe):
         back-off is over; returns the newly probed ones."""
         with self._scan_lock:
             found = self._scanner.scan() + self._due_retries()
-        new = []
+        new: list[AttachedLibrary] = []
         for mapped in found:
             with self._lock:
                 if self.loaded is None:
@@ -379,14 +379,13 @@ class CudaProbe(Probe):
             processes = [process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
                          for pid, entry in sorted(entries.items())]
             self._starts.keep_only(set(entries))
-            self._forget(gone)
+            self._forget(maps, gone)
             self._reported = entries.keys() - gone
         return CudaSnapshot(processes, self.sched_strategy, self.libraries)
 
-    def _forget(self, pids: set[int]) -> None:
+    def _forget(self, maps: dict[str, Map], pids: set[int]) -> None:
         """Delete the entries of processes that are gone. Their threads' entries normally went as
         each thread exited; without a scheduler side (no sched_process_exit) they go here."""
-        maps = self.loaded.obj.maps
         maps["processes"].delete_keys(pids)
         maps["threads"].delete_keys(key for key, thread in maps["threads"].items() if thread.tgid in pids)
         for pid in pids:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, TypeVar
 
 Values = Sequence[float]
+Labels = TypeVar("Labels", bound=Hashable)
 
 
 def _added(values: Values, last: Values | None) -> list[float]:
@@ -51,7 +53,7 @@ class Deltas:
         return source in self._last
 
 
-class Totals:
+class Totals(Generic[Labels]):
     """Monotonic sums per label set of the increases of every source carrying those labels. With
     `idle_seconds`, a label set no source carried for that long is dropped (short-lived processes
     would otherwise pile up series for ever); should it return, it counts from zero, which
@@ -59,13 +61,13 @@ class Totals:
 
     def __init__(self, idle_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.deltas = Deltas()
-        self.sums: dict[Hashable, list[float]] = {}
+        self.sums: dict[Labels, list[float]] = {}
         self._idle = idle_seconds
         self._clock = clock
-        self._seen: set[Hashable] = set()
-        self._seen_at: dict[Hashable, float] = {}
+        self._seen: set[Labels] = set()
+        self._seen_at: dict[Labels, float] = {}
 
-    def add(self, labels: Hashable, source: Hashable, values: Values) -> list[float]:
+    def add(self, labels: Labels, source: Hashable, values: Values) -> list[float]:
         """Add the source's increase to its label set; returns the increase."""
         self._seen.add(labels)
         added = self.deltas.increase(source, values)

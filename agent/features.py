@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from . import libbpf
 from .btf import Btf
@@ -34,7 +35,7 @@ class Feature:
     available: bool
     detail: str = ""
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -133,7 +134,10 @@ def _network_features() -> dict[str, Feature]:
         with IPRoute() as ipr:
             ipr.link("add", ifname="aiprobe-p0", kind="veth", peer="aiprobe-p1")
             veth = ipr.link_lookup(ifname="aiprobe-p0")[0]
-            xdp = lambda mode, ifx: lambda obj: obj.programs["probe_xdp"].attach_xdp(ifx, mode)  # noqa: E731
+
+            def xdp(mode: str | None, ifindex: int) -> Callable[[BpfObject], object]:
+                return lambda obj: obj.programs["probe_xdp"].attach_xdp(ifindex, mode)
+
             result["xdp_native"] = _program("probe_xdp", xdp("native", veth))
             result["xdp_generic"] = _program("probe_xdp", xdp("generic", 1))
             result["xdp_link"] = _program("probe_xdp", xdp(None, veth))

@@ -236,8 +236,8 @@ class _Ledger:
     """What read() remembers: last totals per flow (for rates), and counts of flows gone from the map."""
 
     deltas: Deltas = field(default_factory=Deltas)  # per flow key: (bytes, packets) for rates
-    retired_bytes: Counter = field(default_factory=Counter)  # (ifindex, direction) -> bytes
-    retired_packets: Counter = field(default_factory=Counter)
+    retired_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (ifindex, direction) -> bytes
+    retired_packets: Counter[tuple[int, int]] = field(default_factory=Counter)
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0

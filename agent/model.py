@@ -12,7 +12,6 @@ A field marked HISTOGRAM holds cumulative (le_seconds, count) buckets, written a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import cache
 from typing import Any
 
 from .histogram import buckets_to_json
@@ -24,9 +23,15 @@ Histogram = list[tuple[float, int]]  # cumulative (le_seconds, count); the last 
 Identity = tuple[Any, ...]
 
 
-@cache
+_LAYOUTS: dict[type, tuple[tuple[str, bool, bool], ...]] = {}
+
+
 def _layout(cls: type) -> tuple[tuple[str, bool, bool], ...]:
-    return tuple((f.name, bool(f.metadata.get("joined")), bool(f.metadata.get("histogram"))) for f in fields(cls))
+    """(name, joined, histogram) of each field, computed once per class."""
+    if cls not in _LAYOUTS:
+        _LAYOUTS[cls] = tuple((f.name, bool(f.metadata.get("joined")), bool(f.metadata.get("histogram")))
+                              for f in fields(cls))
+    return _LAYOUTS[cls]
 
 
 def document(value: Any, *, joined: bool = True) -> Any:

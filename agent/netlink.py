@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
@@ -40,7 +41,7 @@ class LinkInfo:
     ethernet: bool  # frames start with an Ethernet header (what XDP and tc parsers expect)
 
 
-def _link_info(msg: dict) -> LinkInfo:
+def _link_info(msg: Any) -> LinkInfo:  # a pyroute2 ifinfmsg
     flags = msg["flags"]
     return LinkInfo(
         index=msg["index"],
@@ -113,7 +114,7 @@ class LinkWatcher:
             for msg in marshal.parse(data):
                 self._dispatch(msg)
 
-    def _dispatch(self, msg: dict) -> None:
+    def _dispatch(self, msg: Any) -> None:
         event = msg.get("event")
         try:
             if event == "RTM_NEWLINK":

@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -35,7 +35,7 @@ class SnapshotError(Exception):
 class SnapshotSource(Protocol):
     label: str
 
-    def snapshot(self) -> dict: ...
+    def snapshot(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -88,7 +88,7 @@ class AgentClient:
         with urllib.request.urlopen(request, timeout=self.timeout, context=self._context) as response:
             return response.headers.get("Server", ""), response.read(MAX_SNAPSHOT_BYTES)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         try:
             server, body = self._get(SNAPSHOT_PATH)
             document = json.loads(body)
@@ -153,7 +153,7 @@ class InProcessAgent:
             self.agent.close()
             raise
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return self.agent.refresh()
 
     def close(self) -> None:

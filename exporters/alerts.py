@@ -17,9 +17,10 @@ import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 
 from aiprobe.model import Alert
+from aiprobe.rules import alert_name
 from aiprobe.supervisor import SUPERVISOR
 
 log = logging.getLogger("aiprobe.alerts")
@@ -56,9 +57,9 @@ class JsonLinesSink:
                 self._file.close()
 
 
-def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict:
+def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict[str, Any]:
     labels = {
-        "alertname": "Aiprobe" + "".join(part.title() for part in alert.rule.split("_")),
+        "alertname": alert_name(alert.rule),
         "rule": alert.rule,
         "severity": alert.severity,
         "target": alert.target,

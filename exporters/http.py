@@ -131,7 +131,7 @@ class AgentHTTPServer:
     """Serves from its own threads once started; `snapshot` returns the latest document, `healthy`
     the health state. Binding happens in __init__ so a bad address fails at once (OSError)."""
 
-    def __init__(self, address: tuple[str, int], registry: Any, snapshot: Callable[[], dict],
+    def __init__(self, address: tuple[str, int], registry: Any, snapshot: Callable[[], dict[str, Any]],
                  healthy: Callable[[], bool], *, web: WebConfig | None = None, snapshot_remote: bool = False,
                  max_connections: int | None = None) -> None:
         self._web = web or WebConfig()

@@ -101,7 +101,8 @@ RULE_FAMILIES = (
 )
 
 
-def _metric(name: str, kind: str, help_text: str, labels: list[str]) -> Metric:
+def _metric(name: str, kind: str, help_text: str, labels: list[str]) -> Any:
+    """A Counter-, Gauge- or HistogramMetricFamily (each with its own add_metric)."""
     if kind == "histogram":
         return HistogramMetricFamily(name, help_text, labels=labels)
     if kind == "counter":
@@ -168,7 +169,7 @@ class _FamilyView:
 
     def __init__(self, family: Family, processes: ProcessLabels, idle_seconds: float) -> None:
         self.family = family
-        self.totals = Totals(idle_seconds)
+        self.totals: Totals[tuple[str, ...]] = Totals(idle_seconds)
         self.bounds: list[float] = []  # histogram bucket bounds (fixed per probe)
         self._processes = processes
         self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
@@ -193,7 +194,8 @@ class _FamilyView:
                     metric.add_metric([*labels, extra], value)
             else:
                 metric.add_metric(list(labels), values[0])
-        return metric
+        rendered: Metric = metric
+        return rendered
 
     def _summed(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import click
 from rich.text import Text
@@ -88,19 +89,19 @@ class TopApp(App[None]):
         Binding("q,ctrl+c", "quit", "quit", key_display="q"),
     ]
 
-    def __init__(self, fetch: Callable[[], dict], source: str, interval: float) -> None:
+    def __init__(self, fetch: Callable[[], dict[str, Any]], source: str, interval: float) -> None:
         super().__init__()
         self.fetch = fetch
         self.source = source
         self.interval = interval
-        self.snapshot: dict = {}
+        self.snapshot: dict[str, Any] = {}
         self.view: View = VIEWS["processes"]
         self.states = {name: ViewState(view.sort_key, view.descending) for name, view in VIEWS.items()}
         self.paused = False
         self.error = ""
         self.updated: float | None = None
         self._fetching = False
-        self._row_ids: list[tuple] = []  # identities of the rows on screen, in order
+        self._row_ids: list[tuple[Any, ...]] = []  # identities of the rows on screen, in order
 
     @property
     def state(self) -> ViewState:
@@ -187,8 +188,8 @@ class TopApp(App[None]):
                 for column, cell in zip(view.columns, view.cells(row), strict=True)
             ))
         if rows:
-            row = self._row_ids.index(selected) if selected in self._row_ids else min(cursor, len(rows) - 1)
-            table.move_cursor(row=row, animate=False, scroll=False)
+            index = self._row_ids.index(selected) if selected in self._row_ids else min(cursor, len(rows) - 1)
+            table.move_cursor(row=index, animate=False, scroll=False)
         # clear() scrolls home; a refresh must not undo the user's scrolling
         self.call_after_refresh(table.scroll_to, *scroll, animate=False)
 
@@ -247,7 +248,8 @@ class TopApp(App[None]):
         self.render_all()
 
     def action_help(self) -> None:
-        keys = [(binding.key_display or binding.key, binding.description) for binding in self.BINDINGS]
+        keys = [(binding.key_display or binding.key, binding.description) for binding in self.BINDINGS
+                if isinstance(binding, Binding)]
         self.push_screen(HelpScreen(keys))
 
 
