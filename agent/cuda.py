@@ -332,17 +332,17 @@ class CudaProbe(Probe):
                 known = self._libraries.get(mapped.key)
                 if known is not None and not known.error:
                     continue
-                library = self._attach_library(mapped)
+                library = self._attach_library(self.loaded.obj, mapped)
                 self._libraries[mapped.key] = library
             new.append(library)
             if self._on_attach is not None:
                 self._on_attach(library)
         return new
 
-    def _attach_library(self, mapped: MappedLibrary) -> AttachedLibrary:
+    def _attach_library(self, obj: BpfObject, mapped: MappedLibrary) -> AttachedLibrary:
         library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc))
         try:
-            library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
+            library.symbols = attach_entry_points(obj, library.host_path)
         except BpfError as exc:
             library.error = printable(str(exc))
             ATTACHMENTS.failed(SPEC.name, library.path, attach_reason(exc), library.error)

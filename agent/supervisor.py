@@ -38,10 +38,6 @@ class Part:
     collector: bool = False  # a collector of the refresh loop, not a thread
     logged: set[str] = field(default_factory=set)  # error texts logged already: each once
 
-    def to_dict(self) -> dict:
-        return {"restarts": self.restarts, "errors": self.errors, "down": self.down_since is not None,
-                "last_error": self.last_error}
-
 
 class Supervisor:
     def __init__(self) -> None:

@@ -98,7 +98,8 @@ class AgentClient:
             raise SnapshotError(str(getattr(exc, "reason", exc))) from None
         if not _is_snapshot(document):  # not the header alone: agents of older versions name no server
             raise SnapshotError(f"not an aiprobe agent's snapshot (server {printable(server) or 'unnamed'})")
-        return printable_document(document)  # names come from other processes, maybe via another host
+        clean: dict[str, Any] = printable_document(document)  # names come from other processes, maybe another host
+        return clean
 
     def close(self) -> None:
         pass

@@ -79,7 +79,7 @@ class _Connection:
     """One client, kept across keep-alive requests: its socket, the bytes of a request head still
     arriving, and its handler once a request came."""
 
-    def __init__(self, sock: socket.socket, peer: tuple) -> None:
+    def __init__(self, sock: socket.socket, peer: tuple[Any, ...]) -> None:
         self.sock = sock
         self.peer = peer
         self.handshaken = not isinstance(sock, ssl.SSLSocket)
@@ -89,14 +89,15 @@ class _Connection:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
-            self.handler and self.handler.wfile.close()
+            if self.handler is not None:
+                self.handler.wfile.close()
         with contextlib.suppress(OSError):
             self.sock.close()
 
     def receive(self) -> bool:
         """Read what arrived, without blocking (the poller's side); False when the client is gone,
         or sent a head larger than MAX_HEAD_BYTES."""
-        if not self.handshaken:
+        if not self.handshaken and isinstance(self.sock, ssl.SSLSocket):
             try:
                 self.sock.do_handshake()
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
@@ -214,7 +215,7 @@ class AgentHTTPServer:
             self._close_expired()
 
     def _accept(self) -> None:
-        while True:
+        while self._listener is not None:
             try:
                 sock, peer = self._listener.accept()
             except BlockingIOError:
@@ -319,7 +320,7 @@ class AgentHTTPServer:
     def _serve_request(self, conn: _Connection) -> bool:
         conn.sock.settimeout(REQUEST_TIMEOUT)
         if conn.handler is None:
-            conn.handler = self._handler_class(conn, self)
+            conn.handler = self._handler_class(conn)
         handler = conn.handler
         handler.rfile = conn.next_request()
         handler.handle_one_request()
@@ -342,7 +343,7 @@ class AgentHTTPServer:
         return status, {"Content-Type": content_type}, body
 
 
-def _handler_class(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
+def _handler_class(server: AgentHTTPServer) -> Callable[[_Connection], BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         """One connection's request handler, driven one request at a time by a worker."""
 
@@ -351,10 +352,9 @@ def _handler_class(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
         sys_version = ""
 
         # No socketserver loop: a worker calls handle_one_request() as requests arrive.
-        def __init__(self, conn: _Connection, owner: AgentHTTPServer) -> None:
+        def __init__(self, conn: _Connection) -> None:
             self.connection = self.request = conn.sock
             self.client_address = conn.peer
-            self.server = owner
             self.rfile = io.BytesIO()  # each request's head, read by the poller
             self.wfile = conn.sock.makefile("wb")
             self.close_connection = True

@@ -139,7 +139,7 @@ def _tls_context(table: Any, base: Path, path: str | Path) -> ssl.SSLContext | N
     return context
 
 
-def _choice(table: dict, key: str, choices: dict[str, Any], default: Any, path: str | Path) -> Any:
+def _choice(table: dict[str, Any], key: str, choices: dict[str, Any], default: Any, path: str | Path) -> Any:
     value = table.get(key)
     if value is None:
         return default
