@@ -49,9 +49,10 @@ from .libbpf import BpfError
 from .loader import BpfObject, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage
-from .names import comm_text
+from .names import comm_text, printable
 from .probes import Probe, ProbeSpec
 from .procfs import StartTimes, start_ticks
+from .supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -199,11 +200,6 @@ SPEC = ProbeSpec(
 )
 
 
-def printable(name: str) -> str:
-    """A name another process chose (a library path), safe on a terminal: control characters escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
-
-
 # ---- finding the libraries ----
 
 
@@ -266,8 +262,11 @@ def mapped_cuda_libraries(pid: int, proc: Path = Path("/proc")) -> list[MappedLi
         if len(fields) < 6 or not fields[5].startswith("/"):
             continue
         path = fields[5].removesuffix(" (deleted)")
-        major, minor = (int(part, 16) for part in fields[3].split(":"))
-        key = (os.makedev(major, minor), int(fields[4]))
+        try:
+            major, minor = (int(part, 16) for part in fields[3].split(":"))
+            key = (os.makedev(major, minor), int(fields[4]))
+        except ValueError:  # not a line the kernel writes; the next one may do
+            continue
         mappings.setdefault(key, (path, fields[0]))
         kind = _library_kind(path)
         if kind is not None and key not in found:
@@ -349,13 +348,19 @@ def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER) -> l
     offsets = elf.function_offsets(host_path, {entry.symbol for entry in entry_points})
     if anchor not in offsets:
         raise NotACudaLibrary(f"no {anchor}")
-    attached, done = [], set()
+    attached, done, links = [], set(), []
     for entry in entry_points:
         where = (offsets.get(entry.symbol), entry.program)
         if where[0] is None or where in done:
             continue
         done.add(where)
-        obj.programs[entry.program].attach_uprobe(host_path, offset=where[0], retprobe=entry.retprobe)
+        try:
+            links.append(obj.programs[entry.program].attach_uprobe(host_path, offset=where[0],
+                                                                   retprobe=entry.retprobe))
+        except BpfError:
+            for link in links:  # all or nothing: a retry must not count the same calls twice
+                obj.release(link)
+            raise
         if not entry.retprobe:
             attached.append(entry.symbol)
     return attached
@@ -531,6 +536,8 @@ class CudaProbe(Probe):
         self._launches = _LaunchRates()
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
+        self._retry: dict[tuple[int, int], MappedLibrary] = {}  # libraries whose attach failed
+        self._backoff = Backoff()
 
     @property
     def sched_strategy(self) -> str | None:
@@ -544,8 +551,7 @@ class CudaProbe(Probe):
                                  attach=_attach_scheduler)
         self.rescan()
         self._stop.clear()
-        self._scan_thread = threading.Thread(target=self._scan_loop, name="aiprobe-cuda-scan", daemon=True)
-        self._scan_thread.start()
+        self._scan_thread = SUPERVISOR.start_thread("cuda_scan", self._scan_loop, self._stop)
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         if self._max_threads is not None:
@@ -556,9 +562,10 @@ class CudaProbe(Probe):
             self.rescan()
 
     def rescan(self) -> list[AttachedLibrary]:
-        """Probe the CUDA libraries mapped since the last scan; returns the newly probed ones."""
+        """Probe the CUDA libraries mapped since the last scan, and again those that failed once their
+        back-off is over; returns the newly probed ones."""
         with self._scan_lock:
-            found = self._scanner.scan()
+            found = self._scanner.scan() + self._due_retries()
         new: list[AttachedLibrary] = []
         for mapped in found:
             with self._lock:
@@ -575,22 +582,32 @@ class CudaProbe(Probe):
     def _library(self, mapped: MappedLibrary) -> tuple[AttachedLibrary | None, bool]:
         """The file's probes, attached on first sight; None: not a CUDA library after all (an
         executable without a runtime in it). Every outcome is remembered per file."""
-        if mapped.key in self._libraries:
-            return self._libraries[mapped.key], False
+        known = self._libraries.get(mapped.key)
+        if mapped.key in self._libraries and (known is None or not known.error):
+            return known, False
         assert self.loaded is not None  # rescan() holds the lock and checked
-        library = AttachedLibrary(mapped.path, mapped.host_path(self._proc), kind=mapped.kind)
+        library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc), kind=mapped.kind)
         self._attached_ns[mapped.key] = time.monotonic_ns()
         try:
             library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind)
-        except (NotACudaLibrary, BpfError, elf.ElfError, OSError) as exc:
-            library.error = str(exc)
+        except BpfError as exc:  # e.g. a privilege or a busy kernel: worth another try later
+            library.error = printable(str(exc))
+            ATTACHMENTS.failed(SPEC.name, library.path, attach_reason(exc), library.error)
+            self._backoff.failed(mapped.key, time.monotonic())
+            self._retry[mapped.key] = mapped
+        except (NotACudaLibrary, elf.ElfError, OSError) as exc:  # the file itself: not worth retrying
+            library.error = printable(str(exc))
+        else:
+            ATTACHMENTS.succeeded(SPEC.name, library.path)
+            self._backoff.forget(mapped.key)
+            self._retry.pop(mapped.key, None)
         probed = None if mapped.kind == STATIC_RUNTIME and library.error else library
         self._libraries[mapped.key] = probed
         return probed, True
 
     def _note_process_library(self, mapped: MappedLibrary, library: AttachedLibrary | None) -> None:
         if mapped.kind == DRIVER:
-            self._process_library[mapped.pid] = mapped.path
+            self._process_library[mapped.pid] = printable(mapped.path)
             self._watched_since[mapped.pid] = self._attached_ns[mapped.key]
         elif library is not None and not library.error:
             self._process_runtime[mapped.pid] = library
@@ -599,6 +616,18 @@ class CudaProbe(Probe):
     def libraries(self) -> list[AttachedLibrary]:
         with self._lock:
             return [library for library in self._libraries.values() if library is not None]
+
+    def _due_retries(self) -> list[MappedLibrary]:
+        """Libraries that failed to attach and may be tried again: by a process that still maps them."""
+        now = time.monotonic()
+        due = []
+        for key, mapped in list(self._retry.items()):
+            if not os.path.exists(f"{self._proc}/{mapped.pid}"):
+                self._retry.pop(key)
+                self._backoff.forget(key)
+            elif self._backoff.due(key, now):
+                due.append(mapped)
+        return due
 
     def read(self) -> CudaSnapshot:
         """Every process with counts, every context with launches, the GPUs shared by busy contexts.

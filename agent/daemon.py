@@ -45,9 +45,14 @@ from .model import (
 from .names import process_name
 from .probes import Probe, ProbeSpec, selected
 from .rules import RuleEngine, Signal
+from .supervisor import SUPERVISOR
 from .system import kernel_release
 
 log = logging.getLogger("aiprobe.agent")
+
+# /healthz fails when the refresh loop or a part stalls longer than this many refreshes (and seconds).
+HEALTH_GRACE_REFRESHES = 3
+MIN_HEALTH_GRACE_SECONDS = 5.0
 
 # Alert rules judge latency histograms over this recent window rather than since start.
 SIGNAL_WINDOW_SECONDS = 10.0
@@ -78,6 +83,7 @@ class Agent:
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
         self._last_refresh: float | None = None
+        self._refreshed_at: float | None = None  # monotonic
         self._snapshot: dict[str, Any] = {}
         self.readings = Readings()
         # The newest read of each SPEC.read_at_scrape probe, by refresh or scrape: (monotonic time, record).
@@ -129,7 +135,10 @@ class Agent:
 
     @property
     def healthy(self) -> bool:
-        return bool(self._snapshot)
+        """A snapshot, refreshed lately, and no part of the agent down for longer than a few refreshes."""
+        grace = max(HEALTH_GRACE_REFRESHES * self.config.interval_seconds, MIN_HEALTH_GRACE_SECONDS)
+        fresh = self._refreshed_at is not None and time.monotonic() - self._refreshed_at <= grace
+        return bool(self._snapshot) and fresh and not SUPERVISOR.down(longer_than=grace)
 
     def snapshot(self) -> dict[str, Any]:
         return self._snapshot
@@ -141,7 +150,8 @@ class Agent:
         readings = Readings()
         for name, probe in list(self._probes.items()):
             readings.records[name] = self._read(name, probe, readings.collectors)
-        self._join(readings)
+        # Joins read /proc and cgroupfs, which any process shapes: a failure costs the joins, not the refresh.
+        self._collect("join", lambda: self._join(readings), readings.collectors)
         self._add_rates(readings, now)
         signals = self._collect("rules", lambda: self._signals(readings, now), readings.collectors) or []
         self._rates.end_round()
@@ -153,8 +163,10 @@ class Agent:
         readings.map_usage = {name: probe.map_usage() for name, probe in self._probes.items()}
         readings.events_lost = {name: probe.events_lost() for name, probe in self._probes.items()}
         readings.alerts = self._rules.active
+        SUPERVISOR.fill(readings)
         self.readings = readings
         self._last_refresh = now
+        self._refreshed_at = time.monotonic()
         self._snapshot = self._build_snapshot(readings, now).to_dict()
         return self._snapshot
 
@@ -197,12 +209,13 @@ class Agent:
 
     def _collect(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
         started = time.perf_counter()
+        error = None
         try:
-            result, ok = read(), True
+            result = read()
         except Exception as exc:  # e.g. an interface vanished mid-read: report, keep the agent running
-            log.warning("collector %s failed: %s", name, exc)
-            result, ok = None, False
-        collectors[name] = (time.perf_counter() - started, ok)
+            result, error = None, exc
+        SUPERVISOR.collected(name, error)  # logged once per distinct error, counted every time
+        collectors[name] = (time.perf_counter() - started, error is None)
         return result
 
     # --- joins: who is behind a pid, a cgroup or a socket ---

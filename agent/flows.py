@@ -45,10 +45,11 @@ from .loader import (
     tc_clsact_query,
 )
 from .metrics import Family, Series
-from .model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage
+from .model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage, ProbeStatus
 from .names import ip_text
-from .netlink import LinkInfo, LinkWatcher, xdp_program_id
+from .netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
 from .probes import Probe, ProbeSpec
+from .supervisor import ATTACHMENTS, Backoff, attach_reason
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -197,6 +198,17 @@ def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
     return f"another XDP program holds the interface ({program_name(prog_id)!r}, id {prog_id}); left in place"
 
 
+def foreign_xdp_holders() -> list[str]:
+    """Interfaces whose XDP hook another program holds, as "eth0: 'name' (id N)": flows leaves them
+    in place and attaches there once they leave (`aiprobe check` lists them)."""
+    held = []
+    for link in current_links():
+        prog_id = xdp_program_id(link.index)
+        if prog_id is not None and (name := program_name(prog_id)) != XDP_PROGRAM:
+            held.append(f"{link.name}: {name!r} (id {prog_id})")
+    return held
+
+
 def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) -> Link | None:
     """Native mode only: generic XDP runs on skbs after GRO, slower than tc and blind to the
     segments of a batch. Never over someone else's program."""
@@ -205,6 +217,7 @@ def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) ->
     except BpfError as exc:
         reason = _foreign_xdp_reason(link.index, exc) if exc.errno in _FOREIGN_XDP else f"native XDP: {exc}"
         state.xdp_refused = f"{reason}; ingress counted at tc"
+        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.xdp_refused)
         return None
     state.ingress = "xdp"
     return attached
@@ -238,9 +251,17 @@ def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
             attached = program.attach_tc_clsact(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
     except BpfError as exc:
         state.error = "; ".join(e for e in (state.error, f"{direction}: {exc}") if e)
+        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.error)
         return None
     setattr(state, direction, mode)
     return attached
+
+
+def _retryable(state: InterfaceAttachment) -> bool:
+    """A hook failed on an interface whose frames we could parse, or another XDP program holds one
+    whose ingress we were asked to count with XDP: worth trying again later."""
+    failed = state.error or "another XDP program" in state.xdp_refused
+    return bool(failed) and "not an Ethernet interface" not in state.error
 
 
 @dataclass
@@ -331,6 +352,7 @@ class FlowsProbe(Probe):
         self._flow_count = 0
         self._unattributed_count = 0
         self._last_snapshot: FlowsSnapshot | None = None
+        self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
 
@@ -354,15 +376,12 @@ class FlowsProbe(Probe):
 
     def _attach_initial(self, obj: BpfObject, strategy: Strategy, links: list[LinkInfo]) -> None:
         wanted = [link for link in links if link.up and self.filter.wants(link)]
-        attached = {link.index: self._attach_interface(obj, strategy, link) for link in wanted}
+        attached = {link.index: self._attach(obj, link, strategy.name) for link in wanted}
         tried = [attached[link.index].state for link in wanted if link.ethernet]
         if tried and not any(s.egress for s in tried):
             # The egress hook failed everywhere: this kernel lacks the strategy, try the next one.
             raise BpfError(errno.EOPNOTSUPP, f"{strategy.name} attach: {tried[0].error}")
         self._attached = attached
-
-    def _attach_interface(self, obj: BpfObject, strategy: Strategy, link: LinkInfo) -> _Attached:
-        return _attach_interface(obj, link, strategy.name, self.filter.wants_xdp(link))
 
     def close(self) -> None:
         watcher, self._watcher = self._watcher, None
@@ -383,11 +402,51 @@ class FlowsProbe(Probe):
                 known.state.interface = link.name  # renames keep the attachment
                 return
             if link.up and self.filter.wants(link):
-                self._attached[link.index] = self._attach_interface(self.loaded.obj, self.loaded.strategy, link)
+                self._attached[link.index] = self._attach(self.loaded.obj, link, self.loaded.strategy.name)
                 log.info("attached to %s", self._attached[link.index].state.describe())
+
+    def _attach(self, obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
+        attached = _attach_interface(obj, link, tc_mode, self.filter.wants_xdp(link))
+        if _retryable(attached.state):
+            self._backoff.failed(link.index, time.monotonic())
+        else:
+            self._backoff.forget(link.index)
+            ATTACHMENTS.succeeded(SPEC.name, link.name)
+        return attached
+
+    def _retry_failed(self) -> None:
+        """Attach again, once their back-off is over, to interfaces where a hook failed: what did
+        attach is released first, so nothing is counted twice."""
+        now = time.monotonic()
+        with self._lock:
+            due = [index for index in self._backoff.waiting()
+                   if index in self._attached and self._backoff.due(index, now)]
+            if not due or self.loaded is None:
+                return
+            links = {link.index: link for link in current_links()}
+            for index in due:
+                if index not in links:
+                    continue  # gone: the watcher removes it
+                for link in self._attached[index].links:
+                    self.loaded.obj.release(link)
+                self._attached[index] = self._attach(self.loaded.obj, links[index], self.loaded.strategy.name)
+                if not _retryable(self._attached[index].state):
+                    log.info("attached to %s", self._attached[index].state.describe())
+
+    def status(self) -> ProbeStatus:
+        """Down, with the reason, while no interface has any of our programs (nothing is measured)."""
+        status = super().status()
+        with self._lock:
+            states = [a.state for a in self._attached.values()]
+        if status.up and not any(s.ingress or s.egress for s in states):
+            errors = [f"{s.interface}: {s.error}" for s in states if s.error]
+            return ProbeStatus(False, status.strategy, status.span,
+                               "attached to no interface" + (f" ({'; '.join(errors[:3])})" if errors else ""))
+        return status
 
     def _on_removed(self, ifindex: int) -> None:
         with self._lock:
+            self._backoff.forget(ifindex)
             gone = self._attached.pop(ifindex, None)
             if gone is None or self.loaded is None:
                 return
@@ -407,6 +466,7 @@ class FlowsProbe(Probe):
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
         with self._read_lock:
+            self._retry_failed()
             return self._read(self.loaded.obj)
 
     def _read(self, obj: BpfObject) -> FlowsSnapshot:

@@ -482,6 +482,13 @@ class Readings:
     events_lost: dict[str, int] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)  # active (pending + firing)
     collectors: dict[str, tuple[float, bool]] = field(default_factory=dict)  # name -> (seconds, success)
+    # The agent's own health (aiprobe.supervisor), cumulative:
+    collector_errors: dict[str, int] = field(default_factory=dict)  # collector -> failed refreshes
+    thread_restarts: dict[str, int] = field(default_factory=dict)  # background thread -> restarts
+    attach_errors: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (probe, target, reason)
+    notifications: dict[str, int] = field(default_factory=dict)  # Alertmanager pushes by result
+    alert_log_errors: int = 0
+    process_labels_folded: int = 0  # the exporter's: process names summed into process="other" so far
 
     def of(self, kind: type[Any]) -> list[Any]:
         """Every record of `kind`, whichever probe returned it (directly or inside its reading)."""

@@ -37,6 +37,7 @@ from aiprobe.daemon import time_slicing_signals
 from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import log2_buckets
 from aiprobe.model import CudaSnapshot
+from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from conftest import ROOT, fd_id, link_ids
@@ -453,16 +454,18 @@ def test_files_named_libcuda_that_are_not_the_driver_are_read_safely_and_not_pro
     with CudaProbe(rescan_interval=0.2) as probe:
         mapper = Driver(cuda_libs.libdir, program=(sys.executable, "-c", MAPPER, *map(str, paths.values())))
         drivers.append(mapper)
-        assert _wait_for(lambda: len({lib.path for lib in probe.libraries} & set(map(str, paths.values()))) == 3)
+        # Paths are data from another process: records carry them with control characters escaped.
+        shown = {name: printable(str(path)) for name, path in paths.items()}
+        assert _wait_for(lambda: len({lib.path for lib in probe.libraries} & set(shown.values())) == 3)
         by_path = {lib.path: lib for lib in probe.libraries}
         # The agent goes on probing real drivers.
         driver = Driver(cuda_libs.libdir, 0, 12, 0)
         truth, snapshot = _run(probe, drivers, driver)
     assert _process(snapshot, driver.pid).kernel_launches == truth["kernel_launches"] == 12
-    errors = {name: by_path[str(path)].error for name, path in paths.items()}
+    errors = {name: by_path[path].error for name, path in shown.items()}
     assert errors == {"text": "not an ELF file", "runtime": "no cuInit",
                       "truncated": "section headers lies outside the file"}
-    assert not any(by_path[str(path)].symbols for path in paths.values())
+    assert not any(by_path[path].symbols for path in shown.values())
     mapper.kill()
 
 

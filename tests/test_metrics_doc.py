@@ -56,6 +56,10 @@ def every_kind_of_reading() -> Readings:
         events_lost={"sendlat": 0},
         alerts=[Alert("gpu_saturated", "info", "gpu0", "firing", 1.0, {}, 0.0, 0.0)],
         collectors={"flows": (0.1, True)},
+        collector_errors={"flows": 1},
+        thread_restarts={"cuda_scan": 1},
+        attach_errors={("flows", "eth0", "busy"): 1},
+        notifications={"failure": 1},
     )
 
 

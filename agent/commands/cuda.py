@@ -9,9 +9,10 @@ from typing import Any
 import click
 
 from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from ..cuda import LIBRARY_PREFIX, CudaProbe, printable
+from ..cuda import LIBRARY_PREFIX, CudaProbe
 from ..formatting import Column, columns_for, table
 from ..model import AttachedLibrary, CudaSnapshot
+from ..names import printable
 
 FIELDS = ("pid", "comm", "kernel_launches", "graph_launches", "counted_at", "runtime", "context_switches", "syncs",
           "sync_seconds_sum", "sync_p99_seconds", "runqueue_delay_p99_seconds", "involuntary_preemptions", "library")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -22,7 +23,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
 from ..cli import AiprobeError, friendly_errors, interval_option, ticks
-from ..top_source import DEFAULT_URL, SnapshotError, SnapshotSource, normalize_url, open_source
+from ..top_source import DEFAULT_URL, Credentials, SnapshotError, SnapshotSource, normalize_url, open_source
 from ..top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
 
 # Signals that end top like `q` does: terminal restored first, then the probes closed.
@@ -291,13 +292,18 @@ def _globs(value: str | None) -> list[str] | None:
 @click.option("--iterations", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --batch: stop after N snapshots (default: until Ctrl-C).")
 @click.option("--json", "as_json", is_flag=True, help="With --batch: one JSON snapshot per line.")
+@click.option("--cacert", type=click.Path(exists=True, dir_okay=False), metavar="PATH",
+              help="CA certificate that signed an https agent's certificate (default: the system's CAs).")
+@click.option("--user", metavar="USER", help="Basic auth user; the password comes from $AIPROBE_PASSWORD.")
 @friendly_errors
 def command(connect: str, interval: float, interfaces: str | None, batch: bool, iterations: int | None,
-            as_json: bool) -> None:
+            as_json: bool, cacert: str | None, user: str | None) -> None:
     """Processes, flows, GPUs and bottleneck alerts on one screen (keys like htop; ? for help)."""
     if not batch and (iterations or as_json):
         raise click.UsageError("--iterations and --json need --batch")
-    source = open_source(connect, _globs(interfaces), interval)
+    # The password stays off the command line, which every user on the host can read.
+    credentials = Credentials(cacert, user, os.environ.get("AIPROBE_PASSWORD", ""))
+    source = open_source(connect, _globs(interfaces), interval, credentials)
     try:
         if batch:
             run_batch(source, interval, iterations, as_json)
