@@ -37,8 +37,11 @@ OTHER_PROCESS = "other"
 MAX_FOLDED_REMEMBERED = 10_000
 
 
+BUILD_LABELS = ("kernel", "libbpf", "version")
+
+
 def _build_info(build: dict[str, str], _r: Readings) -> Samples:
-    return [(list(build.values()), 1)]
+    return [([build[label] for label in BUILD_LABELS], 1)]
 
 
 def _probe_up(_build: dict[str, str], r: Readings) -> Samples:
@@ -61,7 +64,7 @@ def _bottlenecks(_build: dict[str, str], r: Readings) -> Samples:
 # The agent's own families: (description, samples from the build info and one refresh's readings).
 AGENT_FAMILIES: tuple[tuple[AgentFamily, Callable[[dict[str, str], Readings], Samples]], ...] = (
     (AgentFamily("aiprobe_build_info", "gauge", "aiprobe version, kernel and libbpf; always 1.",
-                 ("kernel", "libbpf", "version")), _build_info),
+                 BUILD_LABELS), _build_info),
     (AgentFamily("aiprobe_probe_up", "gauge", "1 when the probe runs, with the strategy it runs.",
                  ("probe", "strategy"), doc_note="`strategy` is `none` when it cannot."), _probe_up),
     (AgentFamily("aiprobe_bpf_map_entries", "gauge", "Entries in a bounded BPF map.", ("map", "probe")),

@@ -4,6 +4,7 @@ pushing to a real Alertmanager, on traffic the test makes over a veth pair and l
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from aiprobe import __version__
 from conftest import VethPair, programs_on, wait_until
 from servers import Agent, Alertmanager, Prometheus, http_get
 
@@ -69,6 +71,8 @@ def test_prometheus_scrapes_the_agent(tmp_path: Path, veth: VethPair) -> None:
             assert set(wanted) - set(series) == set(), f"no series in Prometheus for {set(wanted) - set(series)}"
             up = prom.query('up{job="aiprobe"}')
             assert up and up[0]["value"][1] == "1"
+            (build,) = series["aiprobe_build_info"]
+            assert (build["metric"]["kernel"], build["metric"]["version"]) == (os.uname().release, __version__)
             check = subprocess.run(["promtool", "check", "metrics"], input=agent.metrics(), capture_output=True,
                                    text=True)
             assert check.returncode == 0, check.stdout + check.stderr
