@@ -31,7 +31,7 @@ import click
 from . import sched
 from .btf import decode
 from .cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
+from .histogram import NS_PER_SECOND, buckets_to_json, exported_buckets, kernel_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Strategy, load_first
 from .names import comm_text
@@ -265,7 +265,7 @@ class CudaSnapshot:
 def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
     """One process from its entry in map `processes`."""
     sync, runqueue = entry["sync"], entry["runqueue"]
-    sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
+    sync_buckets, runqueue_buckets = kernel_buckets(sync["slots"]), kernel_buckets(runqueue["slots"])
     return CudaProcess(
         pid=pid,
         comm=comm_text(entry["comm"]),
@@ -275,10 +275,10 @@ def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
         syncs=sync["count"],
         sync_seconds_sum=sync["sum_ns"] / NS_PER_SECOND,
         sync_p99_seconds=quantile(sync_buckets, 0.99),
-        sync_histogram=sync_buckets,
+        sync_histogram=exported_buckets(sync_buckets),
         runqueue_delay_seconds_sum=runqueue["sum_ns"] / NS_PER_SECOND,
         runqueue_delay_p99_seconds=quantile(runqueue_buckets, 0.99),
-        runqueue_histogram=runqueue_buckets,
+        runqueue_histogram=exported_buckets(runqueue_buckets),
         involuntary_preemptions=entry["involuntary_preemptions"],
         gpu_threads=entry["gpu_threads"],
     )

@@ -1,7 +1,9 @@
 """TCP send latency: how long each send to a TCP socket takes (bpf/sendlat.bpf.c).
 
-The kernel aggregates: a log2 histogram per (process, cgroup), counters per flow, and only sends
-slower than a threshold leave it one by one, through a ring buffer. `SendLatencyProbe.read()`
+The kernel aggregates: per (process, cgroup) exact counts of successful and failed sends and
+log-linear histograms (16 buckets per power of two) of send time and of how long sockets stayed
+unwritable; counters per flow; only sends slower than a threshold leave it one by one, through a
+ring buffer. `SendLatencyProbe.read()`
 turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
 """
 
@@ -18,7 +20,7 @@ import click
 
 from . import btf
 from .cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
+from .histogram import NS_PER_SECOND, buckets_to_json, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
 from .names import comm_text, endpoint, ip_text
 from .probes import MapUsage, Probe, ProbeSpec
@@ -26,7 +28,9 @@ from .probes import MapUsage, Probe, ProbeSpec
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
 MAX_PENDING_SLOW_SENDS = 65536
-_STATS_MAPS = ("procs", "flows", "starts")
+_STATS_MAPS = ("procs", "flows")
+# Failed sends by error: the order of enum send_error (bpf/sendlat.h).
+SEND_ERRORS = ("EAGAIN", "EPIPE", "ECONNRESET", "EINTR", "ETIMEDOUT", "ENOTCONN", "other")
 
 SPEC = ProbeSpec(
     name="sendlat",
@@ -43,16 +47,17 @@ SPEC = ProbeSpec(
         # Only TCP sends pay for these two tracepoints; the span starts with the socket locked.
         Strategy(
             "tracepoint",
-            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end", "sendlat_thread_exit"),
+            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end"),
             features=("tp_btf", "tcp_send_tp", "ringbuf"),
             span="first copy into the socket (tcp:tcp_sendmsg_locked) to the return of the TCP socket's sendmsg "
-                 "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts sends that copy "
-                 "at least one byte, by user threads, on sockets without kTLS or another upper-layer protocol",
+                 "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts every TCP sendmsg of "
+                 "user threads, times those that reach the copy loop on sockets without kTLS or another "
+                 "upper-layer protocol",
         ),
         # Every syscall on the host pays for raw sys_enter: for kernels without tcp:tcp_sendmsg_locked.
         Strategy(
             "syscall",
-            programs=("sendlat_sys_enter", "sendlat_sock_send_length", "sendlat_thread_exit"),
+            programs=("sendlat_sys_enter", "sendlat_sock_send_length"),
             features=("tp_btf", "ringbuf"),
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",
@@ -65,21 +70,30 @@ SPEC = ProbeSpec(
 
 @dataclass
 class ProcessSendLatency:
-    """Sends of one process in one cgroup since the probe started (monotonic counters)."""
+    """Sends of one process in one cgroup since the probe started (monotonic counters). Failed
+    sends are not sends: they are counted apart, by error."""
 
     pid: int
     comm: str
     cgroup_id: int
-    count: int
+    count: int  # successful sends
     bytes: int
-    sum_seconds: float
-    p50_seconds: float | None  # None before the first send
+    sum_seconds: float  # of the timed sends
+    p50_seconds: float | None  # None before the first timed send
     p99_seconds: float | None
-    histogram: list[tuple[float, int]]
+    histogram: list[tuple[float, int]]  # timed sends (all, unless sampling), cumulative
+    timed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # failed sends by error; EAGAIN is back-pressure
+    # Unwritable time: from a socket's first EAGAIN to the next successful send on it.
+    unwritable_count: int = 0
+    unwritable_sum_seconds: float = 0.0
+    unwritable_p99_seconds: float | None = None
+    unwritable_histogram: list[tuple[float, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        # Not asdict(): it deep-copies the 36 buckets of every process each refresh.
-        return {**vars(self), "histogram": buckets_to_json(self.histogram)}
+        # Not asdict(): it deep-copies the buckets of every process each refresh.
+        return {**vars(self), "errors": dict(self.errors), "histogram": buckets_to_json(self.histogram),
+                "unwritable_histogram": buckets_to_json(self.unwritable_histogram)}
 
 
 @dataclass
@@ -120,6 +134,8 @@ class SendLatencySnapshot:
     flows: list[FlowSendStats] = field(default_factory=list)
     slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
     lost_events: int = 0  # slow sends lost since start
+    uncounted_sends: int = 0  # sends of processes beyond the table's capacity, since start
+    sample_every: int = 1  # 1 send in this many per thread is timed; counts are exact regardless
 
     def to_dict(self) -> dict:
         return {
@@ -129,6 +145,8 @@ class SendLatencySnapshot:
             "flows": [dict(vars(f)) for f in self.flows],
             "slow_sends": [dict(vars(s)) for s in self.slow_sends],
             "lost_events": self.lost_events,
+            "uncounted_sends": self.uncounted_sends,
+            "sample_every": self.sample_every,
         }
 
 
@@ -143,19 +161,26 @@ def _endpoints(flow: dict) -> dict[str, Any]:
     }
 
 
-def _process(key: dict, value: dict) -> ProcessSendLatency:
+def _process(key: dict, value: dict, waits: dict | None) -> ProcessSendLatency:
     latency = value["latency"]
-    buckets = log2_buckets(latency["slots"])
+    fine = kernel_buckets(latency["slots"])
+    waited = kernel_buckets(waits["slots"]) if waits else []
     return ProcessSendLatency(
         pid=key["tgid"],
         comm=comm_text(value["comm"]),
         cgroup_id=key["cgroup_id"],
-        count=latency["count"],
+        count=value["sends"],
         bytes=value["bytes"],
         sum_seconds=latency["sum_ns"] / NS_PER_SECOND,
-        p50_seconds=quantile(buckets, 0.5),
-        p99_seconds=quantile(buckets, 0.99),
-        histogram=buckets,
+        p50_seconds=quantile(fine, 0.5),
+        p99_seconds=quantile(fine, 0.99),
+        histogram=exported_buckets(fine),
+        timed=latency["count"],
+        errors={name: count for name, count in zip(SEND_ERRORS, value["errors"], strict=True) if count},
+        unwritable_count=waits["count"] if waits else 0,
+        unwritable_sum_seconds=waits["sum_ns"] / NS_PER_SECOND if waits else 0.0,
+        unwritable_p99_seconds=quantile(waited, 0.99),
+        unwritable_histogram=exported_buckets(waited) if waits else [],
     )
 
 
@@ -238,7 +263,7 @@ class SendLatencyProbe(Probe):
         obj = self._obj()
         self.poll(0)
         slow_sends, self._pending = self._pending, []
-        processes = [_process(key, value) for key, value in self._read_and_prune(obj, "procs")]
+        processes = self._read_processes(obj)
         flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
             strategy=self.loaded.strategy.name,
@@ -247,7 +272,28 @@ class SendLatencyProbe(Probe):
             flows=flows,
             slow_sends=slow_sends,
             lost_events=self.events_lost(),
+            uncounted_sends=obj.maps["counters"].lookup(1).value,
         )
+
+    def _read_processes(self, obj: BpfObject) -> list[ProcessSendLatency]:
+        """Every process's entry; those of exited processes are then freed for reuse."""
+        index_of, procs, unwritable = obj.maps["proc_slots"], obj.maps["procs"], obj.maps["unwritable"]
+        processes, exited = [], []
+        for raw_key, index in index_of.items():
+            key, stats, waits = btf.decode(raw_key), procs.lookup(index), unwritable.lookup(index)
+            if stats is None:
+                continue
+            processes.append(_process(key, btf.decode(stats), btf.decode(waits) if waits is not None else None))
+            if not os.path.exists(f"/proc/{key['tgid']}"):
+                exited.append((raw_key, index))
+        self._entries["procs"] = len(processes)
+        for raw_key, index in exited:
+            # No thread of the process is left to use the index: zero it, then hand it back.
+            index_of.delete(raw_key)
+            procs.update(index, procs.value_type())
+            unwritable.delete(index)
+            obj.maps["free_procs"].push(index)
+        return processes
 
     def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict, dict]]:
         stats = obj.maps[map_name]
@@ -262,12 +308,12 @@ class SendLatencyProbe(Probe):
         return self.loaded.obj.maps["counters"].lookup(0).value + self._dropped
 
     def map_usage(self) -> list[MapUsage]:
-        """Sizes as of the last read (the per-thread `starts` map is counted now)."""
+        """Sizes as of the last read (per-thread and per-socket state lives with the thread and the
+        socket: no map to fill)."""
         if self.loaded is None:
             return []
         maps = self.loaded.obj.maps
-        sizes = {**self._entries, "starts": len(maps["starts"].items())}
-        return [MapUsage(name, sizes.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
+        return [MapUsage(name, self._entries.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
 
     def close(self) -> None:
         self._ring = None  # freed with the object
@@ -287,23 +333,28 @@ def _print_slow_send(send: SlowSend) -> None:
     )
 
 
+def _micros(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f} us"
+
+
 def _print_histogram(process: ProcessSendLatency) -> None:
-    """bcc-style log2 histogram of one process, in nanoseconds."""
+    """bcc-style histogram of one process's timed sends, in microseconds."""
+    failed = "".join(f", {count} failed ({name})" for name, count in process.errors.items())
     click.echo(
-        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends, "
-        f"{process.bytes} bytes, p50 {process.p50_seconds * 1e6:.1f} us, p99 {process.p99_seconds * 1e6:.1f} us"
+        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends{failed}, "
+        f"{process.bytes} bytes, p50 {_micros(process.p50_seconds)}, p99 {_micros(process.p99_seconds)}"
     )
-    counts = [cumulative - below for (_, cumulative), (_, below) in
-              zip(process.histogram, [(0.0, 0), *process.histogram[:-1]], strict=True)]
+    bounds = [0.0, *(le for le, _ in process.histogram)]
+    counts = [cumulative - below for (_, cumulative), below in
+              zip(process.histogram, [0, *(c for _, c in process.histogram[:-1])], strict=True)]
     used = [i for i, count in enumerate(counts) if count]
     if not used:
         return
     widest = max(counts)
-    click.echo(f"{'nsecs':>24} : {'count':<8} distribution")
-    for slot in range(used[0], used[-1] + 1):
-        stars = "*" * round(40 * counts[slot] / widest)
-        upper = "inf" if slot == len(counts) - 1 else str(2 ** (slot + 1) - 1)
-        click.echo(f"{2 ** slot:>11} -> {upper:<10} : {counts[slot]:<8} |{stars:<40}|")
+    click.echo(f"{'usecs':>25} : {'count':<8} distribution")
+    for i in range(used[0], used[-1] + 1):
+        stars = "*" * round(40 * counts[i] / widest)
+        click.echo(f"{bounds[i] * 1e6:>11.1f} -> {bounds[i + 1] * 1e6:<11.1f} : {counts[i]:<8} |{stars:<40}|")
 
 
 @click.command()
