@@ -9,6 +9,7 @@ turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import time
@@ -64,6 +65,54 @@ SPEC = ProbeSpec(
         ),
     ),
 )
+
+
+# --- self-limiting overhead ---
+
+# What the default strategy's programs add per send, timed and untimed, from `make bench` on the dev
+# box (added CPU time per send, empty programs' share included; rounded up). The budget multiplies
+# them by the send rate: an estimate that costs nothing to make, not a measurement.
+TIMED_SEND_COST_NS = 600
+UNTIMED_SEND_COST_NS = 400
+MAX_SAMPLE_EVERY = 1024
+# Timing returns to finer sampling only once that would use at most this share of the budget.
+BUDGET_HYSTERESIS = 0.7
+
+
+class TimingBudget:
+    """Keeps the estimated CPU time of sendlat's programs within `cpu_budget` (a fraction of one
+    CPU): past it, 1 send in N is timed (N a power of two, at most MAX_SAMPLE_EVERY); counts and
+    bytes stay exact. N falls again as the send rate does."""
+
+    def __init__(self, cpu_budget: float) -> None:
+        if cpu_budget <= 0:
+            raise ValueError("cpu_budget must be positive")
+        self.cpu_budget = cpu_budget
+        self._last: dict[tuple[int, int], int] = {}  # (pid, cgroup) -> sends and failures at the last read
+        self._last_time: float | None = None
+
+    @staticmethod
+    def cpu_share(sends_per_second: float, every: int) -> float:
+        """Estimated CPU of the programs (fraction of one CPU) at this rate, timing 1 send in `every`."""
+        per_send_ns = UNTIMED_SEND_COST_NS + (TIMED_SEND_COST_NS - UNTIMED_SEND_COST_NS) / every
+        return sends_per_second * per_send_ns / NS_PER_SECOND
+
+    def sends_per_second(self, processes: Sequence[ProcessSendLatency], now: float) -> float:
+        totals = {(p.pid, p.cgroup_id): p.count + sum(p.errors.values()) for p in processes}
+        new = sum(max(0, total - self._last.get(key, 0)) for key, total in totals.items())
+        elapsed = now - self._last_time if self._last_time is not None else 0.0
+        self._last, self._last_time = totals, now
+        return new / elapsed if elapsed > 0 else 0.0
+
+    def every(self, sends_per_second: float, current: int) -> int:
+        """1-in-N for the coming interval: the finest N within budget (the coarsest there is when
+        none is); coarser at once, finer only with room to spare."""
+        wanted = 1
+        while wanted < MAX_SAMPLE_EVERY and self.cpu_share(sends_per_second, wanted) > self.cpu_budget:
+            wanted *= 2
+        if wanted >= current or self.cpu_share(sends_per_second, wanted) <= BUDGET_HYSTERESIS * self.cpu_budget:
+            return wanted
+        return current
 
 
 # --- snapshot ---
@@ -169,7 +218,7 @@ def _process(key: dict, value: dict, waits: dict | None) -> ProcessSendLatency:
         pid=key["tgid"],
         comm=comm_text(value["comm"]),
         cgroup_id=key["cgroup_id"],
-        count=value["sends"],
+        count=latency["count"] + value["untimed_sends"],
         bytes=value["bytes"],
         sum_seconds=latency["sum_ns"] / NS_PER_SECOND,
         p50_seconds=quantile(fine, 0.5),
@@ -206,10 +255,11 @@ class SendLatencyProbe(Probe):
 
     def __init__(
         self, threshold_ms: float = 10.0, pid: int | None = None, strategies: Sequence[Strategy] | None = None,
-        per_flow: bool = True,
+        per_flow: bool = True, cpu_budget: float | None = None,
     ) -> None:
         """`per_flow=False` skips the per-flow counters (in the kernel too): the agent takes flows
-        from the flows probe, and reading thousands of connections each second is not free."""
+        from the flows probe, and reading thousands of connections each second is not free.
+        `cpu_budget` (a fraction of one CPU) makes each read() adapt timing to the send rate."""
         super().__init__()
         if threshold_ms < 0:
             raise ValueError("threshold_ms must not be negative")
@@ -222,6 +272,8 @@ class SendLatencyProbe(Probe):
         self._pending: list[SlowSend] = []
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
+        self.sample_every = 1
+        self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -245,6 +297,19 @@ class SendLatencyProbe(Probe):
             return
         self._pending.append(_slow_send(btf.decode(self._event_type.from_buffer_copy(data))))
 
+    def set_sample_every(self, every: int) -> None:
+        """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
+        if every < 1:
+            raise ValueError("sample_every must be at least 1")
+        obj = self._obj()
+        data = next(m for name, m in obj.maps.items() if name.endswith(".data"))
+        offset, _ = obj.btf.datasec_vars(".data")["sample_every"]
+        # `sample_every` is the section's only variable: nothing else writes it concurrently.
+        section = data.lookup(0)
+        ctypes.c_uint32.from_buffer(section, offset).value = every
+        data.update(0, section)
+        self.sample_every = every
+
     def _obj(self) -> BpfObject:
         if self.loaded is None:
             raise RuntimeError("SendLatencyProbe is not started")
@@ -264,6 +329,11 @@ class SendLatencyProbe(Probe):
         self.poll(0)
         slow_sends, self._pending = self._pending, []
         processes = self._read_processes(obj)
+        if self._budget is not None:
+            rate = self._budget.sends_per_second(processes, time.monotonic())
+            every = self._budget.every(rate, self.sample_every)
+            if every != self.sample_every:
+                self.set_sample_every(every)
         flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
             strategy=self.loaded.strategy.name,
@@ -273,6 +343,7 @@ class SendLatencyProbe(Probe):
             slow_sends=slow_sends,
             lost_events=self.events_lost(),
             uncounted_sends=obj.maps["counters"].lookup(1).value,
+            sample_every=self.sample_every,
         )
 
     def _read_processes(self, obj: BpfObject) -> list[ProcessSendLatency]:

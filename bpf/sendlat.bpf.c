@@ -385,47 +385,13 @@ static __always_inline void socket_writable(struct sendlat_thread *thread, struc
 		hist_add(hist, bpf_ktime_get_ns() - since);
 }
 
-/* A TCP sendmsg of `thread` on `sk` returned `ret` (bytes, or -errno); `start_ns` is its start
- * when timed, else 0. */
-static __always_inline void end_send(struct sendlat_thread *thread, struct sock *sk, bool trusted, long ret,
-				     __u64 start_ns)
+/* Per-flow counters and the slow-send event of a successful send (the flow key is built only here). */
+static __always_inline void record_flow(struct sendlat_thread *thread, struct sendlat_proc_stats *stats,
+					struct sock *sk, bool trusted, long ret, __u64 duration_ns, bool slow)
 {
-	struct sendlat_proc_stats *stats = proc_of(thread);
 	struct sendlat_flow_key flow = {};
 	struct sendlat_flow_stats *flow_stats;
-	enum send_error error;
-	__u64 duration_ns = 0;
-	bool slow;
 
-	if (!stats) {
-		count(COUNTER_PROCS_FULL);
-		return;
-	}
-	if (ret <= 0) {
-		if (!ret)
-			return;
-		error = send_error_of(ret);
-		if (error < SEND_ERROR_MAX)
-			__sync_fetch_and_add(&stats->errors[error], 1);
-		/* Socket storage is for BTF programs only; kprobes do without the unwritable time. */
-		if (trusted && ret == -EAGAIN)
-			socket_unwritable(thread, sk);
-		return;
-	}
-	__sync_fetch_and_add(&stats->sends, 1);
-	__sync_fetch_and_add(&stats->bytes, ret);
-	if (trusted) {
-		socket_writable(thread, sk);
-		if (left_full(sk))
-			socket_unwritable(thread, sk);
-	}
-	if (start_ns) {
-		duration_ns = bpf_ktime_get_ns() - start_ns;
-		hist_add(&stats->latency, duration_ns);
-	}
-	slow = start_ns && duration_ns >= slow_threshold_ns;
-	if (!count_flows && !slow)
-		return;
 	read_flow(&flow, sk, trusted, thread->tgid);
 	if (count_flows) {
 		flow_stats = lookup_or_init(&flows, &flow, &zero_flow);
@@ -437,6 +403,54 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct sock 
 	}
 	if (slow)
 		emit_slow_send(&flow, thread, stats, ret, duration_ns);
+}
+
+static __always_inline void failed_send(struct sendlat_thread *thread, struct sendlat_proc_stats *stats,
+					struct sock *sk, bool trusted, long ret)
+{
+	enum send_error error = send_error_of(ret);
+
+	if (error < SEND_ERROR_MAX)
+		__sync_fetch_and_add(&stats->errors[error], 1);
+	/* Socket storage is for BTF programs only; kprobes do without the unwritable time. */
+	if (trusted && ret == -EAGAIN)
+		socket_unwritable(thread, sk);
+}
+
+/* A TCP sendmsg of `thread` on `sk` returned `ret` (bytes, or -errno); `start_ns` is its start
+ * when timed, else 0. */
+static __always_inline void end_send(struct sendlat_thread *thread, struct sock *sk, bool trusted, long ret,
+				     __u64 start_ns)
+{
+	struct sendlat_proc_stats *stats = proc_of(thread);
+	__u64 duration_ns = 0;
+	bool slow;
+
+	if (!stats) {
+		count(COUNTER_PROCS_FULL);
+		return;
+	}
+	if (ret <= 0) {
+		if (ret)
+			failed_send(thread, stats, sk, trusted, ret);
+		return;
+	}
+	/* A timed send is counted by its histogram: one atomic less on the hot path. */
+	if (!start_ns)
+		__sync_fetch_and_add(&stats->untimed_sends, 1);
+	__sync_fetch_and_add(&stats->bytes, ret);
+	if (trusted) {
+		socket_writable(thread, sk);
+		if (left_full(sk))
+			socket_unwritable(thread, sk);
+	}
+	if (start_ns) {
+		duration_ns = bpf_ktime_get_ns() - start_ns;
+		hist_add(&stats->latency, duration_ns);
+	}
+	slow = start_ns && duration_ns >= slow_threshold_ns;
+	if (count_flows || slow)
+		record_flow(thread, stats, sk, trusted, ret, duration_ns, slow);
 }
 
 /* --- fentry / kprobe: tcp_sendmsg entry to return --- */

@@ -28,10 +28,12 @@ enum send_error {
 
 /* Per-process send statistics, one `procs` array entry per (tgid, cgroup id). */
 struct sendlat_proc_stats {
-	__u64 sends;		/* successful sends (returned > 0 bytes) */
+	/* Successful sends (returned > 0 bytes): latency.count (timed: all, or 1 in `sample_every` per
+	 * thread) plus untimed_sends. */
+	struct hist latency;
+	__u64 untimed_sends;
 	__u64 bytes;		/* bytes they sent */
 	__u64 errors[SEND_ERROR_MAX];	/* failed sends, by error */
-	struct hist latency;	/* timed successful sends (all, or 1 in `sample_every`) */
 	char comm[TASK_COMM_LEN];	/* the process (thread-group leader) name */
 };
 

@@ -25,7 +25,14 @@ from aiprobe.containers import cgroup2_root
 from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, exported_buckets, kernel_buckets, quantile
 from aiprobe.loader import ProbeUnavailable, Strategy
 from aiprobe.rules import RuleEngine, Signal
-from aiprobe.sendlat import SPEC, ProcessSendLatency, SendLatencyProbe, SendLatencySnapshot
+from aiprobe.sendlat import (
+    MAX_SAMPLE_EVERY,
+    SPEC,
+    ProcessSendLatency,
+    SendLatencyProbe,
+    SendLatencySnapshot,
+    TimingBudget,
+)
 from conftest import unique, wait_until
 from fixtures.sendlat_peer import build, mix, paced_sink, send, send_nonblocking, sender_cmd, sink
 
@@ -110,6 +117,20 @@ def test_quantiles_interpolate_inside_a_bucket() -> None:
     buckets = kernel_buckets(slots)
     assert quantile(buckets, 0.5) == pytest.approx(0.017, rel=0.07)
     assert quantile(buckets, 0.999) == pytest.approx(0.3, rel=0.07)
+
+
+def test_timing_budget_samples_coarser_at_once_and_finer_with_room_to_spare() -> None:
+    budget = TimingBudget(cpu_budget=0.01)
+    assert budget.every(0.0, 1) == 1
+    storm = 0.012 / TimingBudget.cpu_share(1.0, 1)  # full timing would cost 1.2x the budget
+    every = budget.every(storm, 1)
+    assert every > 1 and TimingBudget.cpu_share(storm, every) <= 0.01
+    assert TimingBudget.cpu_share(storm, every // 2) > 0.01
+    assert budget.every(storm, every) == every
+    calmer = 0.0095 / TimingBudget.cpu_share(1.0, 1)  # full timing fits, but barely: stay coarser
+    assert budget.every(calmer, every) == every
+    assert budget.every(0.0, every) == 1
+    assert budget.every(1e12, 1) == MAX_SAMPLE_EVERY
 
 
 def test_process_document_has_the_exported_buckets_and_inf_as_text() -> None:
@@ -238,6 +259,41 @@ def test_send_stall_rule_fires_and_clears_at_its_thresholds(probe: SendLatencyPr
     assert all(states == expected for _, states, expected, _, _ in phases), phases
     assert [states for _, states, _, _, _ in phases][1:] in ([["pending", "firing"], ["resolved"]],
                                                              [[], ["resolved"]]), phases
+
+
+@pytest.mark.bpf
+def test_sampled_timing_keeps_counts_exact(peer: str) -> None:
+    with SendLatencyProbe(per_flow=False) as sampled:
+        sampled.set_sample_every(4)
+        with sink(peer, "127.0.0.1") as to:
+            sent = send(peer, to, 1000, 100)
+        [record] = records_of(sampled.read(), sent.pid)
+    assert (record.count, record.bytes) == (1000, 100_000)
+    assert record.timed == 250  # its one thread times its 1st, 5th, 9th ... send
+    assert record.histogram[-1][1] == 250
+
+
+@pytest.mark.bpf
+def test_send_storm_raises_sampling_within_budget_and_full_timing_returns(peer: str) -> None:
+    budget = 0.01  # of one CPU: a storm of loopback sends costs far more with full timing
+    with SendLatencyProbe(per_flow=False, cpu_budget=budget) as probe, sink(peer, "127.0.0.1") as to:
+        probe.read()
+        storm = subprocess.Popen(sender_cmd(peer, to, 3_000_000, 64), stdout=subprocess.PIPE, text=True)
+        during = []
+        while storm.poll() is None:
+            time.sleep(0.3)
+            during.append(probe.read().sample_every)
+        out, _ = storm.communicate()
+        calls = int(out.split()[1])
+        [record] = records_of(probe.read(), storm.pid)
+        after = []
+        for _ in range(3):
+            time.sleep(0.3)
+            after.append(probe.read().sample_every)
+    assert max(during) > 1, during
+    assert after[-1] == 1, after
+    assert record.count == calls == 3_000_000
+    assert 0 < record.timed < calls
 
 
 @pytest.mark.bpf
