@@ -4,7 +4,7 @@ The kernel aggregates: per (process, cgroup) exact counts of successful and fail
 log-linear histograms (16 buckets per power of two) of send time and of how long sockets stayed
 unwritable; counters per flow; only sends slower than a threshold leave it one by one, through a
 ring buffer. `SendLatencyProbe.read()`
-turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
+turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` prints them.
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import click
-
 from . import btf
-from .cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, exported_buckets, kernel_buckets, quantile
+from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
-from .names import comm_text, endpoint, ip_text
-from .probes import MapUsage, Probe, ProbeSpec
+from .metrics import PROCESS_LABELS, Family
+from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .names import comm_text, ip_text
+from .probes import Probe, ProbeSpec
+from .procfs import StartTimes
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
@@ -32,6 +31,11 @@ MAX_PENDING_SLOW_SENDS = 65536
 _STATS_MAPS = ("procs", "flows")
 # Failed sends by error: the order of enum send_error (bpf/sendlat.h).
 SEND_ERRORS = ("EAGAIN", "EPIPE", "ECONNRESET", "EINTR", "ETIMEDOUT", "ENOTCONN", "other")
+NO_WAITS = exported_buckets(kernel_buckets([0] * HIST_SLOTS))
+
+def _error_count(name: str) -> Any:
+    return lambda record: record.errors.get(name, 0)
+
 
 SPEC = ProbeSpec(
     name="sendlat",
@@ -63,6 +67,40 @@ SPEC = ProbeSpec(
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",
         ),
+    ),
+    bpf_object=OBJECT,
+    order=20,
+    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
+                                                      cpu_budget=config.sendlat_cpu_budget or None),
+    config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
+    command="aiprobe.commands.sendlat:command",
+    metrics=(
+        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes sent by successful TCP sends.", ProcessSendLatency,
+               "bytes", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_tcp_sends_total", "counter", "Successful TCP sends (that returned bytes).",
+               ProcessSendLatency, "count", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_tcp_send_errors_total", "counter",
+               "Failed TCP sends, by error; EAGAIN (also EWOULDBLOCK) is back-pressure on a non-blocking socket.",
+               ProcessSendLatency, labels=PROCESS_LABELS, per_identity=True, expand_label="error",
+               expand=tuple((name, _error_count(name)) for name in SEND_ERRORS)),
+        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram",
+               "Duration of successful TCP sends (log-linear buckets; 1 in aiprobe_tcp_send_timing_sample_every "
+               "timed).", ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds",
+               per_identity=True),
+        Family("aiprobe_tcp_sends_timed_total", "counter",
+               "Successful TCP sends that were timed (all, or 1 in aiprobe_tcp_send_timing_sample_every per "
+               "thread while the CPU budget is exceeded).", ProcessSendLatency, "timed", PROCESS_LABELS,
+               per_identity=True),
+        Family("aiprobe_tcp_send_timing_sample_every", "gauge",
+               "1 send in this many per thread is timed now (1: all); the CPU budget sets it.",
+               SendLatencySnapshot, "sample_every"),
+        Family("aiprobe_tcp_sends_uncounted_total", "counter",
+               "TCP sends not counted: their process found the per-process table full.",
+               SendLatencySnapshot, "uncounted_sends"),
+        Family("aiprobe_tcp_socket_unwritable_seconds", "histogram",
+               "How long sockets stayed unwritable: from a send that found the buffer full (EAGAIN, or a short "
+               "non-blocking send) to the next successful send on the socket.", ProcessSendLatency,
+               "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True),
     ),
 )
 
@@ -115,90 +153,6 @@ class TimingBudget:
         return current
 
 
-# --- snapshot ---
-
-@dataclass
-class ProcessSendLatency:
-    """Sends of one process in one cgroup since the probe started (monotonic counters). Failed
-    sends are not sends: they are counted apart, by error."""
-
-    pid: int
-    comm: str
-    cgroup_id: int
-    count: int  # successful sends
-    bytes: int
-    sum_seconds: float  # of the timed sends
-    p50_seconds: float | None  # None before the first timed send
-    p99_seconds: float | None
-    histogram: list[tuple[float, int]]  # timed sends (all, unless sampling), cumulative
-    timed: int = 0
-    errors: dict[str, int] = field(default_factory=dict)  # failed sends by error; EAGAIN is back-pressure
-    # Unwritable time: from a socket's first EAGAIN to the next successful send on it.
-    unwritable_count: int = 0
-    unwritable_sum_seconds: float = 0.0
-    unwritable_p99_seconds: float | None = None
-    unwritable_histogram: list[tuple[float, int]] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        # Not asdict(): it deep-copies the buckets of every process each refresh.
-        return {**vars(self), "errors": dict(self.errors), "histogram": buckets_to_json(self.histogram),
-                "unwritable_histogram": buckets_to_json(self.unwritable_histogram)}
-
-
-@dataclass
-class FlowSendStats:
-    """Sends of one process on one TCP connection since the probe started."""
-
-    pid: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
-    count: int
-    bytes: int
-    sum_seconds: float
-
-
-@dataclass
-class SlowSend:
-    """One send slower than the threshold."""
-
-    pid: int
-    tid: int
-    comm: str
-    cgroup_id: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
-    bytes: int
-    duration_seconds: float
-
-
-@dataclass
-class SendLatencySnapshot:
-    strategy: str
-    span: str
-    processes: list[ProcessSendLatency] = field(default_factory=list)
-    flows: list[FlowSendStats] = field(default_factory=list)
-    slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
-    lost_events: int = 0  # slow sends lost since start
-    uncounted_sends: int = 0  # sends of processes beyond the table's capacity, since start
-    sample_every: int = 1  # 1 send in this many per thread is timed; counts are exact regardless
-
-    def to_dict(self) -> dict:
-        return {
-            "strategy": self.strategy,
-            "span": self.span,
-            "processes": [p.to_dict() for p in self.processes],
-            "flows": [dict(vars(f)) for f in self.flows],
-            "slow_sends": [dict(vars(s)) for s in self.slow_sends],
-            "lost_events": self.lost_events,
-            "uncounted_sends": self.uncounted_sends,
-            "sample_every": self.sample_every,
-        }
-
-
 # --- decoding map entries ---
 
 def _endpoints(flow: dict) -> dict[str, Any]:
@@ -210,7 +164,8 @@ def _endpoints(flow: dict) -> dict[str, Any]:
     }
 
 
-def _process(key: dict, value: dict, waits: dict | None) -> ProcessSendLatency:
+def _process(key: dict[str, Any], value: dict[str, Any], waits: dict[str, Any] | None,
+             started: int) -> ProcessSendLatency:
     latency = value["latency"]
     fine = kernel_buckets(latency["slots"])
     waited = kernel_buckets(waits["slots"]) if waits else []
@@ -224,13 +179,15 @@ def _process(key: dict, value: dict, waits: dict | None) -> ProcessSendLatency:
         p50_seconds=quantile(fine, 0.5),
         p99_seconds=quantile(fine, 0.99),
         histogram=exported_buckets(fine),
+        start_ticks=started,
         timed=latency["count"],
         errors={name: count for name, count in zip(SEND_ERRORS, value["errors"], strict=True) if count},
         unwritable_count=waits["count"] if waits else 0,
         unwritable_sum_seconds=waits["sum_ns"] / NS_PER_SECOND if waits else 0.0,
         unwritable_p99_seconds=quantile(waited, 0.99),
-        unwritable_histogram=exported_buckets(waited) if waits else [],
+        unwritable_histogram=exported_buckets(waited) if waits else NO_WAITS,
     )
+
 
 
 def _flow(key: dict, value: dict) -> FlowSendStats:
@@ -272,6 +229,7 @@ class SendLatencyProbe(Probe):
         self._pending: list[SlowSend] = []
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
+        self._starts = StartTimes()
         self.sample_every = 1
         self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
 
@@ -329,6 +287,7 @@ class SendLatencyProbe(Probe):
         self.poll(0)
         slow_sends, self._pending = self._pending, []
         processes = self._read_processes(obj)
+        self._starts.keep_only({p.pid for p in processes})
         if self._budget is not None:
             rate = self._budget.sends_per_second(processes, time.monotonic())
             every = self._budget.every(rate, self.sample_every)
@@ -354,7 +313,8 @@ class SendLatencyProbe(Probe):
             key, stats, waits = btf.decode(raw_key), procs.lookup(index), unwritable.lookup(index)
             if stats is None:
                 continue
-            processes.append(_process(key, btf.decode(stats), btf.decode(waits) if waits is not None else None))
+            processes.append(_process(key, btf.decode(stats), btf.decode(waits) if waits is not None else None,
+                                      self._starts.of(key["tgid"])))
             if not os.path.exists(f"/proc/{key['tgid']}"):
                 exited.append((raw_key, index))
         self._entries["procs"] = len(processes)
@@ -389,79 +349,3 @@ class SendLatencyProbe(Probe):
     def close(self) -> None:
         self._ring = None  # freed with the object
         super().close()
-
-
-# --- aiprobe sendlat ---
-
-_SLOW_HEADER = f"{'TIME':<9} {'PID':>7} {'COMM':<16} {'LOCAL':<24} {'REMOTE':<24} {'BYTES':>9} {'MS':>9}"
-
-
-def _print_slow_send(send: SlowSend) -> None:
-    click.echo(
-        f"{time.strftime('%H:%M:%S'):<9} {send.pid:>7} {send.comm:<16} "
-        f"{endpoint(send.local_address, send.local_port):<24} {endpoint(send.remote_address, send.remote_port):<24} "
-        f"{send.bytes:>9} {send.duration_seconds * 1e3:>9.3f}"
-    )
-
-
-def _micros(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e6:.1f} us"
-
-
-def _print_histogram(process: ProcessSendLatency) -> None:
-    """bcc-style histogram of one process's timed sends, in microseconds."""
-    failed = "".join(f", {count} failed ({name})" for name, count in process.errors.items())
-    click.echo(
-        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends{failed}, "
-        f"{process.bytes} bytes, p50 {_micros(process.p50_seconds)}, p99 {_micros(process.p99_seconds)}"
-    )
-    bounds = [0.0, *(le for le, _ in process.histogram)]
-    counts = [cumulative - below for (_, cumulative), below in
-              zip(process.histogram, [0, *(c for _, c in process.histogram[:-1])], strict=True)]
-    used = [i for i, count in enumerate(counts) if count]
-    if not used:
-        return
-    widest = max(counts)
-    click.echo(f"{'usecs':>25} : {'count':<8} distribution")
-    for i in range(used[0], used[-1] + 1):
-        stars = "*" * round(40 * counts[i] / widest)
-        click.echo(f"{bounds[i] * 1e6:>11.1f} -> {bounds[i + 1] * 1e6:<11.1f} : {counts[i]:<8} |{stars:<40}|")
-
-
-@click.command()
-@duration_option
-@click.option("--pid", type=click.IntRange(min=1), default=None, help="Only this process (its pid / tgid).")
-@click.option(
-    "--threshold-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
-    help="Print each send slower than this as it happens.",
-)
-@json_option
-@friendly_errors
-def command(duration: float | None, pid: int | None, threshold_ms: float, as_json: bool) -> None:
-    """TCP send latency per process, and each slow send as it happens (like bcc's tools)."""
-    require_privileges()
-    if pid is not None and not _process_exists(pid):
-        raise AiprobeError(f"no process with pid {pid}")
-    with SendLatencyProbe(threshold_ms=threshold_ms, pid=pid) as probe:
-        # Status on stderr (stdout is the data): also tells a caller that the probe is attached.
-        click.echo(f"Tracing TCP sends ({probe.strategy}: {probe.loaded.strategy.span}); Ctrl-C to end.", err=True)
-        if not as_json:
-            click.echo(f"Sends slower than {threshold_ms:g} ms:\n{_SLOW_HEADER}")
-        for _ in ticks(duration, 0.2):
-            for send in probe.poll(0):
-                if not as_json:
-                    _print_slow_send(send)
-        snapshot = probe.read()
-    if as_json:
-        emit_json(snapshot.to_dict())
-        return
-    for process in sorted(snapshot.processes, key=lambda p: (p.pid, p.cgroup_id)):
-        _print_histogram(process)
-    if snapshot.lost_events:
-        click.echo(f"\n{snapshot.lost_events} slow-send events lost", err=True)
-
-
-def _process_exists(pid: int) -> bool:
-    import psutil
-
-    return psutil.pid_exists(pid)
