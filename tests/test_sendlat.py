@@ -310,7 +310,7 @@ def test_failed_nonblocking_sends_are_counted_apart_by_error(probe: SendLatencyP
     assert record.timed == sent.succeeded
 
 
-ASYNCIO_BYTES = 16 * MiB
+ASYNCIO_BYTES = 4 * MiB  # a stream: a few waits besides the pause, as an SSE response to one client
 PAUSE_SECONDS = 2.0
 
 
