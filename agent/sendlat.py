@@ -20,7 +20,7 @@ from . import btf
 from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
-from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
 from .probes import Probe, ProbeSpec
 from .procfs import StartTimes
@@ -337,6 +337,13 @@ class SendLatencyProbe(Probe):
         if self.loaded is None:
             return self._dropped
         return self.loaded.obj.maps["counters"].lookup(0).value + self._dropped
+
+    def status(self) -> ProbeStatus:
+        """As every probe's, and while over its CPU budget, how much of the traffic it times."""
+        status = super().status()
+        if status.up and self.sample_every > 1:
+            status.span += f"; timing 1 in {self.sample_every} sends per thread (CPU budget), counts exact"
+        return status
 
     def map_usage(self) -> list[MapUsage]:
         """Sizes as of the last read (per-thread and per-socket state lives with the thread and the

@@ -269,6 +269,7 @@ def test_send_stall_rule_fires_and_clears_at_its_thresholds(probe: SendLatencyPr
 def test_sampled_timing_keeps_counts_exact(peer: str) -> None:
     with SendLatencyProbe(per_flow=False) as sampled:
         sampled.set_sample_every(4)
+        assert sampled.status().span.endswith("timing 1 in 4 sends per thread (CPU budget), counts exact")
         with sink(peer, "127.0.0.1") as to:
             sent = send(peer, to, 1000, 100)
         [record] = records_of(sampled.read(), sent.pid)
@@ -296,6 +297,7 @@ def test_send_storm_raises_sampling_within_budget_and_full_timing_returns(peer: 
             after.append(probe.read().sample_every)
     assert max(during) > 1, during
     assert after[-1] == 1, after
+    assert "timing 1 in" not in probe.status().span
     assert record.count == calls == 3_000_000
     assert 0 < record.timed < calls
 
