@@ -1,4 +1,4 @@
-"""Cumulative histograms as (le_seconds, count) buckets: from the kernel's log2 slots, to documents,
+"""Cumulative histograms as (le_seconds, count) buckets: from the kernel's log-linear slots, to documents,
 and their quantiles. (Windows of recent changes: aiprobe.deltas.Window.)"""
 
 from __future__ import annotations
