@@ -41,12 +41,15 @@ def _p99(histogram: str) -> str:
 
 
 RULES: dict[str, RuleSpec] = {
+    # Blocking senders wait in the send; asynchronous servers (uvicorn, vLLM's API server) never do:
+    # their sockets stay unwritable instead. The agent takes the larger of the two p99s.
     "network_send_stall": RuleSpec(
-        False, "tcp_sendmsg p99 {value:.3g}s in {target}: sends block on full socket buffers "
+        False, "sends block or sockets stay unwritable {value:.3g}s (p99) in {target}: full socket buffers "
         "(slow clients, backpressure or congestion)",
         _p99("aiprobe_tcp_sendmsg_duration_seconds"),
-        "tcp_sendmsg p99 of {{ $labels.process }} in {{ $labels.container }} is high",
-        "Sends block on full socket buffers: slow clients, backpressure or congestion."),
+        "sends of {{ $labels.process }} in {{ $labels.container }} block or stay unwritable",
+        "Full socket buffers: slow clients, backpressure or congestion.",
+        guard="or\n" + _p99("aiprobe_tcp_socket_unwritable_seconds") + " > %(threshold)s"),
     "gpu_saturated": RuleSpec(
         False, "{target} is {value:.0%} busy: the GPU is the bottleneck",
         "aiprobe_gpu_utilization_ratio", "GPU {{ $labels.gpu }} is saturated", "The GPU is the bottleneck."),

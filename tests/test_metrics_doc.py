@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiprobe.config import Config
 from aiprobe.exporters.prometheus import AgentCollector, doc_tables
-from aiprobe.histogram import log2_buckets
+from aiprobe.histogram import HIST_SLOTS, exported_buckets, kernel_buckets
 from aiprobe.model import (
     Alert,
     ColdStart,
@@ -32,7 +32,7 @@ from aiprobe.model import (
 )
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-HISTOGRAM = log2_buckets([1] * 36)
+HISTOGRAM = exported_buckets(kernel_buckets([1] * HIST_SLOTS))
 
 
 def every_kind_of_reading() -> Readings:
