@@ -3,8 +3,8 @@
 The kernel aggregates: per (process, cgroup) exact counts of successful and failed sends and
 log-linear histograms (16 buckets per power of two) of send time and of how long sockets stayed
 unwritable; counters per flow; only sends slower than a threshold leave it one by one, through a
-ring buffer. `SendLatencyProbe.read()`
-turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
+ring buffer. `SendLatencyProbe.read()` turns the maps into model records (`SendLatencySnapshot`);
+`aiprobe sendlat` prints them.
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import click
-
 from . import btf
-from .cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, exported_buckets, kernel_buckets, quantile
+from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
-from .names import comm_text, endpoint, ip_text
-from .probes import MapUsage, Probe, ProbeSpec
+from .metrics import PROCESS_LABELS, Family
+from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .names import comm_text, ip_text
+from .probes import Probe, ProbeSpec
+from .procfs import StartTimes
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
@@ -63,6 +62,17 @@ SPEC = ProbeSpec(
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",
         ),
+    ),
+    bpf_object=OBJECT,
+    order=20,
+    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False),
+    config_keys=("slow_send_threshold_ms",),
+    command="aiprobe.commands.sendlat:command",
+    metrics=(
+        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes passed to tcp_sendmsg.", ProcessSendLatency,
+               "bytes", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram", "Duration of tcp_sendmsg calls.",
+               ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds", per_identity=True),
     ),
 )
 
@@ -115,90 +125,6 @@ class TimingBudget:
         return current
 
 
-# --- snapshot ---
-
-@dataclass
-class ProcessSendLatency:
-    """Sends of one process in one cgroup since the probe started (monotonic counters). Failed
-    sends are not sends: they are counted apart, by error."""
-
-    pid: int
-    comm: str
-    cgroup_id: int
-    count: int  # successful sends
-    bytes: int
-    sum_seconds: float  # of the timed sends
-    p50_seconds: float | None  # None before the first timed send
-    p99_seconds: float | None
-    histogram: list[tuple[float, int]]  # timed sends (all, unless sampling), cumulative
-    timed: int = 0
-    errors: dict[str, int] = field(default_factory=dict)  # failed sends by error; EAGAIN is back-pressure
-    # Unwritable time: from a socket's first EAGAIN to the next successful send on it.
-    unwritable_count: int = 0
-    unwritable_sum_seconds: float = 0.0
-    unwritable_p99_seconds: float | None = None
-    unwritable_histogram: list[tuple[float, int]] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        # Not asdict(): it deep-copies the buckets of every process each refresh.
-        return {**vars(self), "errors": dict(self.errors), "histogram": buckets_to_json(self.histogram),
-                "unwritable_histogram": buckets_to_json(self.unwritable_histogram)}
-
-
-@dataclass
-class FlowSendStats:
-    """Sends of one process on one TCP connection since the probe started."""
-
-    pid: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
-    count: int
-    bytes: int
-    sum_seconds: float
-
-
-@dataclass
-class SlowSend:
-    """One send slower than the threshold."""
-
-    pid: int
-    tid: int
-    comm: str
-    cgroup_id: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
-    bytes: int
-    duration_seconds: float
-
-
-@dataclass
-class SendLatencySnapshot:
-    strategy: str
-    span: str
-    processes: list[ProcessSendLatency] = field(default_factory=list)
-    flows: list[FlowSendStats] = field(default_factory=list)
-    slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
-    lost_events: int = 0  # slow sends lost since start
-    uncounted_sends: int = 0  # sends of processes beyond the table's capacity, since start
-    sample_every: int = 1  # 1 send in this many per thread is timed; counts are exact regardless
-
-    def to_dict(self) -> dict:
-        return {
-            "strategy": self.strategy,
-            "span": self.span,
-            "processes": [p.to_dict() for p in self.processes],
-            "flows": [dict(vars(f)) for f in self.flows],
-            "slow_sends": [dict(vars(s)) for s in self.slow_sends],
-            "lost_events": self.lost_events,
-            "uncounted_sends": self.uncounted_sends,
-            "sample_every": self.sample_every,
-        }
-
-
 # --- decoding map entries ---
 
 def _endpoints(flow: dict) -> dict[str, Any]:
@@ -210,7 +136,9 @@ def _endpoints(flow: dict) -> dict[str, Any]:
     }
 
 
-def _process(key: dict, value: dict, waits: dict | None) -> ProcessSendLatency:
+def _process(
+    key: dict[str, Any], value: dict[str, Any], waits: dict[str, Any] | None, started: int,
+) -> ProcessSendLatency:
     latency = value["latency"]
     fine = kernel_buckets(latency["slots"])
     waited = kernel_buckets(waits["slots"]) if waits else []
@@ -230,6 +158,7 @@ def _process(key: dict, value: dict, waits: dict | None) -> ProcessSendLatency:
         unwritable_sum_seconds=waits["sum_ns"] / NS_PER_SECOND if waits else 0.0,
         unwritable_p99_seconds=quantile(waited, 0.99),
         unwritable_histogram=exported_buckets(waited) if waits else [],
+        start_ticks=started,
     )
 
 
@@ -274,6 +203,7 @@ class SendLatencyProbe(Probe):
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
         self.sample_every = 1
         self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
+        self._starts = StartTimes()
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -354,10 +284,12 @@ class SendLatencyProbe(Probe):
             key, stats, waits = btf.decode(raw_key), procs.lookup(index), unwritable.lookup(index)
             if stats is None:
                 continue
-            processes.append(_process(key, btf.decode(stats), btf.decode(waits) if waits is not None else None))
+            decoded_waits = btf.decode(waits) if waits is not None else None
+            processes.append(_process(key, btf.decode(stats), decoded_waits, self._starts.of(key["tgid"])))
             if not os.path.exists(f"/proc/{key['tgid']}"):
                 exited.append((raw_key, index))
         self._entries["procs"] = len(processes)
+        self._starts.keep_only({p.pid for p in processes})
         for raw_key, index in exited:
             # No thread of the process is left to use the index: zero it, then hand it back.
             index_of.delete(raw_key)
@@ -389,79 +321,3 @@ class SendLatencyProbe(Probe):
     def close(self) -> None:
         self._ring = None  # freed with the object
         super().close()
-
-
-# --- aiprobe sendlat ---
-
-_SLOW_HEADER = f"{'TIME':<9} {'PID':>7} {'COMM':<16} {'LOCAL':<24} {'REMOTE':<24} {'BYTES':>9} {'MS':>9}"
-
-
-def _print_slow_send(send: SlowSend) -> None:
-    click.echo(
-        f"{time.strftime('%H:%M:%S'):<9} {send.pid:>7} {send.comm:<16} "
-        f"{endpoint(send.local_address, send.local_port):<24} {endpoint(send.remote_address, send.remote_port):<24} "
-        f"{send.bytes:>9} {send.duration_seconds * 1e3:>9.3f}"
-    )
-
-
-def _micros(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e6:.1f} us"
-
-
-def _print_histogram(process: ProcessSendLatency) -> None:
-    """bcc-style histogram of one process's timed sends, in microseconds."""
-    failed = "".join(f", {count} failed ({name})" for name, count in process.errors.items())
-    click.echo(
-        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends{failed}, "
-        f"{process.bytes} bytes, p50 {_micros(process.p50_seconds)}, p99 {_micros(process.p99_seconds)}"
-    )
-    bounds = [0.0, *(le for le, _ in process.histogram)]
-    counts = [cumulative - below for (_, cumulative), below in
-              zip(process.histogram, [0, *(c for _, c in process.histogram[:-1])], strict=True)]
-    used = [i for i, count in enumerate(counts) if count]
-    if not used:
-        return
-    widest = max(counts)
-    click.echo(f"{'usecs':>25} : {'count':<8} distribution")
-    for i in range(used[0], used[-1] + 1):
-        stars = "*" * round(40 * counts[i] / widest)
-        click.echo(f"{bounds[i] * 1e6:>11.1f} -> {bounds[i + 1] * 1e6:<11.1f} : {counts[i]:<8} |{stars:<40}|")
-
-
-@click.command()
-@duration_option
-@click.option("--pid", type=click.IntRange(min=1), default=None, help="Only this process (its pid / tgid).")
-@click.option(
-    "--threshold-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
-    help="Print each send slower than this as it happens.",
-)
-@json_option
-@friendly_errors
-def command(duration: float | None, pid: int | None, threshold_ms: float, as_json: bool) -> None:
-    """TCP send latency per process, and each slow send as it happens (like bcc's tools)."""
-    require_privileges()
-    if pid is not None and not _process_exists(pid):
-        raise AiprobeError(f"no process with pid {pid}")
-    with SendLatencyProbe(threshold_ms=threshold_ms, pid=pid) as probe:
-        # Status on stderr (stdout is the data): also tells a caller that the probe is attached.
-        click.echo(f"Tracing TCP sends ({probe.strategy}: {probe.loaded.strategy.span}); Ctrl-C to end.", err=True)
-        if not as_json:
-            click.echo(f"Sends slower than {threshold_ms:g} ms:\n{_SLOW_HEADER}")
-        for _ in ticks(duration, 0.2):
-            for send in probe.poll(0):
-                if not as_json:
-                    _print_slow_send(send)
-        snapshot = probe.read()
-    if as_json:
-        emit_json(snapshot.to_dict())
-        return
-    for process in sorted(snapshot.processes, key=lambda p: (p.pid, p.cgroup_id)):
-        _print_histogram(process)
-    if snapshot.lost_events:
-        click.echo(f"\n{snapshot.lost_events} slow-send events lost", err=True)
-
-
-def _process_exists(pid: int) -> bool:
-    import psutil
-
-    return psutil.pid_exists(pid)
