@@ -53,6 +53,8 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
     "cuda_context_switch_storm": RuleConfig(threshold=1000.0, clear=500.0, for_seconds=10, severity="warning"),
     # listen-queue overflows + drops per second (/proc/net/netstat)
     "listen_queue_overflow": RuleConfig(threshold=1.0, clear=0.0, for_seconds=0, severity="critical"),
+    # stalls (gaps between writes above stream_stall_threshold_ms) of one process's responses in the window
+    "token_streams_stalling": RuleConfig(threshold=0.0, clear=0.0, for_seconds=0, severity="warning"),
     # retransmitted / sent TCP segments
     "tcp_retransmits_high": RuleConfig(threshold=0.02, clear=0.01, for_seconds=30, severity="warning"),
 }
@@ -71,6 +73,7 @@ class Config:
     top_flows: int = 100
     flow_idle_seconds: float = 30.0
     slow_send_threshold_ms: float = 10.0
+    stream_stall_threshold_ms: float = 250.0
     dcgm_compatible_metrics: bool = False
     traffic_floor_bytes_per_second: float = DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND
     alertmanager_url: str | None = None
@@ -125,6 +128,8 @@ def _validate_top(key: str, value: Any) -> Any:
             raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(probe_names())})")
     if key == "interval_seconds" and value < 0.1:
         raise ConfigError(f"interval_seconds: must be at least 0.1, got {value!r}")
+    if key == "stream_stall_threshold_ms" and value <= 0:
+        raise ConfigError(f"stream_stall_threshold_ms: must be positive, got {value!r}")
     if key == "top_flows" and (not isinstance(value, int) or value < 1):
         raise ConfigError(f"top_flows: expected a whole number >= 1, got {value!r}")
     if key == "alertmanager_url" and not value.startswith(("http://", "https://")):
