@@ -161,7 +161,8 @@ class StreamsProbe(Probe):
         stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
         counters = obj.maps["stream_counters"]
         return StreamsSnapshot(
-            strategy=self.strategy or "", span=self.status().span, stall_threshold_seconds=self.stall_threshold_ms / 1e3,
+            strategy=self.strategy or "", span=self.status().span,
+            stall_threshold_seconds=self.stall_threshold_ms / 1e3,
             endpoints=endpoints, stalls=stalls, lost_stalls=counters.lookup(0).value + self._dropped,
             uncounted_streams=counters.lookup(1).value,
         )

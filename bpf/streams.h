@@ -320,19 +320,19 @@ static __always_inline __u8 protocol_of(const char *bytes, __u32 len)
 	return STREAM_PROTOCOL_TCP;
 }
 
-/* What a write of an HTTP/1.x response holds: its first write may be the headers alone (it starts
- * with the status line and ends with the blank line), a 5-byte "0\r\n\r\n" is chunked encoding's end. */
+/* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
+ * first write may be the headers alone (it starts with the status line and ends with the blank line). */
 static __always_inline __u8 http_write(struct stream_socket *s, const char *first, __u64 user, __u64 len)
 {
 	__u32 last4;
 
+	if (len == 5 && first4(first) == BYTES4('0', '\r', '\n', '\r') && first[4] == '\n')
+		return WRITE_LAST_CHUNK;
 	if (s->phase == STREAM_REQUEST && is_http1(first, len)) {
 		if (bpf_probe_read_user(&last4, 4, (void *)(user + len - 4)))
 			return WRITE_BODY;
 		return last4 == BYTES4('\r', '\n', '\r', '\n') ? WRITE_HEADERS : WRITE_BODY;
 	}
-	if (s->phase == STREAM_RESPONSE && len == 5 && first4(first) == BYTES4('0', '\r', '\n', '\r') && first[4] == '\n')
-		return WRITE_LAST_CHUNK;
 	return WRITE_BODY;
 }
 
@@ -421,7 +421,7 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 	}
 	event->gap_ns = gap;
 	event->elapsed_ns = now - s->request_ns;
-	event->chunk = s->chunks;
+	event->chunk = s->chunks + 1;
 	event->pad = 0;
 	__builtin_memcpy(event->comm, stats->comm, sizeof(event->comm));
 	bpf_ringbuf_submit(event, 0);
@@ -468,6 +468,7 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 		goto done;	/* the server speaks first, or the headers alone: not a chunk */
 	if (write == WRITE_LAST_CHUNK) {
 		stream_end(s);
+		s->phase = STREAM_IDLE;	/* also a response without a body write: no stream */
 		goto done;
 	}
 	if (s->phase == STREAM_REQUEST) {
