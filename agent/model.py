@@ -464,6 +464,7 @@ class Snapshot(Record):
     gpus: list[GpuInfo]
     tcp: TcpSummary | None
     alerts: list[Alert]
+    streams: list[StreamEndpoint] = field(default_factory=list)
 
     def to_dict(self, *, joined: bool = True) -> dict[str, Any]:
         result = super().to_dict(joined=joined)

@@ -41,6 +41,9 @@ RULES: dict[str, RuleSpec] = {
         False, "{value:.3g} connections/s overflow or drop at listen queues: accept backlog too small "
         "or the server accepts too slowly"),
     "tcp_retransmits_high": RuleSpec(False, "{value:.1%} of TCP segments are retransmitted: network loss"),
+    "token_streams_stalling": RuleSpec(
+        False, "token streams of {target} stalled {value:.0f} times in the last 10 s (the evidence names the "
+        "cause: network, cpu, gpu or server)"),
 }
 
 

@@ -35,15 +35,15 @@ _SPAN = ("request: the server's last read before it writes; response: its writes
          "the next request, the last chunk or the connection's end; connections accepted after start")
 # The stream programs each of sendlat's strategies loads besides its own (kprobes cannot use socket
 # storage: no streams there).
-RECEIVE_PROGRAMS = {
+RECEIVE_SIDE = {
     "fentry": ("streams_fexit_recv", "streams_set_state"),
     "tracepoint": ("streams_recv", "streams_set_state"),
     "syscall": ("streams_recv", "streams_set_state"),
 }
 STRATEGIES = (
-    Strategy("fentry", programs=RECEIVE_PROGRAMS["fentry"], features=("fentry",), span=_SPAN),
-    Strategy("tracepoint", programs=RECEIVE_PROGRAMS["tracepoint"], features=("tp_btf", "tcp_send_tp"), span=_SPAN),
-    Strategy("syscall", programs=RECEIVE_PROGRAMS["syscall"], features=("tp_btf",),
+    Strategy("fentry", programs=RECEIVE_SIDE["fentry"], features=("fentry",), span=_SPAN),
+    Strategy("tracepoint", programs=RECEIVE_SIDE["tracepoint"], features=("tp_btf", "tcp_send_tp"), span=_SPAN),
+    Strategy("syscall", programs=RECEIVE_SIDE["syscall"], features=("tp_btf",),
              span=_SPAN + "; protocols unread (no message at syscall entry)"),
 )
 
@@ -110,7 +110,7 @@ class StreamsProbe(Probe):
         host = self._host.loaded if self._host is not None else None
         if host is None:
             raise ProbeUnavailable("streams", {"streams": "runs inside the sendlat probe, which is not running"})
-        if host.strategy.name not in RECEIVE_PROGRAMS:
+        if host.strategy.name not in RECEIVE_SIDE:
             raise ProbeUnavailable("streams", {host.strategy.name: "needs socket storage (BTF programs)"})
         self._event_type = host.obj.btf.struct_ctype("stream_stall_event")
         self._ring = host.obj.ring_buffer("stream_stalls", self._on_stall)

@@ -25,6 +25,8 @@ from aiprobe.model import (
     ProcessSendLatency,
     Readings,
     SendLatencySnapshot,
+    StreamEndpoint,
+    StreamsSnapshot,
     TcpCounters,
 )
 
@@ -45,6 +47,9 @@ def every_kind_of_reading() -> Readings:
                                  "tp_btf", []),
             "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
             "netstat": TcpCounters(0, 0, 0, 0),
+            "streams": StreamsSnapshot("tracepoint", "", 0.25, [
+                StreamEndpoint(1, "x", 0, 8000, "sse", 1, 2, 3, 1, 0.1, 0.1, 0.1, HISTOGRAM, 1, 0.02, 0.02, 0.02,
+                               HISTOGRAM, 0.2, HISTOGRAM, {"server": 1})]),
         },
         probes={"flows": ProbeStatus(True, "xdp+tcx")},
         map_usage={"flows": [MapUsage("flows", 1, 2)]},
