@@ -74,6 +74,7 @@ class Config:
     flow_idle_seconds: float = 30.0
     slow_send_threshold_ms: float = 10.0
     stream_stall_threshold_ms: float = 250.0
+    sendlat_cpu_budget: float = 0.01  # of one CPU, for sendlat's programs; past it, 1 send in N is timed
     dcgm_compatible_metrics: bool = False
     traffic_floor_bytes_per_second: float = DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND
     alertmanager_url: str | None = None

@@ -230,13 +230,9 @@ class Agent:
     def _signals(self, r: Readings, now: float) -> list[Signal]:
         signals: list[Signal] = []
         for proc in r.of(ProcessSendLatency):
-            recent = self._recent("send", proc.identity(), proc.histogram, now)
-            sends = recent[-1][1] if recent else 0
-            p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
-            if p99 is not None:
-                signals.append(Signal("network_send_stall", _target(proc), p99, {
-                    "send_p99_seconds": round(p99, 6), "sends": int(sends), "window_seconds": SIGNAL_WINDOW_SECONDS,
-                    "pid": proc.pid, "threshold_seconds": self.config.rules["network_send_stall"].threshold}))
+            stall = self._send_stall(proc, now)
+            if stall is not None:
+                signals.append(stall)
         for cuda in r.of(CudaProcess):
             switches = cuda.context_switches_per_second
             signals.append(Signal("cuda_context_switch_storm", _target(cuda), switches, {
@@ -271,6 +267,23 @@ class Agent:
                 "endpoints": sorted(seen["ports"]), "pid": seen["pid"], "window_seconds": SIGNAL_WINDOW_SECONDS,
                 "threshold_seconds": self.config.stream_stall_threshold_ms / 1e3}))
         return signals
+
+    def _send_stall(self, proc: ProcessSendLatency, now: float) -> Signal | None:
+        """The worse of two p99s over the window: how long sends blocked, and how long sockets stayed
+        unwritable (asynchronous servers never block in a send: their stalls show only there)."""
+        recent = self._recent("send", proc.identity(), proc.histogram, now)
+        waits = self._recent("unwritable", proc.identity(), proc.unwritable_histogram, now)
+        sends = recent[-1][1] if recent else 0
+        send_p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
+        unwritable_p99 = quantile(waits, 0.99)
+        worst = max((p99 for p99 in (send_p99, unwritable_p99) if p99 is not None), default=None)
+        if worst is None:
+            return None
+        return Signal("network_send_stall", _target(proc), worst, {
+            "send_p99_seconds": None if send_p99 is None else round(send_p99, 6), "sends": int(sends),
+            "unwritable_p99_seconds": None if unwritable_p99 is None else round(unwritable_p99, 6),
+            "unwritable_periods": int(waits[-1][1]) if waits else 0, "window_seconds": SIGNAL_WINDOW_SECONDS,
+            "pid": proc.pid, "threshold_seconds": self.config.rules["network_send_stall"].threshold})
 
     def _gpu_signals(self, r: Readings) -> list[Signal]:
         signals = []
@@ -333,6 +346,7 @@ class Agent:
             entry.send_count, entry.send_bytes = send.count, send.bytes
             entry.send_bytes_per_second = send.bytes_per_second
             entry.send_p50_seconds, entry.send_p99_seconds = send.p50_seconds, send.p99_seconds
+            entry.send_errors, entry.send_unwritable_p99_seconds = dict(send.errors), send.unwritable_p99_seconds
         for cuda in r.of(CudaProcess):
             entry = row(cuda.pid, cuda.comm, cuda.container, cuda.pod_uid)
             entry.cuda_context_switches_per_second = cuda.context_switches_per_second

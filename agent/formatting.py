@@ -172,7 +172,7 @@ def table(columns: Iterable[Column], rows: Iterable[dict[str, Any]]) -> list[str
 
 def bucket_histogram(buckets: list[tuple[float, int]], unit: str = "usecs", scale: float = 1e6) -> list[str]:
     """bcc-style text of cumulative (le_seconds, count) buckets: one line per bucket from the first
-    used to the last used, its bounds in `unit` (seconds times `scale`), with a bar of stars."""
+    used to the last used, with its bounds in `unit` (seconds times `scale`) and a bar of stars."""
     bounds = [0.0, *(le for le, _ in buckets)]
     counts = [cumulative - below for (_, cumulative), below in zip(buckets, [0, *(c for _, c in buckets[:-1])],
                                                                    strict=True)]

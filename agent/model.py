@@ -152,20 +152,21 @@ class ProcessSendLatency(Record):
     pid: int
     comm: str
     cgroup_id: int
-    count: int  # successful sends
+    count: int  # successful sends (that returned bytes)
     bytes: int
     sum_seconds: float  # of the timed sends
     p50_seconds: float | None  # None before the first timed send
     p99_seconds: float | None
-    histogram: Histogram = field(metadata=HISTOGRAM)  # timed sends (all, unless sampling)
-    timed: int = 0
+    histogram: Histogram = field(metadata=HISTOGRAM)  # timed sends (all, or 1 in N per thread)
+    start_ticks: int = 0  # the process's start (/proc/PID/stat): with pid and cgroup, its identity
+    timed: int = 0  # sends in `histogram`
     errors: dict[str, int] = field(default_factory=dict)  # failed sends by error; EAGAIN is back-pressure
-    # Unwritable time: from a socket's first EAGAIN to the next successful send on it.
+    # Unwritable time: from a send that found the socket full (EAGAIN, or a short non-blocking
+    # send) to the next successful send on it.
     unwritable_count: int = 0
     unwritable_sum_seconds: float = 0.0
     unwritable_p99_seconds: float | None = None
     unwritable_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
-    start_ticks: int = 0  # the process's start (/proc/PID/stat): with pid and cgroup, its identity
     bytes_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
@@ -213,7 +214,7 @@ class SendLatencySnapshot(Record):
     slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
     lost_events: int = 0  # slow sends lost since start
     uncounted_sends: int = 0  # sends of processes beyond the table's capacity, since start
-    sample_every: int = 1  # 1 send in this many per thread is timed; counts are exact regardless
+    sample_every: int = 1  # 1 send in this many per thread is timed now; counts are exact regardless
 
 
 @dataclass
@@ -436,6 +437,8 @@ class ProcessRow(Record):
     send_bytes_per_second: float | None = None
     send_p50_seconds: float | None = None
     send_p99_seconds: float | None = None
+    send_errors: dict[str, int] = field(default_factory=dict)  # failed sends by error (EAGAIN: back-pressure)
+    send_unwritable_p99_seconds: float | None = None  # how long its sockets stayed unwritable
     cuda_context_switches_per_second: float | None = None
     cuda_kernel_launches_per_second: float | None = None
     cuda_syncs_per_second: float | None = None

@@ -27,7 +27,7 @@ class RuleSpec:
 
 RULES: dict[str, RuleSpec] = {
     "network_send_stall": RuleSpec(
-        False, "tcp_sendmsg p99 {value:.3g}s in {target}: sends block on full socket buffers "
+        False, "sends block or sockets stay unwritable {value:.3g}s (p99) in {target}: full socket buffers "
         "(slow clients, backpressure or congestion)"),
     "gpu_saturated": RuleSpec(False, "{target} is {value:.0%} busy: the GPU is the bottleneck"),
     "gpu_idle_with_traffic": RuleSpec(

@@ -3,8 +3,8 @@
 The kernel aggregates: per (process, cgroup) exact counts of successful and failed sends and
 log-linear histograms (16 buckets per power of two) of send time and of how long sockets stayed
 unwritable; counters per flow; only sends slower than a threshold leave it one by one, through a
-ring buffer. `SendLatencyProbe.read()` turns the maps into model records (`SendLatencySnapshot`);
-`aiprobe sendlat` prints them.
+ring buffer. `SendLatencyProbe.read()`
+turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` prints them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import btf
-from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
@@ -32,6 +32,11 @@ MAX_PENDING_SLOW_SENDS = 65536
 _STATS_MAPS = ("procs", "flows")
 # Failed sends by error: the order of enum send_error (bpf/sendlat.h).
 SEND_ERRORS = ("EAGAIN", "EPIPE", "ECONNRESET", "EINTR", "ETIMEDOUT", "ENOTCONN", "other")
+NO_WAITS = exported_buckets(kernel_buckets([0] * HIST_SLOTS))
+
+def _error_count(name: str) -> Any:
+    return lambda record: record.errors.get(name, 0)
+
 
 SPEC = ProbeSpec(
     name="sendlat",
@@ -67,14 +72,37 @@ SPEC = ProbeSpec(
     ),
     bpf_object=OBJECT,
     order=20,
-    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False),
-    config_keys=("slow_send_threshold_ms",),
+    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
+                                                      cpu_budget=config.sendlat_cpu_budget or None),
+    config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
     command="aiprobe.commands.sendlat:command",
     metrics=(
-        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes passed to tcp_sendmsg.", ProcessSendLatency,
+        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes sent by successful TCP sends.", ProcessSendLatency,
                "bytes", PROCESS_LABELS, per_identity=True),
-        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram", "Duration of tcp_sendmsg calls.",
-               ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds", per_identity=True),
+        Family("aiprobe_tcp_sends_total", "counter", "Successful TCP sends (that returned bytes).",
+               ProcessSendLatency, "count", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_tcp_send_errors_total", "counter",
+               "Failed TCP sends, by error; EAGAIN (also EWOULDBLOCK) is back-pressure on a non-blocking socket.",
+               ProcessSendLatency, labels=PROCESS_LABELS, per_identity=True, expand_label="error",
+               expand=tuple((name, _error_count(name)) for name in SEND_ERRORS)),
+        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram",
+               "Duration of successful TCP sends (log-linear buckets; 1 in aiprobe_tcp_send_timing_sample_every "
+               "timed).", ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds",
+               per_identity=True),
+        Family("aiprobe_tcp_sends_timed_total", "counter",
+               "Successful TCP sends that were timed (all, or 1 in aiprobe_tcp_send_timing_sample_every per "
+               "thread while the CPU budget is exceeded).", ProcessSendLatency, "timed", PROCESS_LABELS,
+               per_identity=True),
+        Family("aiprobe_tcp_send_timing_sample_every", "gauge",
+               "1 send in this many per thread is timed now (1: all); the CPU budget sets it.",
+               SendLatencySnapshot, "sample_every"),
+        Family("aiprobe_tcp_sends_uncounted_total", "counter",
+               "TCP sends not counted: their process found the per-process table full.",
+               SendLatencySnapshot, "uncounted_sends"),
+        Family("aiprobe_tcp_socket_unwritable_seconds", "histogram",
+               "How long sockets stayed unwritable: from a send that found the buffer full (EAGAIN, or a short "
+               "non-blocking send) to the next successful send on the socket.", ProcessSendLatency,
+               "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True),
     ),
 )
 
@@ -138,9 +166,8 @@ def _endpoints(flow: dict) -> dict[str, Any]:
     }
 
 
-def _process(
-    key: dict[str, Any], value: dict[str, Any], waits: dict[str, Any] | None, started: int,
-) -> ProcessSendLatency:
+def _process(key: dict[str, Any], value: dict[str, Any], waits: dict[str, Any] | None,
+             started: int) -> ProcessSendLatency:
     latency = value["latency"]
     fine = kernel_buckets(latency["slots"])
     waited = kernel_buckets(waits["slots"]) if waits else []
@@ -154,14 +181,15 @@ def _process(
         p50_seconds=quantile(fine, 0.5),
         p99_seconds=quantile(fine, 0.99),
         histogram=exported_buckets(fine),
+        start_ticks=started,
         timed=latency["count"],
         errors={name: count for name, count in zip(SEND_ERRORS, value["errors"], strict=True) if count},
         unwritable_count=waits["count"] if waits else 0,
         unwritable_sum_seconds=waits["sum_ns"] / NS_PER_SECOND if waits else 0.0,
         unwritable_p99_seconds=quantile(waited, 0.99),
-        unwritable_histogram=exported_buckets(waited) if waits else [],
-        start_ticks=started,
+        unwritable_histogram=exported_buckets(waited) if waits else NO_WAITS,
     )
+
 
 
 def _flow(key: dict, value: dict) -> FlowSendStats:
@@ -203,9 +231,9 @@ class SendLatencyProbe(Probe):
         self._pending: list[SlowSend] = []
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
+        self._starts = StartTimes()
         self.sample_every = 1
         self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
-        self._starts = StartTimes()
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -261,6 +289,7 @@ class SendLatencyProbe(Probe):
         self.poll(0)
         slow_sends, self._pending = self._pending, []
         processes = self._read_processes(obj)
+        self._starts.keep_only({p.pid for p in processes})
         if self._budget is not None:
             rate = self._budget.sends_per_second(processes, time.monotonic())
             every = self._budget.every(rate, self.sample_every)
@@ -286,12 +315,11 @@ class SendLatencyProbe(Probe):
             key, stats, waits = btf.decode(raw_key), procs.lookup(index), unwritable.lookup(index)
             if stats is None:
                 continue
-            decoded_waits = btf.decode(waits) if waits is not None else None
-            processes.append(_process(key, btf.decode(stats), decoded_waits, self._starts.of(key["tgid"])))
+            processes.append(_process(key, btf.decode(stats), btf.decode(waits) if waits is not None else None,
+                                      self._starts.of(key["tgid"])))
             if not os.path.exists(f"/proc/{key['tgid']}"):
                 exited.append((raw_key, index))
         self._entries["procs"] = len(processes)
-        self._starts.keep_only({p.pid for p in processes})
         for raw_key, index in exited:
             # No thread of the process is left to use the index: zero it, then hand it back.
             index_of.delete(raw_key)

@@ -13,17 +13,17 @@ from aiprobe.procfs import StartTimes, start_ticks
 
 def test_quantile_interpolates_inside_its_bucket() -> None:
     slots = [0] * HIST_SLOTS
-    slots[20] = 100  # [20, 21) units of 2^-14 ms
+    slots[200] = 100  # 16 * 11 + 24: [24, 25) * 2^11 units of 2^-14 ms = [3.0, 3.125) ms
     buckets = kernel_buckets(slots)
-    assert quantile(buckets, 0.5) == pytest.approx(20.5 / 2**14 / 1000)
-    assert quantile(buckets, 1.0) == pytest.approx(21 / 2**14 / 1000)
+    assert quantile(buckets, 0.5) == pytest.approx(3.0625e-3)
+    assert quantile(buckets, 1.0) == pytest.approx(3.125e-3)
 
 
 def test_quantile_without_observations_or_in_the_open_bucket() -> None:
     assert quantile(kernel_buckets([0] * HIST_SLOTS), 0.99) is None
     assert quantile([], 0.5) is None
     open_ended = kernel_buckets([0] * (HIST_SLOTS - 1) + [4])
-    assert quantile(open_ended, 0.5) == open_ended[-2][0]  # the open bucket's lower bound
+    assert quantile(open_ended, 0.5) == 65.536  # the open bucket's lower bound
 
 
 def test_documents_write_the_open_bound_as_text() -> None:

@@ -9,6 +9,7 @@ import typing
 from pathlib import Path
 
 from aiprobe import model
+from aiprobe.histogram import kernel_buckets
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "snapshot.md"
 
@@ -39,11 +40,11 @@ def test_every_snapshot_field_is_documented() -> None:
 
 
 def test_joined_fields_stay_out_of_a_probes_own_document() -> None:
-    record = model.ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, [(2e-9, 0), (float("inf"), 1)], start_ticks=99)
+    record = model.ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, kernel_buckets([0, 1]), start_ticks=99)
     record.container, record.bytes_per_second = "abc", 5.0
     own = record.to_dict()
     assert "container" not in own and "bytes_per_second" not in own
-    assert own["histogram"] == [{"le_seconds": 2e-9, "count": 0}, {"le_seconds": "+Inf", "count": 1}]
+    assert own["histogram"] == [{"le_seconds": 1 / 16384 / 1000, "count": 0}, {"le_seconds": "+Inf", "count": 1}]
     joined = record.to_dict(joined=True)
     assert (joined["container"], joined["bytes_per_second"]) == ("abc", 5.0)
 

@@ -200,8 +200,11 @@ def sender_quantile(durations: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-# Sends of about constant latency: (period of the slow reader in ms, sends, bytes per send).
-CONSTANT = [(1, 36, 128 * 1024), (17, 24, MiB), (20, 24, MiB), (34, 16, MiB), (300, 6, MiB)]
+# Sends of about constant latency: (period of the slow reader in ms, sends, bytes per send). The
+# sender's clock also counts what happens outside the kernel's send (a preemption on the way back to
+# user space costs it a millisecond on a busy host): 1 ms sends are many, so that p99 is not the
+# one send that met one.
+CONSTANT = [(1, 100, 128 * 1024), (17, 24, MiB), (20, 24, MiB), (34, 16, MiB), (300, 6, MiB)]
 
 
 @pytest.mark.bpf

@@ -25,7 +25,7 @@ def _slow_send_row(send: SlowSend) -> dict[str, object]:
 
 
 def _print_histogram(process: ProcessSendLatency) -> None:
-    failed = "".join(f", {count} failed ({name})" for name, count in process.errors.items())
+    failed = "".join(f", {count} failed ({error})" for error, count in process.errors.items())
     click.echo(
         f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends{failed}, "
         f"{process.bytes} bytes, p50 {field('p50_seconds', process.p50_seconds)}, "
@@ -33,6 +33,10 @@ def _print_histogram(process: ProcessSendLatency) -> None:
     )
     for line in bucket_histogram(process.histogram):
         click.echo(line)
+    if process.unwritable_count:
+        click.echo(f"sockets unwritable {process.unwritable_count} times, "
+                   f"{field('unwritable_sum_seconds', process.unwritable_sum_seconds)} in all, "
+                   f"p99 {field('unwritable_p99_seconds', process.unwritable_p99_seconds)}")
 
 
 @click.command()
