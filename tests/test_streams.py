@@ -15,10 +15,12 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from aiprobe.config import ConfigError, from_dict
@@ -29,6 +31,7 @@ from aiprobe.streams import StreamsProbe, _endpoint
 from conftest import free_port
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
+GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
 EVENTS, CADENCE, PREFILL = 100, 0.020, 0.150
 PAUSE_AT, PAUSE = 50, 0.400
 BIG_EVENT = 256 * 1024  # events that fill a slow reader's socket buffers within a few of them
@@ -162,6 +165,36 @@ def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Pat
     assert endpoint.protocol == "tls"
     assert endpoint.chunks >= EVENTS
     assert endpoint.gap_p50_seconds == pytest.approx(CADENCE, rel=0.10)
+
+
+def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) -> None:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(GRPC_FIXTURE), str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        server.port = port  # type: ignore[attr-defined]
+        # Its own connection (no subchannel shared with other channels): accepted while the probe runs.
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stream = channel.unary_stream("/tokens.Tokens/Stream")
+            assert list(stream(b"0")) == []  # warm-up: no message, no response to time
+            probe.read()
+            counts: list[int] = []
+            second = threading.Timer(0.5, lambda: counts.append(len(list(stream(b"")))))
+            second.start()
+            counts.append(len(list(stream(b""))))
+            second.join()
+        endpoint, snapshot = endpoint_of(probe, server)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert counts == [EVENTS, EVENTS]
+    assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks) == ("grpc", 2, 2, 2 * EVENTS)
+    # Interleaved on one connection, each stream keeps its own cadence: no gap of 10 ms, none of 40.
+    assert endpoint.gaps == 2 * (EVENTS - 1)
+    assert endpoint.gap_p50_seconds == pytest.approx(CADENCE, rel=0.10)
+    assert endpoint.ttfb_sum_seconds / 2 == pytest.approx(PREFILL, rel=0.05)
+    assert endpoint.ttfb_p99_seconds < PREFILL * 1.1
+    assert snapshot.stalls == []
 
 
 def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
