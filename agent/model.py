@@ -265,6 +265,7 @@ class StreamStall(Record):
     remote_address: str
     remote_port: int
     protocol: str
+    stream_id: int  # the HTTP/2 stream; 0: the connection's response (HTTP/1.x, TLS, TCP)
     gap_seconds: float
     elapsed_seconds: float  # from the request to the write that ended the gap
     chunk: int  # that write's number in the response, from 1
@@ -284,6 +285,7 @@ class StreamsSnapshot(Record):
     stalls: list[StreamStall] = field(default_factory=list)  # since the previous read
     lost_stalls: int = 0  # stall events lost since start
     uncounted_streams: int = 0  # responses beyond the endpoint table's capacity, since start
+    untimed_h2_streams: int = 0  # HTTP/2 streams beyond the streams timed at once on a connection, since start
 
 
 @dataclass

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
 CAUSES = ("server", "network", "cpu", "gpu")
 MAX_PENDING_STALLS = 65536
-_SPAN = ("request: the server's last read before it writes; response: its writes, from the first body "
-         "byte (an HTTP/1.x headers-only write and chunked encoding's last chunk are not chunks) until "
-         "the next request, the last chunk or the connection's end; connections accepted after start")
+_SPAN = ("request: the server's last read before it writes (HTTP/2: the client's last frame on the stream); "
+         "response: its writes, from the first body byte (an HTTP/1.x headers-only write and chunked encoding's "
+         "last chunk are not chunks; HTTP/2: DATA frames, by stream) until the next request, the last chunk, "
+         "the stream's end or the connection's end; connections accepted after start")
 # The stream programs each of sendlat's strategies loads besides its own (kprobes cannot use socket
 # storage: no streams there).
 RECEIVE_SIDE = {
@@ -73,7 +74,7 @@ def _stall(event: dict[str, Any]) -> StreamStall:
         local_address=ip_text(event["local_addr"], v6), local_port=event["local_port"],
         remote_address=ip_text(event["remote_addr"], v6), remote_port=event["remote_port"],
         protocol=PROTOCOLS[event["protocol"]] if event["protocol"] < len(PROTOCOLS) else "tcp",
-        gap_seconds=event["gap_ns"] / NS_PER_SECOND, elapsed_seconds=event["elapsed_ns"] / NS_PER_SECOND,
+        stream_id=event["stream_id"], gap_seconds=event["gap_ns"] / NS_PER_SECOND, elapsed_seconds=event["elapsed_ns"] / NS_PER_SECOND,
         chunk=event["chunk"], cause=CAUSES[event["cause"]] if event["cause"] < len(CAUSES) else "server",
         unwritable_seconds=event["unwritable_ns"] / NS_PER_SECOND,
         blocked_send_seconds=event["blocked_send_ns"] / NS_PER_SECOND,
@@ -164,7 +165,7 @@ class StreamsProbe(Probe):
             strategy=self.strategy or "", span=self.status().span,
             stall_threshold_seconds=self.stall_threshold_ms / 1e3,
             endpoints=endpoints, stalls=stalls, lost_stalls=counters.lookup(0).value + self._dropped,
-            uncounted_streams=counters.lookup(1).value,
+            uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
         )
 
     @property

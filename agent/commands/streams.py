@@ -13,9 +13,10 @@ from ..names import endpoint
 from ..sendlat import SendLatencyProbe
 from ..streams import CAUSES, StreamsProbe
 
-STALL_FIELDS = ("time", "pid", "comm", "local", "remote", "protocol", "chunk", "gap_seconds", "cause")
+STALL_FIELDS = ("time", "pid", "comm", "local", "remote", "protocol", "stream_id", "chunk", "gap_seconds", "cause")
 STALL_COLUMNS = columns_for(STALL_FIELDS, widths={"time": 9, "pid": 7, "comm": 16, "local": 22, "remote": 22,
-                                                  "protocol": 8, "chunk": 6, "gap_seconds": 9, "cause": 8})
+                                                  "protocol": 8, "stream_id": 9, "chunk": 6, "gap_seconds": 9,
+                                                  "cause": 8})
 ENDPOINT_FIELDS = ("port", "protocol", "pid", "comm", "streams", "chunks", "ttfb_p50_seconds", "ttfb_p99_seconds",
                    "gap_p50_seconds", "gap_p99_seconds", "stalls")
 
