@@ -20,7 +20,7 @@ from . import btf
 from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
-from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
 from .probes import Probe, ProbeSpec
 from .procfs import StartTimes
@@ -166,30 +166,30 @@ def _endpoints(flow: dict) -> dict[str, Any]:
     }
 
 
-def _process(key: dict[str, Any], value: dict[str, Any], waits: dict[str, Any] | None,
-             started: int) -> ProcessSendLatency:
-    latency = value["latency"]
-    fine = kernel_buckets(latency["slots"])
-    waited = kernel_buckets(waits["slots"]) if waits else []
+def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> ProcessSendLatency:
+    """One process from its `procs` and `unwritable` entries (BTF ctypes structs, read field by
+    field: decoding 433 slots item by item costs a millisecond a process)."""
+    latency = value.latency
+    fine = kernel_buckets(latency.slots[:])
+    waited = kernel_buckets(waits.slots[:]) if waits is not None else []
     return ProcessSendLatency(
         pid=key["tgid"],
-        comm=comm_text(value["comm"]),
+        comm=comm_text(bytes(value.comm)),
         cgroup_id=key["cgroup_id"],
-        count=latency["count"] + value["untimed_sends"],
-        bytes=value["bytes"],
-        sum_seconds=latency["sum_ns"] / NS_PER_SECOND,
+        count=latency.count + value.untimed_sends,
+        bytes=value.bytes,
+        sum_seconds=latency.sum_ns / NS_PER_SECOND,
         p50_seconds=quantile(fine, 0.5),
         p99_seconds=quantile(fine, 0.99),
         histogram=exported_buckets(fine),
         start_ticks=started,
-        timed=latency["count"],
-        errors={name: count for name, count in zip(SEND_ERRORS, value["errors"], strict=True) if count},
-        unwritable_count=waits["count"] if waits else 0,
-        unwritable_sum_seconds=waits["sum_ns"] / NS_PER_SECOND if waits else 0.0,
+        timed=latency.count,
+        errors={name: count for name, count in zip(SEND_ERRORS, value.errors[:], strict=True) if count},
+        unwritable_count=waits.count if waits is not None else 0,
+        unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
         unwritable_p99_seconds=quantile(waited, 0.99),
-        unwritable_histogram=exported_buckets(waited) if waits else NO_WAITS,
+        unwritable_histogram=exported_buckets(waited) if waits is not None else NO_WAITS,
     )
-
 
 
 def _flow(key: dict, value: dict) -> FlowSendStats:
@@ -315,8 +315,7 @@ class SendLatencyProbe(Probe):
             key, stats, waits = btf.decode(raw_key), procs.lookup(index), unwritable.lookup(index)
             if stats is None:
                 continue
-            processes.append(_process(key, btf.decode(stats), btf.decode(waits) if waits is not None else None,
-                                      self._starts.of(key["tgid"])))
+            processes.append(_process(key, stats, waits, self._starts.of(key["tgid"])))
             if not os.path.exists(f"/proc/{key['tgid']}"):
                 exited.append((raw_key, index))
         self._entries["procs"] = len(processes)
@@ -339,6 +338,13 @@ class SendLatencyProbe(Probe):
         if self.loaded is None:
             return self._dropped
         return self.loaded.obj.maps["counters"].lookup(0).value + self._dropped
+
+    def status(self) -> ProbeStatus:
+        """As every probe's, and while over its CPU budget, how much of the traffic it times."""
+        status = super().status()
+        if status.up and self.sample_every > 1:
+            status.span += f"; timing 1 in {self.sample_every} sends per thread (CPU budget), counts exact"
+        return status
 
     def map_usage(self) -> list[MapUsage]:
         """Sizes as of the last read (per-thread and per-socket state lives with the thread and the

@@ -13,7 +13,7 @@
  * Cost: this runs on every TCP send of the host, so the hot path is a few loads and atomics around
  * two clock reads. A thread's state lives in task storage (no hash lookup, freed with the thread) and
  * caches its process's index into the `procs` array (an array lookup is a bounds check), re-reading
- * its cgroup id every CGROUP_RECHECK_SENDS sends. Counts are exact; the latency histogram times every
+ * its cgroup id only when its css_set changes. Counts are exact; the latency histogram times every
  * send, or 1 in `sample_every` per thread when user space sets it (the per-thread counter makes the
  * sample a fixed fraction of each thread's sends). */
 #include "vmlinux.h"
@@ -58,8 +58,8 @@ char LICENSE[] SEC("license") = "GPL";
 #error "sendlat: add this architecture's send syscall numbers"
 #endif
 
-/* A thread re-reads its cgroup id (20 ns) once in this many sends: a process moved to another
- * cgroup is counted under the new one from at most this many sends later. */
+/* A thread re-reads its cgroup id (20 ns) when its css_set changes (a move to another cgroup) and
+ * once in this many sends besides (a freed css_set's address may come back for another set). */
 #define CGROUP_RECHECK_SENDS 256
 #define NO_PROC MAX_PROCS
 
@@ -82,6 +82,7 @@ struct sendlat_thread {
 				 * tcp tracepoints: 0 once it ended) */
 	long syscall_nr;	/* syscall strategy: the syscall that started it */
 	__u64 cgroup_id;
+	__u64 css_set;		/* the task's css_set when cgroup_id was read */
 	__u32 tgid;
 	__u32 proc;		/* index into `procs`; NO_PROC before the first send */
 	__u32 recheck_in;	/* sends until the cgroup id is read again */
@@ -241,17 +242,17 @@ static __always_inline __u32 proc_index(__u32 tgid, __u64 cgroup_id)
 	return index ? *index : new_proc(&key);
 }
 
-/* The statistics of the thread's process, in its current cgroup (as of at most
- * CGROUP_RECHECK_SENDS sends ago). */
+/* The statistics of the thread's process, in its current cgroup. */
 static __always_inline struct sendlat_proc_stats *proc_of(struct sendlat_thread *thread)
 {
-	__u64 cgroup_id;
+	__u64 css_set = (__u64)bpf_get_current_task_btf()->cgroups, cgroup_id;
 	__u32 index;
 
-	if (thread->recheck_in) {
+	if (thread->recheck_in && css_set == thread->css_set) {
 		thread->recheck_in--;
 	} else {
 		thread->recheck_in = CGROUP_RECHECK_SENDS - 1;
+		thread->css_set = css_set;
 		cgroup_id = bpf_get_current_cgroup_id();
 		if (cgroup_id != thread->cgroup_id || thread->proc == NO_PROC) {
 			thread->cgroup_id = cgroup_id;

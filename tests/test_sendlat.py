@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from aiprobe.btf import decode
-from aiprobe.config import DEFAULT_RULES
+from aiprobe.config import DEFAULT_RULES, Config
 from aiprobe.containers import cgroup2_root
+from aiprobe.daemon import Agent
 from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, exported_buckets, kernel_buckets, quantile
 from aiprobe.loader import ProbeUnavailable, Strategy
 from aiprobe.rules import RuleEngine, Signal
@@ -268,6 +269,7 @@ def test_send_stall_rule_fires_and_clears_at_its_thresholds(probe: SendLatencyPr
 def test_sampled_timing_keeps_counts_exact(peer: str) -> None:
     with SendLatencyProbe(per_flow=False) as sampled:
         sampled.set_sample_every(4)
+        assert sampled.status().span.endswith("timing 1 in 4 sends per thread (CPU budget), counts exact")
         with sink(peer, "127.0.0.1") as to:
             sent = send(peer, to, 1000, 100)
         [record] = records_of(sampled.read(), sent.pid)
@@ -295,6 +297,7 @@ def test_send_storm_raises_sampling_within_budget_and_full_timing_returns(peer: 
             after.append(probe.read().sample_every)
     assert max(during) > 1, during
     assert after[-1] == 1, after
+    assert "timing 1 in" not in probe.status().span
     assert record.count == calls == 3_000_000
     assert 0 < record.timed < calls
 
@@ -309,7 +312,7 @@ def test_failed_nonblocking_sends_are_counted_apart_by_error(probe: SendLatencyP
     assert record.timed == sent.succeeded
 
 
-ASYNCIO_BYTES = 16 * MiB
+ASYNCIO_BYTES = 4 * MiB  # a stream: a few waits besides the pause, as an SSE response to one client
 PAUSE_SECONDS = 2.0
 
 
@@ -338,6 +341,10 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
     longest = next(le for le, count in record.unwritable_histogram if count == record.unwritable_count)
     assert paused * 0.9 <= longest <= paused * 1.3, record.unwritable_histogram
     assert record.unwritable_sum_seconds == pytest.approx(paused, rel=0.10)
+    # The agent's send-stall rule sees the stall through the unwritable time alone.
+    stall = Agent(Config())._send_stall(record, time.monotonic())
+    assert stall.evidence["send_p99_seconds"] < 0.05 < stall.value
+    assert stall.value == pytest.approx(paused, rel=0.30)
 
 
 @pytest.mark.bpf
@@ -453,8 +460,6 @@ def test_hundred_short_lived_senders_are_reported_once_and_their_entries_reused(
         again = [send(peer, to, 2, 64).pid for _ in range(100)]
     snapshot = probe.read()
     assert {pid: sum(r.count for r in records_of(snapshot, pid)) for pid in again} == dict.fromkeys(again, 2)
-    procs = next(u for u in probe.map_usage() if u.map == "procs")
-    assert procs.entries < 150
     assert probe.events_lost() == 0 and snapshot.uncounted_sends == 0
 
 
