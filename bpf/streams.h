@@ -6,14 +6,16 @@
  * No program of its own on the send path: sendlat's programs call stream_send_begin() where a send
  * starts (they have its msghdr there) and stream_send_end() where it returns, so a send pays one
  * socket-storage lookup (sockets that are not accepted server connections have none). The receive
- * side (stream_received) and the connection's life (stream_state) are the two programs added.
+ * side (streams_recv) and the connection's life (streams_set_state) are the two programs added.
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
  * to first byte; each later write ends a gap; the next request received, or the connection leaving
  * ESTABLISHED, ends it. HTTP/1.x is read from the response's first bytes: a write holding only the
  * status line and headers is not a chunk (TTFB runs to the first body write) and chunked encoding's
- * last-chunk write ("0\r\n\r\n") ends the response without being a chunk. Include after sendlat's
- * maps: it uses left_full() and its thread's tgid and cgroup. */
+ * last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each
+ * stream is a response of its own: the frame headers of each write, and of each read of the client,
+ * walked with bpf_loop (the verifier sees one frame), say which streams they are for. docs/streams.md
+ * has the rules. Include after sendlat's maps: it uses left_full() and SYSCALL_NR(). */
 #ifndef AIPROBE_STREAMS_H
 #define AIPROBE_STREAMS_H
 

@@ -13,11 +13,13 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -53,10 +55,31 @@ def sse_server(*args: str) -> Iterator[subprocess.Popen]:
         assert server.stdout.readline().strip() == "ready"
         server.port = port  # type: ignore[attr-defined]
         httpx.get(f"http://127.0.0.1:{port}/stream?warmup", timeout=30)
+        server_account(server)
         yield server
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@dataclass
+class Account:
+    """A response as the server's own clock saw it: the truth the probe is held to."""
+
+    handled: float
+    events: list[float]
+
+    @property
+    def ttfb(self) -> float:  # from the handler's start: the request was read just before
+        return self.events[0] - self.handled
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.events, self.events[1:], strict=False)]
+
+
+def server_account(server: subprocess.Popen) -> Account:
+    return Account(**json.loads(server.stdout.readline()))
 
 
 def read_raw(port: int, *, pause_after: int, on_pause=lambda: None, pause: float = 0.0) -> int:
@@ -93,16 +116,21 @@ def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -
         with httpx.stream("GET", f"http://127.0.0.1:{server.port}/stream", timeout=30) as response:
             events = sum(chunk.count(b"id: ") for chunk in response.iter_raw())
         endpoint, snapshot = endpoint_of(probe, server)
+        truth = server_account(server)
     assert events == EVENTS
     assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks) == ("sse", 1, 1, EVENTS)
-    assert endpoint.ttfb_sum_seconds == pytest.approx(PREFILL, rel=0.05)  # one stream: its TTFB exactly
+    # The probe is held to the server's clock (a loaded machine may stretch the schedule itself; the
+    # fixture's sanity is checked loosely).
+    assert truth.ttfb == pytest.approx(PREFILL, rel=0.5)
+    assert statistics.median(truth.gaps) == pytest.approx(CADENCE, rel=0.5)
+    assert endpoint.ttfb_sum_seconds == pytest.approx(truth.ttfb, rel=0.05)  # one stream: its TTFB exactly
     assert endpoint.gaps == EVENTS - 1
-    assert endpoint.gap_p50_seconds == pytest.approx(CADENCE, rel=0.10)
-    assert endpoint.duration_sum_seconds == pytest.approx(PREFILL + (EVENTS - 1) * CADENCE + PAUSE, rel=0.05)
+    assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
+    assert endpoint.duration_sum_seconds == pytest.approx(truth.events[-1] - truth.handled, rel=0.05)
     assert endpoint.stalls == {"server": 1, "network": 0, "cpu": 0, "gpu": 0}
     (stall,) = snapshot.stalls
     assert (stall.cause, stall.chunk, stall.protocol) == ("server", PAUSE_AT + 1, "sse")
-    assert stall.gap_seconds == pytest.approx(PAUSE + CADENCE, rel=0.05)
+    assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
     assert stall.unwritable_seconds == 0
 
 
@@ -111,6 +139,7 @@ def test_client_that_stops_reading_stalls_the_stream_with_cause_network(probe: S
         probe.read()
         read_raw(server.port, pause_after=PAUSE_AT * BIG_EVENT, pause=2.0)
         endpoint, snapshot = endpoint_of(probe, server)
+        server_account(server)
     assert endpoint.protocol == "sse"
     longest = max(snapshot.stalls, key=lambda s: s.gap_seconds)
     assert longest.cause == "network", longest
@@ -137,6 +166,7 @@ def test_writer_starved_of_cpu_stalls_the_stream_with_cause_cpu(probe: StreamsPr
                  on_pause=lambda: hogs.append(subprocess.Popen([sys.executable, "-c", hog])))
         hogs[0].wait(timeout=10)
         endpoint, snapshot = endpoint_of(probe, server)
+        server_account(server)
     longest = max(snapshot.stalls, key=lambda s: s.gap_seconds)
     assert longest.cause == "cpu", longest
     assert longest.runqueue_seconds >= longest.gap_seconds / 2
@@ -156,6 +186,7 @@ def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Pat
         out = subprocess.run(["curl", "-skN", "--max-time", "30", f"https://127.0.0.1:{port}/stream"],
                              capture_output=True, text=True, check=True).stdout
         endpoint, _ = endpoint_of(probe, server)
+        truth = server_account(server)
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -164,7 +195,7 @@ def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Pat
     # is a chunk: the 100 events are among the chunks, 20 ms apart.
     assert endpoint.protocol == "tls"
     assert endpoint.chunks >= EVENTS
-    assert endpoint.gap_p50_seconds == pytest.approx(CADENCE, rel=0.10)
+    assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
 
 
 def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) -> None:
@@ -184,6 +215,7 @@ def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) 
             counts.append(len(list(stream(b""))))
             second.join()
         endpoint, snapshot = endpoint_of(probe, server)
+        _warmup, *truths = (server_account(server) for _ in range(3))
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -191,9 +223,10 @@ def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) 
     assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks) == ("grpc", 2, 2, 2 * EVENTS)
     # Interleaved on one connection, each stream keeps its own cadence: no gap of 10 ms, none of 40.
     assert endpoint.gaps == 2 * (EVENTS - 1)
-    assert endpoint.gap_p50_seconds == pytest.approx(CADENCE, rel=0.10)
-    assert endpoint.ttfb_sum_seconds / 2 == pytest.approx(PREFILL, rel=0.05)
-    assert endpoint.ttfb_p99_seconds < PREFILL * 1.1
+    gaps = [gap for truth in truths for gap in truth.gaps]
+    assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(gaps), rel=0.10)
+    assert endpoint.ttfb_sum_seconds == pytest.approx(sum(truth.ttfb for truth in truths), rel=0.05)
+    assert endpoint.ttfb_p99_seconds < max(truth.ttfb for truth in truths) * 1.1
     assert snapshot.stalls == []
 
 
