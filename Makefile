@@ -28,6 +28,9 @@ bench: setup
 
 lint: venv
 	$(BIN)/ruff check agent exporters tests benchmarks
+	@rm -rf $(STAMPS)/typecheck && mkdir -p $(STAMPS)/typecheck/aiprobe
+	@ln -s $(CURDIR)/agent/* $(STAMPS)/typecheck/aiprobe/ && ln -s $(CURDIR)/exporters $(STAMPS)/typecheck/aiprobe/
+	cd $(STAMPS)/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p aiprobe
 
 setup: deps venv bpf
 

@@ -24,6 +24,8 @@ from .histogram import quantile
 from .loader import ProbeUnavailable
 from .model import (
     Alert,
+    CudaContext,
+    CudaGpu,
     CudaProcess,
     FlowRecord,
     GpuInfo,
@@ -44,9 +46,14 @@ from .names import process_name
 from .probes import Probe, ProbeSpec, selected
 from .rules import RuleEngine, Signal
 from .streams import CAUSES as STALL_CAUSES
+from .supervisor import SUPERVISOR
 from .system import kernel_release
 
 log = logging.getLogger("aiprobe.agent")
+
+# /healthz fails when the refresh loop or a part stalls longer than this many refreshes (and seconds).
+HEALTH_GRACE_REFRESHES = 3
+MIN_HEALTH_GRACE_SECONDS = 5.0
 
 # Alert rules judge latency histograms over this recent window rather than since start.
 SIGNAL_WINDOW_SECONDS = 10.0
@@ -77,6 +84,7 @@ class Agent:
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
         self._last_refresh: float | None = None
+        self._refreshed_at: float | None = None  # monotonic
         self._snapshot: dict[str, Any] = {}
         self.readings = Readings()
         self.hostname = socket.gethostname()
@@ -123,7 +131,10 @@ class Agent:
 
     @property
     def healthy(self) -> bool:
-        return bool(self._snapshot)
+        """A snapshot, refreshed lately, and no part of the agent down for longer than a few refreshes."""
+        grace = max(HEALTH_GRACE_REFRESHES * self.config.interval_seconds, MIN_HEALTH_GRACE_SECONDS)
+        fresh = self._refreshed_at is not None and time.monotonic() - self._refreshed_at <= grace
+        return bool(self._snapshot) and fresh and not SUPERVISOR.down(longer_than=grace)
 
     def snapshot(self) -> dict[str, Any]:
         return self._snapshot
@@ -135,7 +146,8 @@ class Agent:
         readings = Readings()
         for name, probe in list(self._probes.items()):
             readings.records[name] = self._collect(name, probe.read, readings.collectors)
-        self._join(readings)
+        # Joins read /proc and cgroupfs, which any process shapes: a failure costs the joins, not the refresh.
+        self._collect("join", lambda: self._join(readings), readings.collectors)
         self._add_rates(readings, now)
         signals = self._collect("rules", lambda: self._signals(readings, now), readings.collectors) or []
         self._rates.end_round()
@@ -147,8 +159,10 @@ class Agent:
         readings.map_usage = {name: probe.map_usage() for name, probe in self._probes.items()}
         readings.events_lost = {name: probe.events_lost() for name, probe in self._probes.items()}
         readings.alerts = self._rules.active
+        SUPERVISOR.fill(readings)
         self.readings = readings
         self._last_refresh = now
+        self._refreshed_at = time.monotonic()
         self._snapshot = self._build_snapshot(readings, now).to_dict()
         return self._snapshot
 
@@ -159,12 +173,13 @@ class Agent:
 
     def _collect(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
         started = time.perf_counter()
+        error = None
         try:
-            result, ok = read(), True
+            result = read()
         except Exception as exc:  # e.g. an interface vanished mid-read: report, keep the agent running
-            log.warning("collector %s failed: %s", name, exc)
-            result, ok = None, False
-        collectors[name] = (time.perf_counter() - started, ok)
+            result, error = None, exc
+        SUPERVISOR.collected(name, error)  # logged once per distinct error, counted every time
+        collectors[name] = (time.perf_counter() - started, error is None)
         return result
 
     # --- joins: who is behind a pid, a cgroup or a socket ---
@@ -198,11 +213,12 @@ class Agent:
         for stream in [*r.of(StreamEndpoint), *r.of(StreamStall)]:
             stream.container = self._workload(stream.cgroup_id, stream.pid).container
             live_pids.add(stream.pid)
-        for proc in [*r.of(CudaProcess), *r.of(GpuProcess)]:
+        for proc in [*r.of(CudaProcess), *r.of(CudaContext), *r.of(GpuProcess)]:
             workload = self._workload_of_pid(proc.pid)
             proc.container, proc.pod_uid = workload.container, workload.pod_uid
             live_pids.add(proc.pid)
         self._workloads = {pid: w for pid, w in self._workloads.items() if pid in live_pids}
+        _join_active_contexts(r.of(GpuInfo), r.of(CudaGpu))
 
     def _add_rates(self, r: Readings, now: float) -> None:
         """Per-second rates of cumulative counters over the interval since the last refresh, each
@@ -210,9 +226,9 @@ class Agent:
         for send in r.of(ProcessSendLatency):
             (send.bytes_per_second,) = self._rates.rate(("send", send.identity()), [send.bytes], now)
         for cuda in r.of(CudaProcess):
-            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs]
-            cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second = \
-                self._rates.rate(("cuda", cuda.identity()), counters, now)
+            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs, cuda.graph_launches]
+            (cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second,
+             cuda.graph_launches_per_second) = self._rates.rate(("cuda", cuda.identity()), counters, now)
         for stream in r.of(StreamEndpoint):
             (stream.streams_per_second,) = self._rates.rate(("streams", stream.identity()), [stream.streams], now)
         for side in r.of(InterfaceTotals):
@@ -244,6 +260,7 @@ class Agent:
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
                     "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
         signals += self._gpu_signals(r)
+        signals += time_slicing_signals(r.of(CudaGpu), r.of(CudaContext), r.of(GpuInfo))
         signals += self._tcp_signals(r, now)
         signals += self._stream_signals(r, now)
         return signals
@@ -352,6 +369,10 @@ class Agent:
             entry.cuda_context_switches_per_second = cuda.context_switches_per_second
             entry.cuda_kernel_launches_per_second = cuda.kernel_launches_per_second
             entry.cuda_syncs_per_second = cuda.syncs_per_second
+            entry.cuda_graph_launches_per_second = cuda.graph_launches_per_second
+            entry.cuda_counted_at = cuda.counted_at or None
+            entry.cuda_time_to_first_launch_seconds = cuda.cold_start.to_first_launch_seconds \
+                if cuda.cold_start else None
             entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
         for gpu in r.of(GpuProcess):
             entry = row(gpu.pid, gpu.comm, gpu.container, gpu.pod_uid)
@@ -360,6 +381,27 @@ class Agent:
             if gpu.sm_utilization_ratio is not None:
                 entry.gpu_utilization_ratio = (entry.gpu_utilization_ratio or 0) + gpu.sm_utilization_ratio
         return sorted(rows.values(), key=lambda p: p.send_bytes_per_second or 0, reverse=True)
+
+
+def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
+    """Each NVML GPU's active CUDA contexts (the cuda probe names a GPU by index or UUID)."""
+    active = {gpu.gpu: gpu.active_contexts for gpu in gpus}
+    for info in infos:
+        info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
+
+
+def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo]) -> list[Signal]:
+    """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
+    processes, launch rates and the GPU's utilization (NVML, matched by index or UUID) as evidence."""
+    utilization = {key: info.utilization_gpu_ratio for info in infos for key in (str(info.index), info.uuid)}
+    signals = []
+    for gpu in gpus:
+        active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
+        signals.append(Signal("gpu_time_sliced", f"gpu{gpu.gpu}", gpu.active_contexts, {
+            "contexts": [{"pid": c.pid, "process": f"{c.comm or c.pid}@{c.container}", "context": c.context,
+                          "launches_per_second": round(c.launches_per_second, 1)} for c in active],
+            "utilization_ratio": utilization.get(gpu.gpu)}))
+    return signals
 
 
 def _target(proc: ProcessSendLatency | CudaProcess | StreamEndpoint) -> str:

@@ -32,10 +32,11 @@ from .loader import (
     tc_clsact_query,
 )
 from .metrics import Family
-from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage
+from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage, ProbeStatus
 from .names import ip_text
-from .netlink import LinkInfo, LinkWatcher, xdp_program_id
+from .netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
 from .probes import Probe, ProbeSpec
+from .supervisor import ATTACHMENTS, Backoff, attach_reason
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -143,6 +144,17 @@ def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
     return f"another XDP program holds the interface ({program_name(prog_id)!r}, id {prog_id}); left in place"
 
 
+def foreign_xdp_holders() -> list[str]:
+    """Interfaces whose XDP hook another program holds, as "eth0: 'name' (id N)": flows leaves them
+    in place and attaches there once they leave (`aiprobe check` lists them)."""
+    held = []
+    for link in current_links():
+        prog_id = xdp_program_id(link.index)
+        if prog_id is not None and (name := program_name(prog_id)) != XDP_PROGRAM:
+            held.append(f"{link.name}: {name!r} (id {prog_id})")
+    return held
+
+
 def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) -> Link | None:
     """Native mode where the driver has it, else generic; never over someone else's program."""
     errors = []
@@ -152,12 +164,14 @@ def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) ->
         except BpfError as exc:
             if exc.errno in _FOREIGN_XDP:
                 state.xdp_error = _foreign_xdp_reason(link.index, exc)
+                ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.xdp_error)
                 return None
             errors.append(f"{mode}: {exc}")
             continue
         state.xdp = mode
         return attached
     state.xdp_error = "; ".join(errors)
+    ATTACHMENTS.failed(SPEC.name, link.name, "unsupported", state.xdp_error)
     return None
 
 
@@ -185,9 +199,15 @@ def _attach_tc(program: Program, link: LinkInfo, mode: str, state: InterfaceAtta
             attached = program.attach_tc_clsact(link.index, "egress", handle=TC_HANDLE, priority=TC_PRIORITY)
     except BpfError as exc:
         state.tc_error = str(exc)
+        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.tc_error)
         return None
     state.tc = mode
     return attached
+
+
+def _retryable(state: InterfaceAttachment) -> bool:
+    """A hook failed on an interface whose frames we could parse: worth trying again later."""
+    return bool(state.xdp_error or state.tc_error) and "not an Ethernet interface" not in state.xdp_error
 
 
 @dataclass
@@ -216,8 +236,8 @@ class _Ledger:
     """What read() remembers: last totals per flow (for rates), and counts of flows gone from the map."""
 
     deltas: Deltas = field(default_factory=Deltas)  # per flow key: (bytes, packets) for rates
-    retired_bytes: Counter = field(default_factory=Counter)  # (ifindex, direction) -> bytes
-    retired_packets: Counter = field(default_factory=Counter)
+    retired_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (ifindex, direction) -> bytes
+    retired_packets: Counter[tuple[int, int]] = field(default_factory=Counter)
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
@@ -258,6 +278,7 @@ class FlowsProbe(Probe):
         self._watcher: LinkWatcher | None = None
         self._ledger = _Ledger()
         self._flow_count = 0
+        self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
 
@@ -279,7 +300,7 @@ class FlowsProbe(Probe):
 
     def _attach_initial(self, obj: BpfObject, strategy: Strategy, links: list[LinkInfo]) -> None:
         wanted = [link for link in links if link.up and self.filter.wants(link)]
-        attached = {link.index: _attach_interface(obj, link, TC_MODES[strategy.name]) for link in wanted}
+        attached = {link.index: self._attach(obj, link, TC_MODES[strategy.name]) for link in wanted}
         tried = [attached[link.index].state for link in wanted if link.ethernet]
         if tried and not any(s.tc for s in tried):
             # The egress hook failed everywhere: this kernel lacks the strategy, try the next one.
@@ -305,13 +326,51 @@ class FlowsProbe(Probe):
                 known.state.interface = link.name  # renames keep the attachment
                 return
             if link.up and self.filter.wants(link):
-                self._attached[link.index] = _attach_interface(
-                    self.loaded.obj, link, TC_MODES[self.loaded.strategy.name]
-                )
+                self._attached[link.index] = self._attach(self.loaded.obj, link, TC_MODES[self.loaded.strategy.name])
                 log.info("attached to %s", self._attached[link.index].state.describe())
+
+    def _attach(self, obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
+        attached = _attach_interface(obj, link, tc_mode)
+        if _retryable(attached.state):
+            self._backoff.failed(link.index, time.monotonic())
+        else:
+            self._backoff.forget(link.index)
+            ATTACHMENTS.succeeded(SPEC.name, link.name)
+        return attached
+
+    def _retry_failed(self) -> None:
+        """Attach again, once their back-off is over, to interfaces where a hook failed: what did
+        attach is released first, so nothing is counted twice."""
+        now = time.monotonic()
+        with self._lock:
+            due = [index for index in self._backoff.waiting()
+                   if index in self._attached and self._backoff.due(index, now)]
+            if not due or self.loaded is None:
+                return
+            links = {link.index: link for link in current_links()}
+            for index in due:
+                if index not in links:
+                    continue  # gone: the watcher removes it
+                for link in self._attached[index].links:
+                    self.loaded.obj.release(link)
+                self._attached[index] = self._attach(self.loaded.obj, links[index], TC_MODES[self.loaded.strategy.name])
+                if not _retryable(self._attached[index].state):
+                    log.info("attached to %s", self._attached[index].state.describe())
+
+    def status(self) -> ProbeStatus:
+        """Down, with the reason, while no interface has any of our programs (nothing is measured)."""
+        status = super().status()
+        with self._lock:
+            states = [a.state for a in self._attached.values()]
+        if status.up and not any(s.xdp or s.tc for s in states):
+            errors = [f"{s.interface}: {s.xdp_error or s.tc_error}" for s in states if s.xdp_error or s.tc_error]
+            return ProbeStatus(False, status.strategy, status.span,
+                               "attached to no interface" + (f" ({'; '.join(errors[:3])})" if errors else ""))
+        return status
 
     def _on_removed(self, ifindex: int) -> None:
         with self._lock:
+            self._backoff.forget(ifindex)
             gone = self._attached.pop(ifindex, None)
             if gone is None or self.loaded is None:
                 return
@@ -328,6 +387,7 @@ class FlowsProbe(Probe):
     def read(self) -> FlowsSnapshot:
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
+        self._retry_failed()
         obj = self.loaded.obj
         now_ns = time.monotonic_ns()
         with self._lock:

@@ -120,14 +120,17 @@ class Program:
         ptr = libbpf.new_ptr("bpf_program__attach", self._ptr)
         return self._obj.own(_libbpf_link(ptr, f"{self.name} ({self.section})"))
 
-    def attach_uprobe(self, binary: str, func_name: str, *, retprobe: bool = False, pid: int = -1) -> Link:
-        """uprobe/uretprobe on `func_name` in `binary`, for every process (pid -1) that maps it."""
-        opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe, func_name=func_name.encode())
+    def attach_uprobe(self, binary: str, func_name: str | None = None, *, offset: int = 0, retprobe: bool = False,
+                      pid: int = -1) -> Link:
+        """uprobe/uretprobe on `func_name` in `binary`, or at file `offset` (libbpf then does not parse
+        the file), for every process (pid -1) that maps it."""
+        opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe,
+                            func_name=func_name.encode() if func_name else None)
         ptr = libbpf.new_ptr(
-            "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), 0, ctypes.byref(opts)
+            "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), offset, ctypes.byref(opts)
         )
         kind = "uretprobe" if retprobe else "uprobe"
-        return self._obj.own(_libbpf_link(ptr, f"{self.name} {kind} {binary}:{func_name}"))
+        return self._obj.own(_libbpf_link(ptr, f"{self.name} {kind} {binary}:{func_name or hex(offset)}"))
 
     def attach_xdp(self, ifindex: int, mode: str | None = None) -> Link:
         """XDP through a bpf_link; mode 'native', 'generic' or None (kernel's choice)."""

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .features import Feature
 from .loader import Loaded, Strategy
@@ -69,7 +69,7 @@ class Probe:
         if loaded is not None:
             loaded.obj.close()
 
-    def __enter__(self) -> Probe:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

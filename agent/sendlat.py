@@ -18,7 +18,7 @@ from typing import Any
 
 from . import btf
 from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .loader import BpfObject, Strategy, load_first
+from .loader import BpfObject, Loaded, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
@@ -157,7 +157,7 @@ class TimingBudget:
 
 # --- decoding map entries ---
 
-def _endpoints(flow: dict) -> dict[str, Any]:
+def _endpoints(flow: dict[str, Any]) -> dict[str, Any]:
     return {
         "local_address": ip_text(flow["local_addr"], flow["family"] == socket.AF_INET6),
         "local_port": flow["local_port"],
@@ -192,14 +192,14 @@ def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> Proce
     )
 
 
-def _flow(key: dict, value: dict) -> FlowSendStats:
+def _flow(key: dict[str, Any], value: dict[str, Any]) -> FlowSendStats:
     return FlowSendStats(
         pid=key["tgid"], **_endpoints(key),
         count=value["count"], bytes=value["bytes"], sum_seconds=value["sum_ns"] / NS_PER_SECOND,
     )
 
 
-def _slow_send(event: dict) -> SlowSend:
+def _slow_send(event: dict[str, Any]) -> SlowSend:
     return SlowSend(
         pid=event["flow"]["tgid"], tid=event["tid"], comm=comm_text(event["comm"]), cgroup_id=event["cgroup_id"],
         **_endpoints(event["flow"]), bytes=event["bytes"], duration_seconds=event["duration_ns"] / NS_PER_SECOND,
@@ -227,7 +227,7 @@ class SendLatencyProbe(Probe):
         self.per_flow = per_flow
         self._strategies = tuple(strategies) if strategies is not None else SPEC.strategies
         self._ring: Any = None
-        self._event_type: type | None = None
+        self._event_type: Any = None  # the ctypes struct of a slow_send_event (from the object's BTF)
         self._pending: list[SlowSend] = []
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
@@ -241,6 +241,8 @@ class SendLatencyProbe(Probe):
         self.loaded = load_first(SPEC.name, OBJECT, self._strategies, configure=self._configure)
         try:
             obj = self.loaded.obj
+            if obj.btf is None:
+                raise RuntimeError(f"{OBJECT}.bpf.o carries no BTF")
             self._event_type = obj.btf.struct_ctype("slow_send_event")
             self._ring = obj.ring_buffer("slow_sends", self._on_slow_send)
         except BaseException:
@@ -261,8 +263,10 @@ class SendLatencyProbe(Probe):
         """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
         if every < 1:
             raise ValueError("sample_every must be at least 1")
-        obj = self._obj()
+        obj = self._loaded().obj
         data = next(m for name, m in obj.maps.items() if name.endswith(".data"))
+        if obj.btf is None:
+            raise RuntimeError(f"{OBJECT}.bpf.o has no BTF")
         offset, _ = obj.btf.datasec_vars(".data")["sample_every"]
         # `sample_every` is the section's only variable: nothing else writes it concurrently.
         section = data.lookup(0)
@@ -270,14 +274,14 @@ class SendLatencyProbe(Probe):
         data.update(0, section)
         self.sample_every = every
 
-    def _obj(self) -> BpfObject:
+    def _loaded(self) -> Loaded:
         if self.loaded is None:
             raise RuntimeError("SendLatencyProbe is not started")
-        return self.loaded.obj
+        return self.loaded
 
     def poll(self, timeout_ms: int = 0) -> list[SlowSend]:
         """Wait up to timeout_ms for slow sends; returns the new ones (read() returns them too)."""
-        self._obj()
+        self._loaded()
         before = len(self._pending)
         self._ring.poll(timeout_ms)
         return self._pending[before:]
@@ -285,7 +289,8 @@ class SendLatencyProbe(Probe):
     def read(self) -> SendLatencySnapshot:
         """Everything counted since start. Entries of processes that have exited are reported this
         once and then deleted, so the maps (and the cost of reading them) follow live processes."""
-        obj = self._obj()
+        loaded = self._loaded()
+        obj = loaded.obj
         self.poll(0)
         slow_sends, self._pending = self._pending, []
         processes = self._read_processes(obj)
@@ -297,8 +302,8 @@ class SendLatencyProbe(Probe):
                 self.set_sample_every(every)
         flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
-            strategy=self.loaded.strategy.name,
-            span=self.loaded.strategy.span,
+            strategy=loaded.strategy.name,
+            span=loaded.strategy.span,
             processes=processes,
             flows=flows,
             slow_sends=slow_sends,
@@ -327,7 +332,7 @@ class SendLatencyProbe(Probe):
             obj.maps["free_procs"].push(index)
         return processes
 
-    def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict, dict]]:
+    def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         stats = obj.maps[map_name]
         entries = [(key, btf.decode(key), btf.decode(value)) for key, value in stats.items()]
         self._entries[map_name] = len(entries)
@@ -337,7 +342,7 @@ class SendLatencyProbe(Probe):
     def events_lost(self) -> int:
         if self.loaded is None:
             return self._dropped
-        return self.loaded.obj.maps["counters"].lookup(0).value + self._dropped
+        return int(self.loaded.obj.maps["counters"].lookup(0).value) + self._dropped
 
     def status(self) -> ProbeStatus:
         """As every probe's, and while over its CPU budget, how much of the traffic it times."""

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import btf
+from .btf import Btf
 from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, ProbeUnavailable, Strategy
 from .metrics import PROCESS_LABELS, Family
@@ -108,25 +109,31 @@ class StreamsProbe(Probe):
             raise RuntimeError("StreamsProbe is not started")
         return loaded.obj
 
+    def _btf(self) -> Btf:
+        btf_info = self._obj().btf
+        if btf_info is None:
+            raise RuntimeError("sendlat.bpf.o carries no BTF")
+        return btf_info
+
     def start(self) -> None:
         host = self._host.loaded if self._host is not None else None
         if host is None:
             raise ProbeUnavailable("streams", {"streams": "runs inside the sendlat probe, which is not running"})
         if host.strategy.name not in RECEIVE_SIDE:
             raise ProbeUnavailable("streams", {host.strategy.name: "needs socket storage (BTF programs)"})
-        self._event_type = host.obj.btf.struct_ctype("stream_stall_event")
+        self._event_type = self._btf().struct_ctype("stream_stall_event")
         self._ring = host.obj.ring_buffer("stream_stalls", self._on_stall)
         self._set(stall_threshold_ns=round(self.stall_threshold_ms * 1e6), streams_enabled=1)
 
     def _set(self, **values: int) -> None:
         """Write variables of the object's `.data.streams` section (stream settings only live there)."""
-        obj = self._obj()
-        section_map = obj.maps[".data.streams"]
-        variables = obj.btf.datasec_vars(".data.streams")
+        section_map, info = self._obj().maps[".data.streams"], self._btf()
+        variables = info.datasec_vars(".data.streams")
         section = section_map.lookup(0)
         for name, value in values.items():
             offset, type_id = variables[name]
-            obj.btf.ctype(type_id).from_buffer(section, offset).value = value
+            ctype: Any = info.ctype(type_id)
+            ctype.from_buffer(section, offset).value = value
         section_map.update(0, section)
 
     def status(self) -> ProbeStatus:
@@ -140,7 +147,8 @@ class StreamsProbe(Probe):
         if len(self._pending) >= MAX_PENDING_STALLS:
             self._dropped += 1
             return
-        self._pending.append(_stall(btf.decode(self._event_type.from_buffer_copy(data))))
+        event_type: Any = self._event_type
+        self._pending.append(_stall(btf.decode(event_type.from_buffer_copy(data))))
 
     def poll(self, timeout_ms: int = 0) -> list[StreamStall]:
         """Wait up to timeout_ms for stalls; returns the new ones (read() returns them too)."""
@@ -176,9 +184,10 @@ class StreamsProbe(Probe):
 
     def events_lost(self) -> int:
         try:
-            return self._obj().maps["stream_counters"].lookup(0).value + self._dropped
+            lost: int = self._obj().maps["stream_counters"].lookup(0).value
         except RuntimeError:
-            return self._dropped
+            lost = 0
+        return lost + self._dropped
 
     def map_usage(self) -> list[MapUsage]:
         try:
@@ -198,6 +207,10 @@ class StreamsProbe(Probe):
 
 def _from_config(config: Config, running: Mapping[str, Probe]) -> Probe:
     return StreamsProbe(running.get("sendlat"), stall_threshold_ms=config.stream_stall_threshold_ms)  # type: ignore[arg-type]
+
+
+def _stalls_of(cause: str) -> Any:
+    return lambda endpoint: endpoint.stalls.get(cause, 0)
 
 
 STREAM_LABELS = (("port", "port"), ("protocol", "protocol"), *PROCESS_LABELS)
@@ -230,6 +243,6 @@ SPEC = ProbeSpec(
         Family("aiprobe_stream_stalls_total", "counter",
                "Gaps between writes above the stall threshold, by cause (network, cpu, gpu, server).",
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
-               expand=tuple((cause, lambda e, c=cause: e.stalls.get(c, 0)) for cause in CAUSES)),
+               expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
     ),
 )
