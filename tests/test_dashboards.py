@@ -205,6 +205,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
     stream_url = f"http://127.0.0.1:{stream_port}/stream"
     try:
         assert streamer.stdout.readline().strip() == "ready"
+        threading.Thread(target=streamer.stdout.read, daemon=True).start()  # its accounts: not needed here
         with Agent(workdir, config, env=env) as agent, \
                 Prometheus(workdir, [agent.target], target_labels=POD,
                            relabel_configs=OPERATOR_RELABELINGS + servicemonitor_relabelings()) as prom:
