@@ -289,7 +289,9 @@ class Agent:
         """The worse of two p99s over the window: how long sends blocked, and how long sockets stayed
         unwritable (asynchronous servers never block in a send: their stalls show only there)."""
         recent = self._recent("send", proc.identity(), proc.histogram, now)
-        waits = self._recent("unwritable", proc.identity(), proc.unwritable_histogram, now)
+        # Most processes never find a socket full: no window kept for them.
+        waits = self._recent("unwritable", proc.identity(), proc.unwritable_histogram, now) \
+            if proc.unwritable_count else []
         sends = recent[-1][1] if recent else 0
         send_p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
         unwritable_p99 = quantile(waits, 0.99)
