@@ -278,24 +278,6 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 
 /* --- reading a response's first bytes --- */
 
-/* Where the send's data starts in user memory, and its length; 0 when not a plain user buffer. */
-static __always_inline __u64 send_buffer(struct msghdr *msg, __u64 *len)
-{
-	struct iov_iter *iter = &msg->msg_iter;
-	const struct iovec *iov;
-	__u64 offset = iter->iov_offset;
-
-	*len = iter->count;
-	if (iter->iter_type == ITER_UBUF)
-		return (__u64)iter->ubuf + offset;
-	if (iter->iter_type != ITER_IOVEC)
-		return 0;
-	iov = iter->__iov;
-	/* Only the first segment is read: its length bounds what is contiguous. */
-	*len = BPF_CORE_READ(iov, iov_len) - offset;
-	return (__u64)BPF_CORE_READ(iov, iov_base) + offset;
-}
-
 #define BYTES4(a, b, c, d) ((__u32)(a) | (__u32)(b) << 8 | (__u32)(c) << 16 | (__u32)(d) << 24)
 
 static __always_inline __u32 first4(const char *bytes)
@@ -361,13 +343,15 @@ static __always_inline __u8 protocol_of(const char *bytes, __u32 len)
 
 /* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
  * first write may be the headers alone (it starts with the status line and ends with the blank line). */
-static __always_inline __u8 http_write(struct stream_socket *s, const char *first, __u64 user, __u64 len)
+static __always_inline __u8 http_write(struct stream_socket *s, const char *first, __u64 user, __u64 len,
+					__u64 total)
 {
 	__u32 last4;
 
-	if (len == 5 && first4(first) == BYTES4('0', '\r', '\n', '\r') && first[4] == '\n')
+	if (total == 5 && len == 5 && first4(first) == BYTES4('0', '\r', '\n', '\r') && first[4] == '\n')
 		return WRITE_LAST_CHUNK;
-	if (s->phase == STREAM_REQUEST && is_http1(first, len)) {
+	/* Headers alone: the whole write is in the bytes read from (one segment) and ends the block. */
+	if (s->phase == STREAM_REQUEST && is_http1(first, len) && len == total) {
 		if (bpf_probe_read_user(&last4, 4, (void *)(user + len - 4)))
 			return WRITE_BODY;
 		return last4 == BYTES4('\r', '\n', '\r', '\n') ? WRITE_HEADERS : WRITE_BODY;
@@ -377,24 +361,39 @@ static __always_inline __u8 http_write(struct stream_socket *s, const char *firs
 
 /* --- HTTP/2: the frames a write carries --- */
 
+/* Before 6.4 the iovec array was iov_iter.iov (now __iov). */
+struct iov_iter___pre_6_4 {
+	const struct iovec *iov;
+} __attribute__((preserve_access_index));
+
+/* The cursor at a send's first byte: a user buffer (ITER_UBUF, 6.0+) or the first of an iovec
+ * array's segments; false for anything else. Every layout detail through CO-RE (the iter_type
+ * values and the array's name changed between kernels). */
 static __always_inline bool cursor_start(struct msg_cursor *c, struct msghdr *msg)
 {
 	struct iov_iter *iter = &msg->msg_iter;
-	__u64 offset = iter->iov_offset;
+	__u64 offset = BPF_CORE_READ(iter, iov_offset);
+	__u8 type = BPF_CORE_READ(iter, iter_type);
 	struct iovec first;
 
 	c->segment = 0;
-	if (iter->iter_type == ITER_UBUF) {
-		c->iov = 0;
-		c->segments = 1;
-		c->base = (__u64)iter->ubuf + offset;
-		c->left = iter->count;
+	c->iov = 0;
+	c->segments = 1;
+	if (bpf_core_enum_value_exists(enum iter_type, ITER_UBUF) &&
+	    type == bpf_core_enum_value(enum iter_type, ITER_UBUF)) {
+		c->base = (__u64)BPF_CORE_READ(iter, ubuf) + offset;
+		c->left = BPF_CORE_READ(iter, count);
 		return true;
 	}
-	if (iter->iter_type != ITER_IOVEC || bpf_probe_read_kernel(&c->iov, sizeof(c->iov), &iter->__iov) ||
-	    bpf_probe_read_kernel(&first, sizeof(first), (void *)c->iov))
+	if (type != bpf_core_enum_value(enum iter_type, ITER_IOVEC))
 		return false;
-	c->segments = iter->nr_segs;
+	if (bpf_core_field_exists(iter->__iov))
+		c->iov = (__u64)BPF_CORE_READ(iter, __iov);
+	else
+		c->iov = (__u64)BPF_CORE_READ((struct iov_iter___pre_6_4 *)iter, iov);
+	if (!c->iov || bpf_probe_read_kernel(&first, sizeof(first), (void *)c->iov))
+		return false;
+	c->segments = BPF_CORE_READ(iter, nr_segs);
 	c->base = (__u64)first.iov_base + offset;
 	c->left = first.iov_len - offset;
 	return true;
@@ -546,7 +545,10 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	/* HTTP/1.x: a response's first write, and 5-byte writes (the last chunk). */
 	if (s->classified && !(s->phase == STREAM_REQUEST || msg->msg_iter.count == 5))
 		return;
-	user = send_buffer(msg, &len);
+	if (!cursor_start(&peek->cursor, msg))
+		return;
+	user = peek->cursor.base;
+	len = peek->cursor.left;
 	if (!user || !len)
 		return;
 	n = opaque(len < STREAM_PEEK_BYTES ? len : STREAM_PEEK_BYTES);
@@ -561,7 +563,7 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 		}
 	}
 	if (s->key.protocol == STREAM_PROTOCOL_HTTP || s->key.protocol == STREAM_PROTOCOL_SSE)
-		s->write = http_write(s, peek->bytes, user, len);
+		s->write = http_write(s, peek->bytes, user, len, msg->msg_iter.count);
 }
 
 /* --- the server's reads --- */
