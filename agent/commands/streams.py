@@ -33,7 +33,7 @@ def stalls_text(stalls: dict[str, int]) -> str:
 
 
 def endpoint_rows(endpoints: list[StreamEndpoint]) -> list[dict[str, object]]:
-    return [{**e.to_dict(), "stalls": stalls_text(e.stalls)}
+    return [{**e.to_dict(), "port": str(e.port), "stalls": stalls_text(e.stalls)}  # a port is a name, not a count
             for e in sorted(endpoints, key=lambda e: (e.port, e.protocol, e.pid))]
 
 
