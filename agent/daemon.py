@@ -39,12 +39,15 @@ from .model import (
     ProcessSendLatency,
     Readings,
     Snapshot,
+    StreamEndpoint,
+    StreamStall,
     TcpCounters,
     TcpSummary,
 )
 from .names import process_name
 from .probes import Probe, ProbeSpec, selected
 from .rules import RuleEngine, Signal
+from .streams import CAUSES as STALL_CAUSES
 from .supervisor import SUPERVISOR
 from .system import kernel_release
 
@@ -246,6 +249,9 @@ class Agent:
             workload = self._workload(send.cgroup_id, send.pid)
             send.container, send.pod_uid = workload.container, workload.pod_uid
             live_pids.add(send.pid)
+        for stream in [*r.of(StreamEndpoint), *r.of(StreamStall)]:
+            stream.container = self._workload(stream.cgroup_id, stream.pid).container
+            live_pids.add(stream.pid)
         for proc in [*r.of(CudaProcess), *r.of(CudaContext), *r.of(GpuProcess)]:
             workload = self._workload_of_pid(proc.pid)
             proc.container, proc.pod_uid = workload.container, workload.pod_uid
@@ -262,6 +268,8 @@ class Agent:
             counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs, cuda.graph_launches]
             (cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second,
              cuda.graph_launches_per_second) = self._rates.rate(("cuda", cuda.identity()), counters, now)
+        for stream in r.of(StreamEndpoint):
+            (stream.streams_per_second,) = self._rates.rate(("streams", stream.identity()), [stream.streams], now)
         for side in r.of(InterfaceTotals):
             side.bytes_per_second, side.packets_per_second = \
                 self._rates.rate(("interface", side.identity()), [side.bytes, side.packets], now)
@@ -293,6 +301,27 @@ class Agent:
         signals += self._gpu_signals(r)
         signals += time_slicing_signals(r.of(CudaGpu), r.of(CudaContext), r.of(GpuInfo))
         signals += self._tcp_signals(r, now)
+        signals += self._stream_signals(r, now)
+        return signals
+
+    def _stream_signals(self, r: Readings, now: float) -> list[Signal]:
+        """Stalls of each process's responses in the window, their causes as evidence."""
+        by_target: dict[str, dict[str, Any]] = {}
+        for endpoint in r.of(StreamEndpoint):
+            recent = self._windows.recent(("stalls", endpoint.identity()), [float(endpoint.stalls.get(c, 0))
+                                                                            for c in STALL_CAUSES], now)
+            seen = by_target.setdefault(_target(endpoint), {"pid": endpoint.pid, "ports": set(), "causes": {}})
+            for cause, count in zip(STALL_CAUSES, recent, strict=True):
+                if count:
+                    seen["causes"][cause] = seen["causes"].get(cause, 0) + int(count)
+                    seen["ports"].add(f"{endpoint.port}/{endpoint.protocol}")
+        signals = []
+        for target, seen in by_target.items():
+            causes = seen["causes"]
+            signals.append(Signal("token_streams_stalling", target, float(sum(causes.values())), {
+                "cause": max(causes, key=causes.get) if causes else "", "stalls_by_cause": causes,
+                "endpoints": sorted(seen["ports"]), "pid": seen["pid"], "window_seconds": SIGNAL_WINDOW_SECONDS,
+                "threshold_seconds": self.config.stream_stall_threshold_ms / 1e3}))
         return signals
 
     def _send_stall(self, proc: ProcessSendLatency, now: float) -> Signal | None:
@@ -361,6 +390,7 @@ class Agent:
                 **vars(tcp), retransmit_ratio=tcp.retransmitted_segments / tcp.sent_segments
                 if tcp.sent_segments else 0.0),
             alerts=self._rules.active + self._rules.resolved,
+            streams=sorted(r.of(StreamEndpoint), key=lambda e: e.streams_per_second, reverse=True),
         )
 
     @staticmethod
@@ -416,7 +446,7 @@ def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos
     return signals
 
 
-def _target(proc: ProcessSendLatency | CudaProcess) -> str:
+def _target(proc: ProcessSendLatency | CudaProcess | StreamEndpoint) -> str:
     return f"{proc.comm or proc.pid}@{proc.container}"
 
 

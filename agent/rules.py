@@ -90,6 +90,14 @@ RULES: dict[str, RuleSpec] = {
         "More than %(threshold_percent)s of TCP segments are retransmitted",
         "Network loss between this host and its peers.",
         guard="and rate(aiprobe_tcp_sent_segments_total[5m]) > 1"),
+    "token_streams_stalling": RuleSpec(
+        False, "token streams of {target} stalled {value:.0f} times in the last 10 s (the evidence names the "
+        "cause: network, cpu, gpu or server)",
+        "sum by (instance, process, container, cause) (increase(aiprobe_stream_stalls_total[1m]))",
+        "token streams of {{ $labels.process }} stall (cause: {{ $labels.cause }})",
+        "Gaps between writes of streamed responses above stream_stall_threshold_ms. The cause label says "
+        "why: network (the socket was full), cpu (the writer waited for a CPU), server (the application "
+        "was slow to produce)."),
 }
 
 

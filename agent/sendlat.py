@@ -24,6 +24,7 @@ from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, Sen
 from .names import comm_text, ip_text
 from .probes import Probe, ProbeSpec
 from .procfs import StartTimes
+from .streams import RECEIVE_SIDE  # the stream logic shares sendlat's programs (bpf/streams.h)
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
@@ -42,7 +43,8 @@ SPEC = ProbeSpec(
     description="tcp_sendmsg latency per process, container and flow",
     strategies=(
         Strategy(
-            "fentry", programs=("sendlat_fentry", "sendlat_fexit"), features=("fentry", "ringbuf"),
+            "fentry", programs=("sendlat_fentry", "sendlat_fexit", *RECEIVE_SIDE["fentry"]),
+            features=("fentry", "ringbuf"),
             span="tcp_sendmsg entry to return (fentry/fexit)",
         ),
         Strategy(
@@ -52,7 +54,7 @@ SPEC = ProbeSpec(
         # Only TCP sends pay for these two tracepoints; the span starts with the socket locked.
         Strategy(
             "tracepoint",
-            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end"),
+            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end", *RECEIVE_SIDE["tracepoint"]),
             features=("tp_btf", "tcp_send_tp", "ringbuf"),
             span="first copy into the socket (tcp:tcp_sendmsg_locked) to the return of the TCP socket's sendmsg "
                  "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts every TCP sendmsg of "
@@ -62,7 +64,7 @@ SPEC = ProbeSpec(
         # Every syscall on the host pays for raw sys_enter: for kernels without tcp:tcp_sendmsg_locked.
         Strategy(
             "syscall",
-            programs=("sendlat_sys_enter", "sendlat_sock_send_length"),
+            programs=("sendlat_sys_enter", "sendlat_sock_send_length", *RECEIVE_SIDE["syscall"]),
             features=("tp_btf", "ringbuf"),
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",

@@ -352,6 +352,8 @@ static __always_inline bool left_full(struct sock *sk)
 	return sock && (sock->flags & (1UL << SOCK_NOSPACE));
 }
 
+#include "streams.h"
+
 /* `sk` is unwritable from now, unless it already was. */
 static __always_inline void socket_unwritable(struct sendlat_thread *thread, struct sock *sk)
 {
@@ -431,6 +433,8 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct sock 
 		count(COUNTER_PROCS_FULL);
 		return;
 	}
+	if (trusted)
+		stream_send_end(sk, ret, start_ns, thread->tgid, thread->cgroup_id);
 	if (ret <= 0) {
 		if (ret)
 			failed_send(thread, stats, sk, trusted, ret);
@@ -457,12 +461,14 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct sock 
 /* --- fentry / kprobe: tcp_sendmsg entry to return --- */
 
 SEC("fentry/tcp_sendmsg")
-int BPF_PROG(sendlat_fentry, struct sock *sk)
+int BPF_PROG(sendlat_fentry, struct sock *sk, struct msghdr *msg)
 {
 	struct sendlat_thread *thread = current_thread();
 
-	if (thread)
+	if (thread) {
+		stream_send_begin(sk, msg);
 		start_send(thread);
+	}
 	return 0;
 }
 
@@ -521,7 +527,7 @@ static __always_inline bool has_upper_layer(struct sock *sk)
 }
 
 SEC("tp_btf/tcp_sendmsg_locked")
-int BPF_PROG(sendlat_tcp_send_start, struct sock *sk)
+int BPF_PROG(sendlat_tcp_send_start, struct sock *sk, struct msghdr *msg)
 {
 	struct sendlat_thread *thread = current_thread();
 
@@ -529,6 +535,7 @@ int BPF_PROG(sendlat_tcp_send_start, struct sock *sk)
 	if (!thread || thread->sk == (__u64)sk || has_upper_layer(sk))
 		return 0;
 	thread->sk = (__u64)sk;
+	stream_send_begin(sk, msg);
 	start_send(thread);
 	return 0;
 }

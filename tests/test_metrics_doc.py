@@ -28,6 +28,8 @@ from aiprobe.model import (
     ProcessSendLatency,
     Readings,
     SendLatencySnapshot,
+    StreamEndpoint,
+    StreamsSnapshot,
     TcpCounters,
 )
 
@@ -50,6 +52,9 @@ def every_kind_of_reading() -> Readings:
                                  [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
             "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
             "netstat": TcpCounters(0, 0, 0, 0),
+            "streams": StreamsSnapshot("tracepoint", "", 0.25, [
+                StreamEndpoint(1, "x", 0, 8000, "sse", 1, 2, 3, 1, 0.1, 0.1, 0.1, HISTOGRAM, 1, 0.02, 0.02, 0.02,
+                               HISTOGRAM, 0.2, HISTOGRAM, {"server": 1})]),
         },
         probes={"flows": ProbeStatus(True, "xdp+tcx")},
         map_usage={"flows": [MapUsage("flows", 1, 2)]},

@@ -53,7 +53,8 @@ def test_snapshot_document_has_every_section_and_empty_tcp_without_counters() ->
     snapshot = model.Snapshot(model.HostInfo("h", "k", "v", 1.0, 1.0), {"flows": model.ProbeStatus(True, "xdp+tcx")},
                               [], [], [], [], None, [])
     document = snapshot.to_dict()
-    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts"]
+    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts",
+                              "streams"]
     assert document["tcp"] == {}
     assert document["probes"]["flows"] == {"up": True, "strategy": "xdp+tcx", "span": "", "reason": "", "overflows": {}}
 
