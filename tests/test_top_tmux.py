@@ -261,18 +261,20 @@ def test_top_reads_a_running_agent_without_loading_probes(
 
         # told nothing (no agent on the address tried), top finds a running agent rather than load probes;
         # which agent is found is not asserted: other sessions' agents may run on this machine too
-        batch = subprocess.Popen(
-            [*aiprobe_cli, "top", "--connect", f"127.0.0.1:{free_port()}", "--batch", "--iterations", "4", "--json",
-             "--interval", "0.5"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        held_by_batch: list[dict[str, set[int]]] = []
-        while batch.poll() is None:
-            held_by_batch.append(held_bpf_ids(batch.pid))
-            time.sleep(0.1)
-        out, err = batch.communicate()
-        assert batch.returncode == 0, err
-        assert len(out.splitlines()) == 4
+        # Output goes to files: four snapshots outgrow a pipe nobody reads while the loop below watches.
+        out_path, err_path = tmp_path / "batch.out", tmp_path / "batch.err"
+        with out_path.open("w") as out_file, err_path.open("w") as err_file:
+            batch = subprocess.Popen(
+                [*aiprobe_cli, "top", "--connect", f"127.0.0.1:{free_port()}", "--batch", "--iterations", "4",
+                 "--json", "--interval", "0.5"],
+                stdout=out_file, stderr=err_file, text=True,
+            )
+            held_by_batch: list[dict[str, set[int]]] = []
+            while batch.poll() is None:
+                held_by_batch.append(held_bpf_ids(batch.pid))
+                time.sleep(0.1)
+        assert batch.returncode == 0, err_path.read_text()
+        assert len(out_path.read_text().splitlines()) == 4
         assert all(held == {"prog_id": set(), "link_id": set()} for held in held_by_batch)
 
 
