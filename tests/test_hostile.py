@@ -358,3 +358,38 @@ def test_a_foreign_xdp_holder_is_reported_and_left_alone_while_tc_counts(tmp_pat
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+@pytest.mark.bpf
+def test_aiprobe_flows_beside_the_agent_leaves_the_agent_counting(tmp_path: Path, veth: VethPair) -> None:
+    """A second aiprobe on the same interface (an engineer's `aiprobe flows` next to the DaemonSet)
+    adds its own programs beside the agent's and takes only its own away when it exits."""
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n'
+    with Agent(tmp_path, config) as agent:
+        ours = {"flows_ingress", "flows_egress"}
+        assert wait_until(lambda: ours <= programs_on(veth.host), timeout=10), agent.log.read_text()
+
+        def ingress_bytes() -> float:
+            return metric(agent.metrics(), "aiprobe_interface_bytes_total", interface=veth.host, direction="ingress")
+
+        def send_three() -> None:
+            send = "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n" \
+                   "for _ in range(3): s.sendto(b'x' * 1000, (sys.argv[1], 9))"
+            veth.ns_run(["python3", "-c", send, veth.host_ip4])
+
+        beside = subprocess.Popen([AIPROBE, "flows", "--interfaces", veth.host, "--duration", "4", "--json"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        before = ingress_bytes()
+        send_three()
+        assert wait_until(lambda: ingress_bytes() >= before + 3 * 1000, timeout=10)
+        out, err = beside.communicate(timeout=60)
+        assert beside.returncode == 0, err
+        assert json.loads(out)["interfaces"], out[-2000:]
+        assert ours <= programs_on(veth.host)  # the agent's programs survive the other run's exit
+        before = ingress_bytes()
+        send_three()
+        assert wait_until(lambda: ingress_bytes() >= before + 3 * 1000, timeout=10)
+        assert healthz_within_1s(agent)
+        agent.stop(timeout=30)
+    assert agent.process.returncode == 0
+    assert programs_on(veth.host) == set()
