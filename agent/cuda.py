@@ -22,7 +22,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -204,18 +204,33 @@ class AttachedLibrary:
     error: str = ""
 
 
+@contextlib.contextmanager
+def own_descriptor(path: str) -> Iterator[str]:
+    """`path` opened by us, as /proc/self/fd/N. The kernel refuses a uprobe on a path through
+    another process's /proc/PID/root or map_files without CAP_SYS_ADMIN, but opening that path
+    needs only what reading the file needs (CAP_SYS_PTRACE to follow it), and a uprobe on our own
+    descriptor needs no more: the DaemonSet's capabilities suffice. The uprobe holds the inode,
+    so the descriptor is closed once attached."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
 def attach_entry_points(obj: BpfObject, host_path: str) -> list[str]:
     """Attach every entry point the library exports; the symbols attached."""
     attached = []
-    for entry in ENTRY_POINTS:
-        try:
-            obj.programs[entry.program].attach_uprobe(host_path, entry.symbol, retprobe=entry.retprobe)
-        except BpfError as exc:
-            if exc.errno != errno.ENOENT:  # ENOENT: symbol not exported by this driver version
-                raise
-            continue
-        if not entry.retprobe:
-            attached.append(entry.symbol)
+    with own_descriptor(host_path) as path:
+        for entry in ENTRY_POINTS:
+            try:
+                obj.programs[entry.program].attach_uprobe(path, entry.symbol, retprobe=entry.retprobe)
+            except BpfError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: symbol not exported by this driver version
+                    raise
+                continue
+            if not entry.retprobe:
+                attached.append(entry.symbol)
     return attached
 
 
@@ -368,7 +383,7 @@ class CudaProbe(Probe):
                 library = AttachedLibrary(mapped.path, mapped.host_path(self._proc))
                 try:
                     library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
-                except BpfError as exc:
+                except (BpfError, OSError) as exc:  # OSError: the file went away before we opened it
                     library.error = str(exc)
                 self._libraries[mapped.key] = library
             new.append(library)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import libbpf
+from . import libbpf, uprobe_events
 from .btf import Btf
 from .libbpf import BpfError
 
@@ -121,13 +121,45 @@ class Program:
         return self._obj.own(_libbpf_link(ptr, f"{self.name} ({self.section})"))
 
     def attach_uprobe(self, binary: str, func_name: str, *, retprobe: bool = False, pid: int = -1) -> Link:
-        """uprobe/uretprobe on `func_name` in `binary`, for every process (pid -1) that maps it."""
+        """uprobe/uretprobe on `func_name` in `binary`, for every process (pid -1) that maps it.
+        Where the perf uprobe PMU is refused (it needs CAP_SYS_ADMIN on current kernels), and for
+        every process, through a tracefs uprobe event instead (see aiprobe.uprobe_events)."""
         opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe, func_name=func_name.encode())
-        ptr = libbpf.new_ptr(
-            "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), 0, ctypes.byref(opts)
-        )
         kind = "uretprobe" if retprobe else "uprobe"
-        return self._obj.own(_libbpf_link(ptr, f"{self.name} {kind} {binary}:{func_name}"))
+        description = f"{self.name} {kind} {binary}:{func_name}"
+        try:
+            ptr = libbpf.new_ptr(
+                "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), 0, ctypes.byref(opts)
+            )
+        except BpfError as exc:
+            if exc.errno != errno.EACCES or pid != -1:
+                raise
+            return self._obj.own(self._attach_uprobe_event(binary, func_name, retprobe, description))
+        return self._obj.own(_libbpf_link(ptr, description))
+
+    def _attach_uprobe_event(self, binary: str, func_name: str, retprobe: bool, description: str) -> Link:
+        try:
+            offset = uprobe_events.symbol_offset(binary, func_name)
+        except LookupError as exc:  # as libbpf says for a symbol the library does not export
+            raise BpfError(errno.ENOENT, f"uprobe on {func_name}", str(exc)) from None
+        uprobe_events.remove_stale_events()
+        name, tracepoint_id = uprobe_events.create_event(binary, offset, retprobe=retprobe)
+        try:
+            perf_fd = uprobe_events.open_tracepoint(tracepoint_id)
+            try:
+                ptr = libbpf.new_ptr("bpf_program__attach_perf_event", self._ptr, perf_fd)
+            except BaseException:
+                os.close(perf_fd)
+                raise
+        except BaseException:
+            uprobe_events.remove_event(name)
+            raise
+
+        def detach() -> None:
+            libbpf.lib().bpf_link__destroy(ptr)  # closes perf_fd
+            uprobe_events.remove_event(name)
+
+        return Link(f"{description} (tracefs {uprobe_events.GROUP}/{name})", detach, libbpf.lib().bpf_link__fd(ptr))
 
     def attach_xdp(self, ifindex: int, mode: str | None = None) -> Link:
         """XDP through a bpf_link; mode 'native', 'generic' or None (kernel's choice)."""

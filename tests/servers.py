@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,17 @@ class Server:
 
 
 class Agent(Server):
-    def __init__(self, workdir: Path, config: str = "", env: dict | None = None) -> None:
+    def __init__(self, workdir: Path, config: str = "", env: dict | None = None,
+                 prefix: Sequence[str] = ()) -> None:
+        """`prefix` runs the agent through a wrapper (setpriv: reduced capabilities)."""
         port = free_port()
         self.config_path = workdir / f"aiprobe-{port}.toml"
         self.config_path.write_text(f'listen = "127.0.0.1:{port}"\nalert_log = "{workdir}/alerts-{port}.jsonl"\n'
                                     + config)
         self.alert_log = workdir / f"alerts-{port}.jsonl"
         self.target = f"127.0.0.1:{port}"
-        super().__init__([AIPROBE, "agent", "--config", str(self.config_path)], f"http://{self.target}", "/healthz",
-                         workdir / f"agent-{port}.log", env=env)
+        super().__init__([*prefix, AIPROBE, "agent", "--config", str(self.config_path)], f"http://{self.target}",
+                         "/healthz", workdir / f"agent-{port}.log", env=env)
 
     def metrics(self) -> str:
         return http_get(self.url + "/metrics")[1].decode()

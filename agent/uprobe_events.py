@@ -1,0 +1,122 @@
+"""uprobes defined through tracefs (`uprobe_events`), for when the perf uprobe PMU is refused.
+
+Since the stable kernels of 2025 (6.1.y, 6.12.y and later; "perf: require CAP_SYS_ADMIN for
+uprobes"), perf_event_open() of the uprobe PMU, which libbpf uses, needs CAP_SYS_ADMIN. A uprobe
+written to tracefs's uprobe_events needs only write access to that file (uid 0 owns tracefs) and
+attaching a BPF program to its tracepoint needs CAP_PERFMON: what the DaemonSet grants. The path
+written there is resolved by the kernel in the writer's context, where /proc/PID/root/... of
+another process is refused without CAP_SYS_ADMIN but a descriptor of our own (/proc/self/fd/N) is
+not: callers pass one (see aiprobe.cuda.own_descriptor).
+
+Event names carry our pid (`aiprobe/p<pid>_<n>`), so events a killed agent left behind are removed
+by the next agent (`remove_stale_events`); each Link removes its own event when closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import re
+import struct
+from pathlib import Path
+
+from . import libbpf
+from .system import TRACEFS
+
+GROUP = "aiprobe"
+PERF_TYPE_TRACEPOINT = 2
+PERF_FLAG_FD_CLOEXEC = 8
+_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
+_PERF_ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7; the kernel accepts any known size
+_names = itertools.count()
+
+
+# ---- symbol offsets (what libbpf computes internally for its own uprobes) ----
+
+
+def symbol_offset(path: str, symbol: str) -> int:
+    """The file offset of function `symbol` in ELF64 file `path` (.symtab or .dynsym), for a uprobe.
+    Raises LookupError when the file does not define it."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise LookupError(f"{path} is not a 64-bit ELF file")
+    e = "<" if data[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(e + "QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(e + "HHHH", data, 0x36)
+    sections = [struct.unpack_from(e + "IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
+        if sh_type not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        strings = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            name, info, _, shndx, value, _ = struct.unpack_from(e + "IBBHQQ", data, at)
+            if info & 0xF == 2 and shndx != 0 and _c_string(data, strings + name) == symbol:  # STT_FUNC, defined
+                return _file_offset(data, e, phoff, phentsize, phnum, value)
+    raise LookupError(f"{path} does not define {symbol}")
+
+
+def _c_string(data: bytes, at: int) -> str:
+    return data[at:data.index(b"\0", at)].decode(errors="replace")
+
+
+def _file_offset(data: bytes, e: str, phoff: int, phentsize: int, phnum: int, address: int) -> int:
+    for i in range(phnum):
+        p_type, flags, offset, vaddr, _, filesz, _, _ = struct.unpack_from(e + "IIQQQQQQ", data, phoff + i * phentsize)
+        if p_type == 1 and flags & 1 and vaddr <= address < vaddr + filesz:  # PT_LOAD, executable
+            return address - vaddr + offset
+    raise LookupError(f"address {address:#x} is in no executable segment")
+
+
+# ---- tracefs events ----
+
+
+def _uprobe_events() -> Path:
+    return TRACEFS / "uprobe_events"
+
+
+def _write(line: str) -> None:
+    # One write(2) per command, without the seek that Python's append mode makes (tracefs refuses it).
+    fd = os.open(_uprobe_events(), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def create_event(path: str, offset: int, *, retprobe: bool) -> tuple[str, int]:
+    """Define a u(ret)probe at `offset` in `path`; its name and tracepoint id."""
+    name = f"p{os.getpid()}_{next(_names)}"
+    _write(f"{'r' if retprobe else 'p'}:{GROUP}/{name} {path}:{offset:#x}")
+    try:
+        return name, int((TRACEFS / "events" / GROUP / name / "id").read_text())
+    except BaseException:
+        remove_event(name)
+        raise
+
+
+def remove_event(name: str) -> None:
+    with contextlib.suppress(OSError):  # already gone
+        _write(f"-:{GROUP}/{name}")
+
+
+def remove_stale_events() -> None:
+    """Remove the events of aiprobe processes that no longer run (a killed agent leaves them)."""
+    with contextlib.suppress(OSError):
+        for line in _uprobe_events().read_text().splitlines():
+            match = re.match(rf"[pr]:{GROUP}/(p(\d+)_\d+) ", line)
+            if match and not Path(f"/proc/{match.group(2)}").exists():
+                remove_event(match.group(1))
+
+
+def open_tracepoint(tracepoint_id: int) -> int:
+    """perf_event_open() of a tracepoint on CPU 0 for every process, as libbpf does for its own
+    tracefs probes: a BPF program attached to it runs on every CPU."""
+    attr = struct.pack("IIQQ", PERF_TYPE_TRACEPOINT, _PERF_ATTR_SIZE, tracepoint_id, 1).ljust(_PERF_ATTR_SIZE, b"\0")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(_SYS_PERF_EVENT_OPEN[os.uname().machine], attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise libbpf.BpfError(err, f"perf_event_open of tracepoint {GROUP}:{tracepoint_id}")
+    return fd
