@@ -81,6 +81,7 @@ def _bucket_counts(histogram: list[dict]) -> dict:
 
 
 @pytest.mark.bpf
+@pytest.mark.realtime  # syncs timed into their log2 bucket: emulation stretches the sleeps
 def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprobe_cli) -> None:
     cli = subprocess.Popen([*aiprobe_cli, "cuda", "--json", "--duration", "60"], text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.btf import decode
+from aiprobe.containers import cgroup2_root
 from aiprobe.flows import TC_HANDLE, FlowRecord, FlowsProbe, FlowsSnapshot
 from aiprobe.loader import BpfObject
 from conftest import VethPair, programs_on, run, unique, wait_until
@@ -51,7 +52,7 @@ def _stat(interface: str, name: str) -> int:
 
 def _own_cgroup_id() -> int:
     path = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
-    return os.stat(f"/sys/fs/cgroup/unified{path}").st_ino
+    return os.stat(f"{cgroup2_root()}{path}").st_ino
 
 
 # --- exact UDP counts ---
@@ -218,6 +219,7 @@ def test_tcp_bulk_transfer_matches_interface_and_socket_counters(veth: VethPair,
 # --- interfaces that come and go ---
 
 
+@pytest.mark.realtime
 def test_interface_created_after_start_is_attached_within_two_seconds_and_removal_is_quiet(
     veth: VethPair,
 ) -> None:
@@ -270,6 +272,7 @@ def _start_cli(aiprobe_cli: list[str], interface: str, *extra: str) -> subproces
     return proc
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_cli_leaves_no_program_attached_after_signal(veth: VethPair, aiprobe_cli: list[str], sig: int) -> None:
     proc = _start_cli(aiprobe_cli, veth.host, "--json")
@@ -311,13 +314,13 @@ sys.exit(-rc)
 """
 
 
-def test_foreign_xdp_program_is_reported_and_left_attached(veth: VethPair) -> None:
+def test_foreign_xdp_program_is_reported_and_left_attached(veth: VethPair, tc_kind: str) -> None:
     subprocess.run([sys.executable, "-c", FOREIGN_XDP, str(veth.host_ifindex)], check=True)
     assert programs_on(veth.host) == {"probe_xdp"}
     with FlowsProbe([veth.host]) as probe:
         (state,) = probe.attachments()
         assert state.xdp is None and "another XDP program" in state.xdp_error and "probe_xdp" in state.xdp_error
-        assert state.tc == "tcx"
+        assert state.tc == tc_kind
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
             port = sock.getsockname()[1]
@@ -505,11 +508,11 @@ def test_more_flows_than_the_table_holds_are_counted_not_lost(veth: VethPair) ->
     assert 2 * flows <= _totals(second, veth.host, "egress")[1] <= sent + 2
 
 
-def test_loopback_is_watched_when_asked() -> None:
+def test_loopback_is_watched_when_asked(tc_kind: str) -> None:
     """lo frames carry a (zeroed) Ethernet header, so `--interfaces lo` counts them like any NIC's."""
     with FlowsProbe(interfaces=["lo"], exclude=[]) as probe, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        assert [(a.xdp, a.tc) for a in probe.attachments()] == [("generic", "tcx")]
+        assert [(a.xdp, a.tc) for a in probe.attachments()] == [("generic", tc_kind)]
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         for _ in range(COUNT):

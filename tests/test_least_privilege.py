@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from aiprobe.system import TRACEFS
 from conftest import FIXTURE_BUILD, VethPair, wait_until
 from fixtures.cuda_fake import Driver
 from fixtures.cuda_fake import build as build_cuda
@@ -61,7 +62,6 @@ def value(found: dict, name: str, **labels: str) -> float:
 
 
 @pytest.mark.bpf
-@pytest.mark.kernels
 def test_agent_with_only_the_daemonsets_capabilities_runs_and_counts_every_probe(
         tmp_path: Path, veth: VethPair, cbuild) -> None:
     capabilities = manifest_capabilities()
@@ -91,7 +91,12 @@ def test_agent_with_only_the_daemonsets_capabilities_runs_and_counts_every_probe
                 driver.kill()
             return wait_until(lambda: launches() >= LAUNCHES, timeout=3, interval=0.5)
 
-        assert wait_until(drive, timeout=30, interval=0), f"no CUDA launch counted: {agent.log.read_text()[-3000:]}"
+        def events() -> list[str]:
+            return [line for line in (TRACEFS / "uprobe_events").read_text().splitlines()
+                    if f"aiprobe/p{agent.process.pid}_" in line]
+
+        assert wait_until(drive, timeout=30, interval=0), \
+            f"no CUDA launch counted; its uprobe events: {events()}; log: {agent.log.read_text()[-3000:]}"
 
         def counted() -> dict:
             found = samples(agent.metrics())
@@ -110,3 +115,5 @@ def test_agent_with_only_the_daemonsets_capabilities_runs_and_counts_every_probe
                     and now["sendlat bytes"] >= sent.bytes and now["flow bytes"] >= sent.bytes and now["gpus"] > 0)
 
         assert wait_until(all_counted, timeout=15, interval=0.5), f"{counted()}\n{agent.log.read_text()[-3000:]}"
+    # The uprobe events it defined in tracefs went with it.
+    assert events() == []

@@ -10,7 +10,7 @@ over 9p and sees this repository through an overlay whose writes stay in the gue
 its results directory is shared read-write. KVM is used when it works (nested KVM often does not),
 plain emulation otherwise.
 
-Usage: matrix.py [--kernel SUBSTRING]... [-- PYTEST ARGS]  (default pytest args: -m kernels)
+Usage: matrix.py [--kernel SUBSTRING]... [-- PYTEST ARGS]  (default pytest args: -m "kernels and not realtime")
 Exit status 1 when a test failed or a kernel did not report.
 """
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ CACHE = ROOT / "build" / "kernels"
 VNG = CACHE / "vng-venv" / "bin" / "vng"
 GUEST = ROOT / "tests" / "kernels" / "guest.sh"
 PROBES = ("flows", "sendlat", "cuda", "sched", "nvml")
-DEFAULT_SELECTION = ("-m", "kernels")
+DEFAULT_SELECTION = ("-m", "kernels and not realtime")
 VM_TIMEOUT = 1500  # seconds for one boot and its tests; emulation is ~10x slower than the host
 VM_OPTIONS = ("--cpus", "2", "--memory", "2G")
 EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p")
@@ -63,6 +64,8 @@ class Result:
     strategies: dict[str, str] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)
     skips: Counter = field(default_factory=Counter)  # reason -> tests
+    passed: set[str] = field(default_factory=set)  # test ids
+    skipped: set[str] = field(default_factory=set)
     problem: str = ""  # why the kernel reported nothing (no boot, no results)
 
 
@@ -146,7 +149,7 @@ def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tupl
     release = image.name.removeprefix("vmlinuz-")
     results = results_dir(release)
     cmd = vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
-              "--", f"{GUEST} {results} " + " ".join(selection))
+              "--", shlex.join([str(GUEST), str(results), *selection]))
     started = time.monotonic()
     problem = ""
     with (results / "console.log").open("w") as console:
@@ -180,15 +183,18 @@ def read_results(result: Result, results: Path) -> None:
         result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
         return
     for case in suite.iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
             result.outcomes["passed"] += 1
+            result.passed.add(test)
         elif outcome.tag == "skipped":
             result.outcomes["skipped"] += 1
+            result.skipped.add(test)
             result.skips[outcome.get("message", "").removeprefix("Skipped: ")[:150]] += 1
         else:
             result.outcomes["failed"] += 1
-            result.skips[f"FAILED {case.get('classname')}::{case.get('name')}"] += 1
+            result.skips[f"FAILED {test}"] += 1
 
 
 def print_table(results: list[Result]) -> None:
@@ -207,11 +213,16 @@ def print_table(results: list[Result]) -> None:
                 print(f"  {count:>3} x {reason}")
 
 
+def never_run(results: list[Result]) -> set[str]:
+    """Tests skipped on every kernel: a strategy (or hook) that no kernel of the matrix exercised."""
+    return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", action="append", default=[],
                         help="only kernels whose package name contains this ('host' for this host)")
-    parser.add_argument("pytest_args", nargs="*", help="pytest arguments (default: -m kernels)")
+    parser.add_argument("pytest_args", nargs="*", help="pytest arguments (default: -m 'kernels and not realtime')")
     args = parser.parse_args()
     selection = args.pytest_args or list(DEFAULT_SELECTION)
     wanted = lambda name: not args.kernel or any(k in name for k in args.kernel)  # noqa: E731
@@ -237,7 +248,12 @@ def main() -> int:
         results.append(result)
     print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
     print_table(results)
-    return int(any(r.problem or r.outcomes["failed"] for r in results))
+    unexercised = never_run(results) if len(results) > 1 else set()
+    if unexercised:
+        print("\nskipped on every kernel (no kernel of the matrix ran them):")
+        for test in sorted(unexercised):
+            print(f"  {test}")
+    return int(bool(unexercised) or any(r.problem or r.outcomes["failed"] for r in results))
 
 
 if __name__ == "__main__":
