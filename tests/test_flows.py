@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
-from aiprobe.flows import TC_HANDLE, FlowRecord, FlowsProbe, FlowsSnapshot
+from aiprobe.flows import SPEC, TC_HANDLE, FlowRecord, FlowsProbe, FlowsSnapshot
 from aiprobe.loader import BpfObject
 from conftest import VethPair, programs_on, run, unique, wait_until
 from fixtures import flows_frames as frames
@@ -30,6 +30,17 @@ pytestmark = pytest.mark.bpf
 
 UDP_PAYLOAD = 300
 COUNT = 25
+
+
+@pytest.fixture(params=[s.name for s in SPEC.strategies])
+def strategy(request, kernel_features: dict) -> str:
+    """The exactness tests run under every strategy of the chain; one the kernel cannot run is
+    skipped, naming the hook it lacks."""
+    [chosen] = [s for s in SPEC.strategies if s.name == request.param]
+    missing = [name for name in chosen.features if not kernel_features[name].available]
+    if missing:
+        pytest.skip(f"{chosen.name}: this kernel lacks {', '.join(missing)}")
+    return chosen.name
 
 
 def _flow(snapshot: FlowsSnapshot, direction: str, protocol: str, local_port: int, remote_port: int) -> FlowRecord:
@@ -71,11 +82,11 @@ for _ in range(count):
 
 
 @pytest.mark.parametrize("family", ["4", "6"])
-def test_udp_datagrams_counted_exactly_each_way(veth: VethPair, family: str) -> None:
+def test_udp_datagrams_counted_exactly_each_way(veth: VethPair, family: str, strategy: str) -> None:
     port = 40000 + int(family)
     host_ip, peer_ip = (veth.host_ip6, veth.peer_ip6) if family == "6" else (veth.host_ip4, veth.peer_ip4)
     frame_len = 14 + (40 if family == "6" else 20) + 8 + UDP_PAYLOAD
-    with FlowsProbe([veth.host]) as probe:
+    with FlowsProbe([veth.host], strategy=strategy) as probe:
         with socket.socket(socket.AF_INET6 if family == "6" else socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind((host_ip, port))
             sock.settimeout(5)
@@ -107,12 +118,12 @@ for _ in range(int(sys.argv[3])):
 
 
 @pytest.mark.parametrize("vlans", [(42,), (100, 42)], ids=["802.1Q", "802.1ad+802.1Q"])
-def test_vlan_tagged_frames_counted_exactly_each_way(veth: VethPair, vlans: tuple[int, ...]) -> None:
+def test_vlan_tagged_frames_counted_exactly_each_way(veth: VethPair, vlans: tuple[int, ...], strategy: str) -> None:
     # The kernel here has no VLAN devices, so tagged frames go out through packet sockets: every
     # byte on the wire is known. The receiving side drops them after the hooks have counted.
     inbound = frames.udp4_frame(veth.peer_ip4, veth.host_ip4, 5353, 6363, UDP_PAYLOAD, vlans)
     outbound = frames.udp4_frame(veth.host_ip4, veth.peer_ip4, 6363, 5353, UDP_PAYLOAD, vlans)
-    with FlowsProbe([veth.host]) as probe:
+    with FlowsProbe([veth.host], strategy=strategy) as probe:
         veth.ns_run([sys.executable, "-c", PEER_RAW, veth.peer, inbound.hex(), str(COUNT)])
         with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as raw:
             raw.bind((veth.host, 0))
@@ -178,10 +189,11 @@ def _interface_bytes(interface: str, side: str) -> int:
 
 
 @pytest.mark.parametrize("direction", ["egress", "ingress"])
-def test_tcp_bulk_transfer_matches_interface_and_socket_counters(veth: VethPair, direction: str) -> None:
+def test_tcp_bulk_transfer_matches_interface_and_socket_counters(veth: VethPair, direction: str,
+                                                                 strategy: str) -> None:
     port = 41000
     counter = "tx" if direction == "egress" else "rx"
-    with FlowsProbe([veth.host]) as probe:
+    with FlowsProbe([veth.host], strategy=strategy) as probe:
         before = _interface_bytes(veth.host, counter)
         if direction == "egress":  # we send, the peer receives
             peer = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", PEER_TCP, "recv", "", str(port), "0"]),
