@@ -105,13 +105,20 @@ class MappedLibrary:
 
     def host_path(self, proc: Path) -> str:
         """A path to the same file from here: through the process's root when that still leads to
-        the mapped inode, else the mapping itself (a replaced or deleted file)."""
+        the mapped inode, else the mapping itself (a replaced or deleted file, or one on overlayfs,
+        whose maps show the lower file's inode) when we may follow it (CAP_SYS_ADMIN), else the
+        path through the process's root anyway."""
         through_root = f"{proc}/{self.pid}/root{self.path}"
+        mapping = f"{proc}/{self.pid}/map_files/{self.address}"
         with contextlib.suppress(OSError):
             st = os.stat(through_root)
             if (st.st_dev, st.st_ino) == self.key:
                 return through_root
-        return f"{proc}/{self.pid}/map_files/{self.address}"
+        try:
+            os.stat(mapping)
+        except OSError:
+            return through_root
+        return mapping
 
 
 def mapped_libcuda(pid: int, proc: Path = Path("/proc")) -> MappedLibrary | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import itertools
 import os
 import re
@@ -30,6 +31,7 @@ PERF_TYPE_TRACEPOINT = 2
 PERF_FLAG_FD_CLOEXEC = 8
 _SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _PERF_ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7; the kernel accepts any known size
+PERF_EVENT_PARANOID = Path("/proc/sys/kernel/perf_event_paranoid")
 _names = itertools.count()
 
 
@@ -118,5 +120,15 @@ def open_tracepoint(tracepoint_id: int) -> int:
     fd = libc.syscall(_SYS_PERF_EVENT_OPEN[os.uname().machine], attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC)
     if fd < 0:
         err = ctypes.get_errno()
-        raise libbpf.BpfError(err, f"perf_event_open of tracepoint {GROUP}:{tracepoint_id}")
+        raise libbpf.BpfError(err, f"perf_event_open of tracepoint {GROUP}:{tracepoint_id}", _paranoia_hint(err))
     return fd
+
+
+def _paranoia_hint(err: int) -> str:
+    """Why perf_event_open may be refused to CAP_PERFMON: Debian's kernels, at their default
+    kernel.perf_event_paranoid=3, allow it only with CAP_SYS_ADMIN."""
+    with contextlib.suppress(OSError, ValueError):
+        level = int(PERF_EVENT_PARANOID.read_text())
+        if err == errno.EACCES and level > 2:
+            return f"kernel.perf_event_paranoid={level} allows perf_event_open only with CAP_SYS_ADMIN; set it to 2"
+    return ""

@@ -340,6 +340,10 @@ def test_maps_parsing_finds_libcuda_and_ignores_cudart(tmp_path) -> None:
     )
     found = mapped_libcuda(77, tmp_path)
     assert found == MappedLibrary(77, str(library), st.st_dev, st.st_ino, "7f0000002000-7f0000003000")
-    # The process's root does not lead to that inode here: fall back to the mapping itself.
+    # The process's root does not lead to that inode here: the path through it, unless the mapping
+    # itself may be followed (CAP_SYS_ADMIN; here: it exists).
+    assert found.host_path(tmp_path) == f"{tmp_path}/77/root{library}"
+    (tmp_path / "77" / "map_files").mkdir()
+    (tmp_path / "77" / "map_files" / "7f0000002000-7f0000003000").write_bytes(b"")
     assert found.host_path(tmp_path) == f"{tmp_path}/77/map_files/7f0000002000-7f0000003000"
     assert mapped_libcuda(78, tmp_path) is None
