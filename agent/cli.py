@@ -1,5 +1,5 @@
-"""`aiprobe` command line. Probe subcommands live in their probe modules and load lazily, so
-`aiprobe --help` and `aiprobe check` import nothing they don't use."""
+"""`aiprobe` command line. Subcommands live in `aiprobe.commands` (a probe's command is named in its
+registry entry, `SPEC.command`) and load lazily, so `aiprobe --help` imports nothing it doesn't use."""
 
 from __future__ import annotations
 
@@ -16,16 +16,19 @@ import click
 
 from . import __version__
 
-# subcommand -> "module:attribute"; each probe module owns its command.
-SUBCOMMANDS = {
-    "check": "aiprobe.check:command",
-    "flows": "aiprobe.flows:command",
-    "top": "aiprobe.top:command",
-    "agent": "aiprobe.daemon:command",
-    "sendlat": "aiprobe.sendlat:command",
-    "cuda": "aiprobe.cuda:command",
-    "gpus": "aiprobe.nvml:command",
+# The agent's own subcommands; each probe's comes from the registry.
+AGENT_SUBCOMMANDS = {
+    "check": "aiprobe.commands.check:command",
+    "top": "aiprobe.commands.top:command",
+    "agent": "aiprobe.commands.agent:command",
 }
+
+
+def subcommands() -> dict[str, str]:
+    """subcommand -> "module:attribute"."""
+    from .probes import specs
+
+    return {**AGENT_SUBCOMMANDS, **{spec.subcommand: spec.command for spec in specs() if spec.command}}
 
 
 class AiprobeError(click.ClickException):
@@ -37,12 +40,14 @@ class AiprobeError(click.ClickException):
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *SUBCOMMANDS})
+        return sorted({*super().list_commands(ctx), *subcommands()})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in SUBCOMMANDS:
-            module, attribute = SUBCOMMANDS[name].split(":")
-            return getattr(importlib.import_module(module), attribute)
+        target = AGENT_SUBCOMMANDS.get(name) or subcommands().get(name)
+        if target:
+            module, attribute = target.split(":")
+            command: click.Command = getattr(importlib.import_module(module), attribute)
+            return command
         return super().get_command(ctx, name)
 
 
@@ -85,12 +90,13 @@ interval_option = click.option(
 
 def require_privileges() -> None:
     """Exit 1 with one line when aiprobe lacks the privileges to load BPF programs."""
-    from .system import prepare_mounts, privilege_error
+    from .system import UserError
+    from .system import require_privileges as check
 
-    error = privilege_error()
-    if error:
-        raise AiprobeError(error)
-    prepare_mounts()
+    try:
+        check()
+    except UserError as exc:
+        raise AiprobeError(str(exc)) from None
 
 
 def ticks(duration: float | None, interval: float) -> Iterator[float]:
@@ -117,12 +123,14 @@ def friendly_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
     from .libbpf import BpfError, LibbpfUnavailable
     from .loader import ProbeUnavailable
+    from .system import UserError
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except (BpfError, LibbpfUnavailable, ProbeUnavailable, FileNotFoundError, PermissionError) as exc:
+        except (BpfError, LibbpfUnavailable, ProbeUnavailable, UserError, FileNotFoundError,
+                PermissionError) as exc:
             raise AiprobeError(str(exc)) from None
 
     return wrapper

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_PORT = 9645
-PROBE_NAMES = ("flows", "sendlat", "cuda", "nvml")
+
+
+def probe_names() -> tuple[str, ...]:
+    """The probes `probes` may name: the registry's (aiprobe.probes)."""
+    from .probes import selectable_names
+
+    return selectable_names()
 
 
 class ConfigError(ValueError):
@@ -61,7 +67,7 @@ class Config:
     interval_seconds: float = 1.0
     interfaces: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lo",)
-    probes: tuple[str, ...] = PROBE_NAMES
+    probes: tuple[str, ...] = field(default_factory=probe_names)
     top_flows: int = 100
     flow_idle_seconds: float = 30.0
     slow_send_threshold_ms: float = 10.0
@@ -114,9 +120,9 @@ def _validate_top(key: str, value: Any) -> Any:
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"listen: expected HOST:PORT, got {value!r}")
     if key == "probes":
-        unknown = set(value) - set(PROBE_NAMES)
+        unknown = set(value) - set(probe_names())
         if unknown:
-            raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(PROBE_NAMES)})")
+            raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(probe_names())})")
     if key == "interval_seconds" and value < 0.1:
         raise ConfigError(f"interval_seconds: must be at least 0.1, got {value!r}")
     if key == "top_flows" and (not isinstance(value, int) or value < 1):

@@ -23,24 +23,26 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import click
+from typing import Any
 
 from . import sched
 from .btf import decode
-from .cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
+from .histogram import NS_PER_SECOND, log2_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Strategy, load_first
+from .metrics import PROCESS_LABELS, Family
+from .model import AttachedLibrary, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text
-from .probes import MapUsage, Probe, ProbeSpec
+from .probes import Probe, ProbeSpec
+from .procfs import StartTimes, start_ticks
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LIBRARY_PREFIX = "libcuda.so"
+_COUNTED_MAPS = ("threads", "processes")  # bounded maps reported as aiprobe_bpf_map_entries
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,20 @@ SPEC = ProbeSpec(
     name="cuda",
     description="CUDA driver calls per process: context switches, launches, syncs",
     strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
+    bpf_object="cuda",
+    order=30,
+    factory=lambda _config, _running: CudaProbe(),
+    command="aiprobe.commands.cuda:command",
+    metrics=(
+        Family("aiprobe_cuda_context_switches_total", "counter",
+               "Times a thread's current CUDA context changed to a different one.", CudaProcess,
+               "context_switches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_kernel_launches_total", "counter", "CUDA kernel launches.", CudaProcess,
+               "kernel_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_sync_duration_seconds", "histogram",
+               "Duration of cuStreamSynchronize / cuCtxSynchronize calls.", CudaProcess, "sync_histogram",
+               PROCESS_LABELS, sum_field="sync_seconds_sum", per_identity=True),
+    ),
 )
 
 
@@ -140,16 +156,6 @@ def mapped_libcuda(pid: int, proc: Path = Path("/proc")) -> MappedLibrary | None
     return None
 
 
-def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """When process `pid` started, in clock ticks after boot (/proc/PID/stat field 22): with the
-    pid, the process's identity (a reused pid starts later)."""
-    try:
-        stat = (proc / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None
-    return int(stat.rsplit(b")", 1)[1].split()[19])  # fields after "(comm)" start at field 3
-
-
 @dataclass
 class _Watched:
     start: int  # start_ticks()
@@ -201,16 +207,6 @@ class LibraryScanner:
         return found
 
 
-@dataclass
-class AttachedLibrary:
-    """One probed library file: which entry points it exported, or why it could not be probed."""
-
-    path: str
-    host_path: str
-    symbols: list[str] = field(default_factory=list)
-    error: str = ""
-
-
 @contextlib.contextmanager
 def own_descriptor(path: str) -> Iterator[str]:
     """`path` opened by us, as /proc/self/fd/N. The kernel refuses a uprobe on a path through
@@ -241,50 +237,10 @@ def attach_entry_points(obj: BpfObject, host_path: str) -> list[str]:
     return attached
 
 
-# ---- snapshot ----
-
-Histogram = list[tuple[float, int]]  # cumulative (le_seconds, count); the last le is +Inf
+# ---- records ----
 
 
-@dataclass
-class CudaProcess:
-    pid: int
-    comm: str
-    library: str
-    context_switches: int
-    kernel_launches: int
-    syncs: int
-    sync_seconds_sum: float
-    sync_p99_seconds: float | None
-    sync_histogram: Histogram
-    runqueue_delay_seconds_sum: float
-    runqueue_delay_p99_seconds: float | None
-    runqueue_histogram: Histogram
-    involuntary_preemptions: int
-    gpu_threads: int  # threads ever seen calling into libcuda
-
-    def to_dict(self) -> dict:
-        record = dict(vars(self))  # flat but for the histograms, which are rebuilt below
-        for name in ("sync_histogram", "runqueue_histogram"):
-            record[name] = buckets_to_json(record[name])
-        return record
-
-
-@dataclass
-class CudaSnapshot:
-    processes: list[CudaProcess]
-    sched_strategy: str | None
-    libraries: list[AttachedLibrary]
-
-    def to_dict(self) -> dict:
-        return {
-            "processes": [p.to_dict() for p in self.processes],
-            "sched_strategy": self.sched_strategy,
-            "libraries": [asdict(lib) for lib in self.libraries],
-        }
-
-
-def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
+def process_record(pid: int, entry: dict[str, Any], library: str, started: int = 0) -> CudaProcess:
     """One process from its entry in map `processes`."""
     sync, runqueue = entry["sync"], entry["runqueue"]
     sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
@@ -303,6 +259,7 @@ def process_record(pid: int, entry: dict, library: str) -> CudaProcess:
         runqueue_histogram=runqueue_buckets,
         involuntary_preemptions=entry["involuntary_preemptions"],
         gpu_threads=entry["gpu_threads"],
+        start_ticks=started,
     )
 
 
@@ -345,6 +302,7 @@ class CudaProbe(Probe):
         self._libraries: dict[tuple[int, int], AttachedLibrary] = {}
         self._process_library: dict[int, str] = {}  # pid -> library path as the process sees it
         self._reported: set[int] = set()  # pids the last read reported
+        self._starts = StartTimes(proc)
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
 
@@ -360,7 +318,7 @@ class CudaProbe(Probe):
             return list(self._libraries.values())
 
     def start(self) -> None:
-        self.loaded = load_first("cuda", "cuda", self._strategies, configure=self._configure,
+        self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
                                  attach=_attach_scheduler)
         self.rescan()
         self._stop.clear()
@@ -408,8 +366,9 @@ class CudaProbe(Probe):
                     if not os.path.exists(f"{self._proc}/{pid}")}
             maps = self.loaded.obj.maps
             entries = {key.value: decode(value) for key, value in maps["processes"].items()}
-            processes = [process_record(pid, entry, self._process_library.get(pid, ""))
+            processes = [process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
                          for pid, entry in sorted(entries.items())]
+            self._starts.keep_only(set(entries))
             self._forget(gone)
             self._reported = entries.keys() - gone
         return CudaSnapshot(processes, self.sched_strategy, self.libraries)
@@ -427,7 +386,7 @@ class CudaProbe(Probe):
         with self._lock:
             if self.loaded is None:
                 return []
-            maps = [self.loaded.obj.maps[name] for name in ("threads", "processes")]
+            maps = [self.loaded.obj.maps[name] for name in _COUNTED_MAPS]
             return [MapUsage(m.name, sum(1 for _ in m.keys()), m.max_entries) for m in maps]
 
     def close(self) -> None:
@@ -437,44 +396,3 @@ class CudaProbe(Probe):
         self._scan_thread = None
         with self._lock:
             super().close()
-
-
-# ---- `aiprobe cuda` ----
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6f}"
-
-
-def print_table(snapshot: CudaSnapshot) -> None:
-    click.echo(f"scheduler side: {snapshot.sched_strategy or 'unavailable'}")
-    click.echo(f"{'PID':>8} {'COMM':<16} {'CTX_SW':>9} {'LAUNCHES':>10} {'SYNCS':>8} {'SYNC_S':>10} "
-               f"{'SYNC_P99_S':>10} {'RUNQ_P99_S':>10} {'PREEMPT':>8} LIBRARY")
-    for p in snapshot.processes:
-        click.echo(f"{p.pid:>8} {p.comm:<16} {p.context_switches:>9} {p.kernel_launches:>10} {p.syncs:>8} "
-                   f"{p.sync_seconds_sum:>10.4f} {_seconds(p.sync_p99_seconds):>10} "
-                   f"{_seconds(p.runqueue_delay_p99_seconds):>10} {p.involuntary_preemptions:>8} {p.library}")
-
-
-def _announce(library: AttachedLibrary) -> None:
-    outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
-    click.echo(f"aiprobe cuda: probing {library.path} via {library.host_path} ({outcome})", err=True)
-
-
-@click.command()
-@duration_option
-@json_option
-@friendly_errors
-def command(duration: float | None, as_json: bool) -> None:
-    """CUDA context switches, kernel launches, syncs and run-queue delay per process."""
-    require_privileges()
-    with CudaProbe(on_attach=_announce) as probe:
-        click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* "
-                   f"(scheduler side: {probe.sched_strategy or 'unavailable'})", err=True)
-        for _ in ticks(duration, 1.0):
-            pass
-        snapshot = probe.read()
-    if as_json:
-        emit_json(snapshot.to_dict())
-    else:
-        print_table(snapshot)

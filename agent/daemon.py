@@ -1,32 +1,46 @@
-"""`aiprobe agent`: one daemon per node. It runs every probe the kernel allows, joins what they see
-per process and container, evaluates bottleneck rules, and serves /metrics, /healthz and
-/api/v1/snapshot (docs/snapshot.md). `aiprobe top` builds the same snapshot in-process through
-`Agent` when no agent is running.
+"""The agent: one per node. It runs every probe the config selects (the registry, `aiprobe.probes`,
+says which exist), joins what they see per process and container, evaluates bottleneck rules, and
+builds the snapshot (docs/snapshot.md) that `/api/v1/snapshot` serves and `aiprobe top` shows.
+`aiprobe agent` (aiprobe.commands.agent) serves it with /metrics; `top` runs it in-process when
+no agent runs.
 
-Each refresh is a round of collectors in node_exporter's sense — one per probe, plus `netstat`
-and `rules` — each timed and reported as aiprobe_collector_duration_seconds / _success.
+Each refresh is a round of collectors in node_exporter's sense — one per probe, plus `rules` —
+each timed and reported as aiprobe_collector_duration_seconds / _success.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import click
-
-from . import __version__, libbpf
-from .config import PROBE_NAMES, Config, ConfigError, load
+from . import __version__
+from .config import Config
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
-from .histogram import Rates, WindowedHistograms, buckets_from_json, quantile
+from .deltas import Rates, Window
+from .histogram import quantile
+from .loader import ProbeUnavailable
+from .model import (
+    Alert,
+    CudaProcess,
+    FlowRecord,
+    GpuInfo,
+    GpuProcess,
+    HostInfo,
+    InterfaceTotals,
+    ProbeStatus,
+    ProcessRow,
+    ProcessSendLatency,
+    Readings,
+    Snapshot,
+    TcpCounters,
+    TcpSummary,
+)
 from .names import process_name
-from .netstat import read_tcp_counters
-from .rules import Alert, RuleEngine, Signal
+from .probes import Probe, ProbeSpec, selected
+from .rules import RuleEngine, Signal
 from .system import kernel_release
 
 log = logging.getLogger("aiprobe.agent")
@@ -38,52 +52,11 @@ MIN_SENDS_FOR_P99 = 1
 MIN_SEGMENTS_FOR_RETRANSMIT_RATIO = 100
 
 
-def _flows(config: Config) -> Any:
-    from .flows import FlowsProbe
-
-    return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds)
-
-
-def _sendlat(config: Config) -> Any:
-    from .sendlat import SendLatencyProbe
-
-    return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False)
-
-
-def _cuda(_config: Config) -> Any:
-    from .cuda import CudaProbe
-
-    return CudaProbe()
-
-
-def _nvml(_config: Config) -> Any:
-    from .nvml import NvmlCollector
-
-    return NvmlCollector()
-
-
-PROBE_FACTORIES: dict[str, Callable[[Config], Any]] = {
-    "flows": _flows, "sendlat": _sendlat, "cuda": _cuda, "nvml": _nvml,
-}
-# Which field of exporters.prometheus.Readings each probe's reading fills.
-READING_OF = {"flows": "flows", "sendlat": "sendlat", "cuda": "cuda", "nvml": "gpus"}
-
-
-@dataclass
-class ProbeStatus:
-    up: bool
-    strategy: str | None = None
-    span: str = ""
-    reason: str = ""
-
-    def to_dict(self) -> dict:
-        return {"up": self.up, "strategy": self.strategy, "span": self.span, "reason": self.reason}
-
-
-def _span(probe: Any) -> str:
-    loaded = getattr(probe, "loaded", None)
-    return loaded.strategy.span if loaded is not None else ""
+def _unavailable_reason(exc: Exception) -> str:
+    """A probe's one reason when it has one (NVML missing), else every strategy's."""
+    if isinstance(exc, ProbeUnavailable) and len(exc.reasons) == 1:
+        return next(iter(exc.reasons.values()))
+    return str(exc)
 
 
 class Agent:
@@ -92,50 +65,47 @@ class Agent:
     def __init__(self, config: Config, *, on_transitions: Callable[[list[Alert], float], None] | None = None) -> None:
         self.config = config
         self._on_transitions = on_transitions
-        self._probes: dict[str, Any] = {}
-        self.status: dict[str, ProbeStatus] = {}
+        self._probes: dict[str, Probe] = {}
+        self._down: dict[str, ProbeStatus] = {}
         self._cgroups = CgroupIndex()
         self._sockets = SocketOwners()
         self._rules = RuleEngine(config.rules)
         self._rates = Rates()
-        self._windows = WindowedHistograms(SIGNAL_WINDOW_SECONDS)
+        self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
-        self._last_tcp: tuple[float, dict] | None = None
-        self._snapshot: dict = {}
-        self.readings: Any = None
+        self._last_refresh: float | None = None
+        self._snapshot: dict[str, Any] = {}
+        self.readings = Readings()
         self.hostname = socket.gethostname()
 
     # --- life cycle ---
 
     def start(self) -> None:
-        for name in self.config.probes:
-            self._start_probe(name)
-        if "cuda" in self._probes:
-            sched = getattr(self._probes["cuda"], "sched_strategy", None)
-            self.status["sched"] = ProbeStatus(sched is not None, sched, "wakeup to on-CPU of GPU-driving threads",
-                                               "" if sched else "scheduler tracepoints unavailable")
+        for spec in selected(self.config.probes):
+            self._start_probe(spec)
 
-    def _start_probe(self, name: str) -> None:
+    def _start_probe(self, spec: ProbeSpec) -> None:
+        if spec.factory is None:
+            return
+        probe = spec.factory(self.config, self._probes)
         try:
-            probe = PROBE_FACTORIES[name](self.config)
-            if name == "nvml":
-                if not probe.available:
-                    self.status[name] = ProbeStatus(False, reason=probe.reason)
-                    return
-                self._probes[name] = probe
-                self.status[name] = ProbeStatus(True, "nvml", "NVML samples")
-                return
             probe.start()
         except Exception as exc:  # a probe that cannot run says why; the others keep going
-            log.warning("probe %s unavailable: %s", name, exc)
-            self.status[name] = ProbeStatus(False, reason=str(exc))
+            log.warning("probe %s unavailable: %s", spec.name, exc)
+            self._down[spec.name] = ProbeStatus(False, reason=_unavailable_reason(exc))
+            probe.close()
             return
-        self._probes[name] = probe
-        self.status[name] = ProbeStatus(True, probe.strategy, _span(probe))
+        self._probes[spec.name] = probe
+
+    @property
+    def status(self) -> dict[str, ProbeStatus]:
+        """Every selected probe's status, in registry order."""
+        statuses = {**{name: probe.status() for name, probe in self._probes.items()}, **self._down}
+        return {spec.name: statuses[spec.name] for spec in selected(self.config.probes) if spec.name in statuses}
 
     def close(self) -> None:
         while self._probes:
-            _, probe = self._probes.popitem()
+            _, probe = self._probes.popitem()  # the last started first: sched before the cuda it runs in
             try:
                 probe.close()
             except Exception as exc:  # closing the others matters more
@@ -152,37 +122,31 @@ class Agent:
     def healthy(self) -> bool:
         return bool(self._snapshot)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return self._snapshot
 
     # --- one refresh ---
 
-    def refresh(self) -> dict:
-        from aiprobe.exporters.prometheus import Readings
-
+    def refresh(self) -> dict[str, Any]:
         now = time.time()
-        readings = Readings(probes={})
-        collectors: dict[str, tuple[float, bool]] = {}
+        readings = Readings()
         for name, probe in list(self._probes.items()):
-            setattr(readings, READING_OF[name], self._collect(name, probe.read, collectors))
-        readings.tcp = self._collect("netstat", read_tcp_counters, collectors)
-        self._annotate(readings)
+            readings.records[name] = self._collect(name, probe.read, readings.collectors)
+        self._join(readings)
         self._add_rates(readings, now)
-        signals = self._collect("rules", lambda: self._signals(readings, now), collectors) or []
+        signals = self._collect("rules", lambda: self._signals(readings, now), readings.collectors) or []
+        self._rates.end_round()
+        self._windows.end_round()
         transitions = self._rules.evaluate(signals, now)
         if transitions and self._on_transitions is not None:
             self._on_transitions(transitions, now)
-        readings.collectors = collectors
-        readings.probes = {name: status.to_dict() for name, status in self.status.items()}
-        readings.map_usage = [
-            {"probe": name, "map": u.map, "entries": u.entries, "capacity": u.capacity}
-            for name, probe in self._probes.items() for u in getattr(probe, "map_usage", list)()
-        ]
-        readings.events_lost = {name: probe.events_lost() for name, probe in self._probes.items()
-                                if hasattr(probe, "events_lost")}
-        readings.alerts = [a.to_dict() for a in self._rules.active]
+        readings.probes = self.status
+        readings.map_usage = {name: probe.map_usage() for name, probe in self._probes.items()}
+        readings.events_lost = {name: probe.events_lost() for name, probe in self._probes.items()}
+        readings.alerts = self._rules.active
         self.readings = readings
-        self._snapshot = self._build_snapshot(readings, now)
+        self._last_refresh = now
+        self._snapshot = self._build_snapshot(readings, now).to_dict()
         return self._snapshot
 
     @property
@@ -193,16 +157,14 @@ class Agent:
     def _collect(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
         started = time.perf_counter()
         try:
-            value = read()
-            result = value.to_dict() if hasattr(value, "to_dict") else value
-            ok = True
+            result, ok = read(), True
         except Exception as exc:  # e.g. an interface vanished mid-read: report, keep the agent running
             log.warning("collector %s failed: %s", name, exc)
             result, ok = None, False
         collectors[name] = (time.perf_counter() - started, ok)
         return result
 
-    # --- correlation: who is behind a pid or a cgroup ---
+    # --- joins: who is behind a pid, a cgroup or a socket ---
 
     def _workload_of_pid(self, pid: int) -> Workload:
         if pid not in self._workloads:
@@ -210,249 +172,156 @@ class Agent:
             self._workloads[pid] = workload_of(path) if path is not None else Workload("")
         return self._workloads[pid]
 
-    def _annotate(self, r: Any) -> None:
-        """Add `container` / `pod_uid` (and `comm` where missing) to every record; flows also get
-        the `pid` and `comm` owning their socket, where the host's namespace holds it."""
+    def _workload(self, cgroup_id: int, pid: int | None) -> Workload:
+        """A record's cgroup when the kernel gave one, else its process's current cgroup."""
+        if cgroup_id:
+            return self._cgroups.workload(cgroup_id)
+        return self._workload_of_pid(pid) if pid is not None else Workload("")
+
+    def _join(self, r: Readings) -> None:
+        """Fill every record's container and pod; flows also get the pid and comm owning their socket,
+        where the host's namespace holds it."""
         live_pids: set[int] = set()
-        comms: dict[int, str] = {}
-        for record in (r.flows or {}).get("flows", []):
-            pid = self._sockets.owner(record["local_address"], record["local_port"], record["remote_address"],
-                                      record["remote_port"])
-            if pid is not None and pid not in comms:
-                comms[pid] = _comm(pid)
-                live_pids.add(pid)
-            # Egress frames carry their socket's cgroup; ingress ones only the owner pid tells.
-            workload = (self._cgroups.workload(record["cgroup_id"]) if record.get("cgroup_id")
-                        else self._workload_of_pid(pid) if pid is not None else Workload(""))
-            record.update(pid=pid, comm=comms.get(pid), container=workload.container)
-        for record in (r.sendlat or {}).get("processes", []):
-            workload = (self._cgroups.workload(record["cgroup_id"]) if record.get("cgroup_id")
-                        else self._workload_of_pid(record["pid"]))
-            record.update(container=workload.container, pod_uid=workload.pod_uid)
-            live_pids.add(record["pid"])
-        for section in ((r.cuda or {}).get("processes", []), (r.gpus or {}).get("processes", [])):
-            for record in section:
-                workload = self._workload_of_pid(record["pid"])
-                record.update(container=workload.container, pod_uid=workload.pod_uid)
-                record.setdefault("comm", _comm(record["pid"]))
-                live_pids.add(record["pid"])
+        for flow in r.of(FlowRecord):
+            flow.pid = self._sockets.owner(flow.local_address, flow.local_port, flow.remote_address,
+                                           flow.remote_port)
+            flow.comm = _comm(flow.pid) if flow.pid is not None else None
+            flow.container = self._workload(flow.cgroup_id, flow.pid).container
+            live_pids.update([flow.pid] if flow.pid is not None else [])
+        for send in r.of(ProcessSendLatency):
+            workload = self._workload(send.cgroup_id, send.pid)
+            send.container, send.pod_uid = workload.container, workload.pod_uid
+            live_pids.add(send.pid)
+        for proc in [*r.of(CudaProcess), *r.of(GpuProcess)]:
+            workload = self._workload_of_pid(proc.pid)
+            proc.container, proc.pod_uid = workload.container, workload.pod_uid
+            live_pids.add(proc.pid)
         self._workloads = {pid: w for pid, w in self._workloads.items() if pid in live_pids}
 
-    # Cumulative per-process counters that also matter per second: (section, counter field).
-    _RATED = (("sendlat", "bytes"), ("cuda", "context_switches"), ("cuda", "kernel_launches"), ("cuda", "syncs"))
-
-    def _add_rates(self, r: Any, now: float) -> None:
-        """Add `<counter>_per_second` to process records, over the interval since the last refresh."""
-        live: set[tuple[str, int]] = set()
-        for section, counter in self._RATED:
-            for proc in (getattr(r, section) or {}).get("processes", []):
-                source = (counter, proc["pid"])
-                live.add(source)
-                proc[f"{counter}_per_second"] = self._rates.rate(source, proc.get(counter) or 0, now)
-        self._rates.forget(live)
+    def _add_rates(self, r: Readings, now: float) -> None:
+        """Per-second rates of cumulative counters over the interval since the last refresh, each
+        source by its identity."""
+        for send in r.of(ProcessSendLatency):
+            (send.bytes_per_second,) = self._rates.rate(("send", send.identity()), [send.bytes], now)
+        for cuda in r.of(CudaProcess):
+            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs]
+            cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second = \
+                self._rates.rate(("cuda", cuda.identity()), counters, now)
+        for side in r.of(InterfaceTotals):
+            side.bytes_per_second, side.packets_per_second = \
+                self._rates.rate(("interface", side.identity()), [side.bytes, side.packets], now)
 
     # --- rules input ---
 
-    def _signals(self, r: Any, now: float) -> list[Signal]:
+    def _recent(self, kind: str, identity: tuple[Any, ...], buckets: list[tuple[float, int]],
+                now: float) -> list[tuple[float, float]]:
+        """The cumulative buckets of what the window saw of this source's histogram."""
+        counts = self._windows.recent((kind, identity), [float(count) for _, count in buckets], now)
+        return [(le, count) for (le, _), count in zip(buckets, counts, strict=True)]
+
+    def _signals(self, r: Readings, now: float) -> list[Signal]:
         signals: list[Signal] = []
-        for proc in (r.sendlat or {}).get("processes", []):
-            recent = self._windows.observe(("send", proc["pid"]), buckets_from_json(proc.get("histogram")), now)
+        for proc in r.of(ProcessSendLatency):
+            recent = self._recent("send", proc.identity(), proc.histogram, now)
             sends = recent[-1][1] if recent else 0
             p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
             if p99 is not None:
                 signals.append(Signal("network_send_stall", _target(proc), p99, {
                     "send_p99_seconds": round(p99, 6), "sends": int(sends), "window_seconds": SIGNAL_WINDOW_SECONDS,
-                    "pid": proc["pid"], "threshold_seconds": self.config.rules["network_send_stall"].threshold}))
-        for proc in (r.cuda or {}).get("processes", []):
-            switches = proc["context_switches_per_second"]
-            signals.append(Signal("cuda_context_switch_storm", _target(proc), switches, {
-                "context_switches_per_second": round(switches, 1), "pid": proc["pid"]}))
-            runqueue = buckets_from_json(proc.get("runqueue_histogram"))
-            recent = self._windows.observe(("runq", proc["pid"]), runqueue, now)
+                    "pid": proc.pid, "threshold_seconds": self.config.rules["network_send_stall"].threshold}))
+        for cuda in r.of(CudaProcess):
+            switches = cuda.context_switches_per_second
+            signals.append(Signal("cuda_context_switch_storm", _target(cuda), switches, {
+                "context_switches_per_second": round(switches, 1), "pid": cuda.pid}))
+            recent = self._recent("runq", cuda.identity(), cuda.runqueue_histogram, now)
             p99 = quantile(recent, 0.99)
             if p99 is not None:
-                signals.append(Signal("gpu_threads_starved", _target(proc), p99, {
+                signals.append(Signal("gpu_threads_starved", _target(cuda), p99, {
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
-                    "involuntary_preemptions": proc.get("involuntary_preemptions", 0), "pid": proc["pid"]}))
+                    "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
         signals += self._gpu_signals(r)
-        signals += self._tcp_signals(r.tcp, now)
+        signals += self._tcp_signals(r, now)
         return signals
 
-    def _ingress_bytes_per_second(self, r: Any) -> float:
-        return sum(row.get("bytes_per_second", 0.0) for row in (r.flows or {}).get("interfaces", [])
-                   if row.get("direction") == "ingress")
-
-    def _gpu_signals(self, r: Any) -> list[Signal]:
+    def _gpu_signals(self, r: Readings) -> list[Signal]:
         signals = []
-        ingress = self._ingress_bytes_per_second(r)
-        for gpu in (r.gpus or {}).get("gpus", []):
-            util = gpu.get("utilization_gpu_ratio")
+        ingress = sum(side.bytes_per_second for side in r.of(InterfaceTotals) if side.direction == "ingress")
+        for gpu in r.of(GpuInfo):
+            util = gpu.utilization_gpu_ratio
             if util is None:
                 continue
-            target = f"gpu{gpu['index']}"
-            signals.append(Signal("gpu_saturated", target, util, {"utilization_ratio": util, "uuid": gpu.get("uuid")}))
+            target = f"gpu{gpu.index}"
+            signals.append(Signal("gpu_saturated", target, util, {"utilization_ratio": util, "uuid": gpu.uuid}))
             if ingress >= self.config.traffic_floor_bytes_per_second:
                 signals.append(Signal("gpu_idle_with_traffic", target, util, {
-                    "utilization_ratio": util, "ingress_bytes_per_second": round(ingress), "uuid": gpu.get("uuid")}))
+                    "utilization_ratio": util, "ingress_bytes_per_second": round(ingress), "uuid": gpu.uuid}))
         return signals
 
-    def _tcp_signals(self, tcp: dict | None, now: float) -> list[Signal]:
-        if tcp is None:
-            return []
-        last, self._last_tcp = self._last_tcp, (now, tcp)
-        if last is None or now <= last[0]:
-            return []
-        elapsed, before = now - last[0], last[1]
-        drops = (tcp["listen_overflows"] - before["listen_overflows"]) + (tcp["listen_drops"] - before["listen_drops"])
-        signals = [Signal("listen_queue_overflow", "host", drops / elapsed, {
-            "listen_overflows": tcp["listen_overflows"], "listen_drops": tcp["listen_drops"],
-            "per_second": round(drops / elapsed, 3)})]
-        sent = tcp["sent_segments"] - before["sent_segments"]
-        if sent >= MIN_SEGMENTS_FOR_RETRANSMIT_RATIO:
-            ratio = (tcp["retransmitted_segments"] - before["retransmitted_segments"]) / sent
-            signals.append(Signal("tcp_retransmits_high", "host", ratio, {
-                "retransmit_ratio": round(ratio, 4), "segments_sent": sent}))
+    def _tcp_signals(self, r: Readings, now: float) -> list[Signal]:
+        signals = []
+        elapsed = now - self._last_refresh if self._last_refresh is not None else 0.0
+        for tcp in r.of(TcpCounters):
+            counters = [tcp.listen_overflows, tcp.listen_drops, tcp.retransmitted_segments, tcp.sent_segments]
+            overflows, drops, retransmitted, sent = self._rates.rate(("tcp",), counters, now)
+            if elapsed <= 0:
+                continue
+            signals.append(Signal("listen_queue_overflow", "host", overflows + drops, {
+                "listen_overflows": tcp.listen_overflows, "listen_drops": tcp.listen_drops,
+                "per_second": round(overflows + drops, 3)}))
+            if sent * elapsed >= MIN_SEGMENTS_FOR_RETRANSMIT_RATIO:
+                signals.append(Signal("tcp_retransmits_high", "host", retransmitted / sent, {
+                    "retransmit_ratio": round(retransmitted / sent, 4), "segments_sent": round(sent * elapsed)}))
         return signals
 
     # --- the snapshot document (docs/snapshot.md) ---
 
-    def _build_snapshot(self, r: Any, now: float) -> dict:
-        flows = sorted((r.flows or {}).get("flows", []), key=lambda f: f.get("bytes_per_second", 0), reverse=True)
-        tcp = dict(r.tcp or {})
-        if tcp:
-            tcp["retransmit_ratio"] = (tcp["retransmitted_segments"] / tcp["sent_segments"]
-                                       if tcp.get("sent_segments") else 0.0)
-        return {
-            "host": {"hostname": self.hostname, "kernel": kernel_release(), "version": __version__, "time": now,
-                     "interval_seconds": self.config.interval_seconds},
-            "probes": r.probes,
-            "processes": self._processes(r),
-            "flows": flows[:SNAPSHOT_FLOWS],
-            "interfaces": (r.flows or {}).get("interfaces", []),
-            "gpus": (r.gpus or {}).get("gpus", []),
-            "tcp": tcp,
-            "alerts": [a.to_dict() for a in self._rules.active + self._rules.resolved],
-        }
+    def _build_snapshot(self, r: Readings, now: float) -> Snapshot:
+        flows = sorted(r.of(FlowRecord), key=lambda f: f.bytes_per_second, reverse=True)
+        tcp = next(iter(r.of(TcpCounters)), None)
+        return Snapshot(
+            host=HostInfo(self.hostname, kernel_release(), __version__, now, self.config.interval_seconds),
+            probes=r.probes,
+            processes=self._processes(r),
+            flows=flows[:SNAPSHOT_FLOWS],
+            interfaces=r.of(InterfaceTotals),
+            gpus=r.of(GpuInfo),
+            tcp=None if tcp is None else TcpSummary(
+                **vars(tcp), retransmit_ratio=tcp.retransmitted_segments / tcp.sent_segments
+                if tcp.sent_segments else 0.0),
+            alerts=self._rules.active + self._rules.resolved,
+        )
 
-    def _processes(self, r: Any) -> list[dict]:
-        rows: dict[int, dict] = {}
+    @staticmethod
+    def _processes(r: Readings) -> list[ProcessRow]:
+        rows: dict[int, ProcessRow] = {}
 
-        def row(record: dict) -> dict:
-            pid = record["pid"]
-            return rows.setdefault(pid, {
-                "pid": pid, "comm": record.get("comm") or _comm(pid), "container": record.get("container", "host"),
-                "pod_uid": record.get("pod_uid", ""), "send_count": None, "send_bytes": None,
-                "send_bytes_per_second": None, "send_p50_seconds": None, "send_p99_seconds": None,
-                "cuda_context_switches_per_second": None, "cuda_kernel_launches_per_second": None,
-                "cuda_syncs_per_second": None, "runqueue_delay_p99_seconds": None,
-                "gpu_utilization_ratio": None, "gpu_memory_used_bytes": None, "gpus": []})
+        def row(pid: int, comm: str, container: str, pod_uid: str) -> ProcessRow:
+            return rows.setdefault(pid, ProcessRow(pid, comm or _comm(pid), container, pod_uid))
 
-        for proc in (r.sendlat or {}).get("processes", []):
-            row(proc).update(
-                send_count=proc.get("count"), send_bytes=proc.get("bytes"),
-                send_bytes_per_second=proc["bytes_per_second"],
-                send_p50_seconds=proc.get("p50_seconds"), send_p99_seconds=proc.get("p99_seconds"))
-        for proc in (r.cuda or {}).get("processes", []):
-            row(proc).update(
-                cuda_context_switches_per_second=proc["context_switches_per_second"],
-                cuda_kernel_launches_per_second=proc["kernel_launches_per_second"],
-                cuda_syncs_per_second=proc["syncs_per_second"],
-                runqueue_delay_p99_seconds=proc.get("runqueue_delay_p99_seconds"))
-        for proc in (r.gpus or {}).get("processes", []):
-            entry = row(proc)
-            entry["gpus"].append(proc.get("gpu_index"))
-            used = proc.get("used_memory_bytes") or 0
-            entry["gpu_memory_used_bytes"] = (entry["gpu_memory_used_bytes"] or 0) + used
-            if proc.get("sm_utilization_ratio") is not None:
-                entry["gpu_utilization_ratio"] = (entry["gpu_utilization_ratio"] or 0) + proc["sm_utilization_ratio"]
-        self._windows.forget({(kind, pid) for kind in ("send", "runq") for pid in rows})
-        return sorted(rows.values(), key=lambda p: p["send_bytes_per_second"] or 0, reverse=True)
+        for send in r.of(ProcessSendLatency):
+            entry = row(send.pid, send.comm, send.container, send.pod_uid)
+            entry.send_count, entry.send_bytes = send.count, send.bytes
+            entry.send_bytes_per_second = send.bytes_per_second
+            entry.send_p50_seconds, entry.send_p99_seconds = send.p50_seconds, send.p99_seconds
+        for cuda in r.of(CudaProcess):
+            entry = row(cuda.pid, cuda.comm, cuda.container, cuda.pod_uid)
+            entry.cuda_context_switches_per_second = cuda.context_switches_per_second
+            entry.cuda_kernel_launches_per_second = cuda.kernel_launches_per_second
+            entry.cuda_syncs_per_second = cuda.syncs_per_second
+            entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
+        for gpu in r.of(GpuProcess):
+            entry = row(gpu.pid, gpu.comm, gpu.container, gpu.pod_uid)
+            entry.gpus.append(gpu.gpu_index)
+            entry.gpu_memory_used_bytes = (entry.gpu_memory_used_bytes or 0) + (gpu.used_memory_bytes or 0)
+            if gpu.sm_utilization_ratio is not None:
+                entry.gpu_utilization_ratio = (entry.gpu_utilization_ratio or 0) + gpu.sm_utilization_ratio
+        return sorted(rows.values(), key=lambda p: p.send_bytes_per_second or 0, reverse=True)
 
 
-def _target(proc: dict) -> str:
-    return f"{proc.get('comm') or proc['pid']}@{proc.get('container', 'host')}"
+def _target(proc: ProcessSendLatency | CudaProcess) -> str:
+    return f"{proc.comm or proc.pid}@{proc.container}"
 
 
 def _comm(pid: int) -> str:
     # The kernel's comm, as sendlat and cuda records carry it, so one process has one `process` label.
     return process_name(pid) or str(pid)
-
-
-# --- the command ---
-
-
-def _csv(value: str | None) -> list[str] | None:
-    return [item.strip() for item in value.split(",") if item.strip()] if value else None
-
-
-class ConfigProblem(click.ClickException):
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"aiprobe: config: {self.format_message()}", err=True)
-
-
-@click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (docs/config.md).")
-@click.option("--listen", help="HOST:PORT to serve /metrics, /healthz, /api/v1/snapshot (default 0.0.0.0:9645).")
-@click.option("--interfaces", help="Comma-separated globs of interfaces to watch (default: all up, except lo).")
-@click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(PROBE_NAMES)}).")
-@click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL to push alerts to.")
-@click.option("--dcgm-compatible", "dcgm", is_flag=True, default=None,
-              help="Also export DCGM-exporter metric names for existing GPU dashboards.")
-def command(config_path: str | None, listen: str | None, interfaces: str | None, probes: str | None,
-            alertmanager_url: str | None, dcgm: bool | None) -> None:
-    """Run every available probe and serve Prometheus metrics, health and the snapshot API."""
-    from .cli import require_privileges, ticks
-
-    try:
-        config = load(config_path, listen=listen, interfaces=_csv(interfaces), probes=_csv(probes),
-                      alertmanager_url=alertmanager_url, dcgm_compatible_metrics=dcgm)
-    except ConfigError as exc:
-        raise ConfigProblem(str(exc)) from None
-    require_privileges()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="aiprobe: %(message)s")
-    run_agent(config, ticks)
-
-
-def run_agent(config: Config, ticks: Callable[[float | None, float], Any]) -> None:
-    from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
-    from aiprobe.exporters.http import AgentHTTPServer
-    from aiprobe.exporters.prometheus import AgentCollector, registry_for
-
-    sink = JsonLinesSink(config.alert_log)
-    pusher = (AlertmanagerPusher(config.alertmanager_url, instance=socket.gethostname())
-              if config.alertmanager_url else None)
-
-    def on_transitions(transitions: list[Alert], now: float) -> None:
-        sink.write(transitions, now)
-        if pusher is not None:
-            pusher.update(agent.alerts, changed=True)
-
-    agent = Agent(config, on_transitions=on_transitions)
-    collector = AgentCollector(top_flows=config.top_flows, dcgm_compatible=config.dcgm_compatible_metrics,
-                               build_info={"version": __version__, "kernel": kernel_release(),
-                                           "libbpf": libbpf.version()})
-    try:
-        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy)
-    except OSError as exc:
-        raise ConfigProblem(f"listen {config.listen}: {exc.strerror}") from None
-    try:
-        agent.start()
-        for name, status in agent.status.items():
-            log.info("probe %s: %s", name, status.strategy if status.up else f"unavailable ({status.reason})")
-        agent.refresh()
-        collector.update(agent.readings)
-        server.start()
-        log.info("serving http://%s:%d/metrics (pid %d)", config.listen_address[0], server.port, os.getpid())
-        for _ in ticks(None, config.interval_seconds):
-            agent.refresh()
-            collector.update(agent.readings)
-            if pusher is not None:
-                pusher.update(agent.alerts, changed=False)  # keeps resends current
-    finally:
-        server.close()
-        agent.close()
-        if pusher is not None:
-            pusher.close()
-        sink.close()

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import errno
 import logging
-import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import click
-
-from .cli import duration_option, emit_json, friendly_errors, interval_option, json_option, require_privileges, ticks
+from .deltas import Deltas
 from .libbpf import BpfError
 from .loader import (
     BpfObject,
@@ -34,15 +31,50 @@ from .loader import (
     tc_clsact_detach,
     tc_clsact_query,
 )
-from .names import endpoint, ip_text
+from .metrics import Family
+from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage
+from .names import ip_text
 from .netlink import LinkInfo, LinkWatcher, xdp_program_id
-from .probes import MapUsage, Probe, ProbeSpec
+from .probes import Probe, ProbeSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .config import Config
 
 log = logging.getLogger(__name__)
 
 XDP_PROGRAM = "flows_xdp"
 TC_PROGRAM = "flows_tc"
 PROGRAMS = (XDP_PROGRAM, TC_PROGRAM)
+
+
+
+def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
+    return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
+                      idle_timeout=config.flow_idle_seconds)
+
+
+FLOW_LABELS = tuple((name, name) for name in (
+    "interface", "direction", "protocol", "local_address", "local_port", "remote_address", "remote_port"))
+_SIDE = (("interface", "interface"), ("direction", "direction"))
+# What `aiprobe_flow_*` sum the flows outside the top K into, per interface and direction.
+_OTHER = (("protocol", ""), ("local_address", ""), ("local_port", ""), ("remote_address", "other"),
+          ("remote_port", ""))
+METRICS = (
+    Family("aiprobe_flow_bytes_total", "counter", "Bytes of a flow (L2 frame lengths as seen at XDP / tc), top "
+           "flows by rate; the rest summed per interface and direction as remote_address=\"other\".",
+           FlowRecord, "bytes", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
+    Family("aiprobe_flow_packets_total", "counter", "Packets of a flow; same selection as aiprobe_flow_bytes_total.",
+           FlowRecord, "packets", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
+    Family("aiprobe_interface_bytes_total", "counter",
+           "Bytes seen on an interface, expired and evicted flows included.", InterfaceTotals, "bytes", _SIDE),
+    Family("aiprobe_interface_packets_total", "counter", "Packets seen on an interface.", InterfaceTotals,
+           "packets", _SIDE),
+    Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
+           FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
+           expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
+)
 
 SPEC = ProbeSpec(
     name="flows",
@@ -52,6 +84,12 @@ SPEC = ProbeSpec(
         Strategy("xdp+clsact", PROGRAMS, ("xdp_link", "tc_clsact"),
                  span="L2 frames at XDP (ingress) and tc clsact (egress)"),
     ),
+    bpf_object="flows",
+    order=10,
+    factory=_from_config,
+    config_keys=("interfaces", "exclude", "flow_idle_seconds", "top_flows"),
+    command="aiprobe.commands.flows:command",
+    metrics=METRICS,
 )
 # How each strategy attaches the egress program.
 TC_MODES = {"xdp+tcx": "tcx", "xdp+clsact": "clsact"}
@@ -67,89 +105,6 @@ EVICT_TO = 0.8
 DIRECTIONS = ("ingress", "egress")  # indexed by enum flow_direction (bpf/flows.h)
 PROTOCOLS = {1: "icmp", 2: "igmp", 6: "tcp", 17: "udp", 47: "gre", 50: "esp", 51: "ah", 58: "icmpv6", 132: "sctp"}
 _FOREIGN_XDP = (errno.EEXIST, errno.EBUSY)
-
-
-@dataclass
-class FlowRecord:
-    interface: str
-    direction: str  # "ingress" | "egress"
-    protocol: str  # "tcp", "udp", ... or the IP protocol number
-    local_address: str  # this host's side
-    local_port: int
-    remote_address: str
-    remote_port: int
-    bytes: int
-    packets: int
-    bytes_per_second: float
-    packets_per_second: float
-    cgroup_id: int  # egress: the sending socket's cgroup v2 id; 0 when unknown
-    first_seen: float  # Unix time
-    last_seen: float
-    tcp_syn: int = 0
-    tcp_fin: int = 0
-    tcp_rst: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        # Flat fields: a copy of vars() is exact, and far cheaper than asdict()'s deep copy for the
-        # thousands of flows the agent converts every second.
-        return dict(vars(self))
-
-
-@dataclass
-class InterfaceTotals:
-    """Everything one interface moved in one direction since the probe attached to it."""
-
-    interface: str
-    direction: str
-    bytes: int
-    packets: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-
-@dataclass
-class InterfaceAttachment:
-    """How the programs sit on one interface, or why they could not."""
-
-    interface: str
-    ifindex: int
-    xdp: str | None = None  # "native" | "generic"
-    xdp_error: str = ""
-    tc: str | None = None  # "tcx" | "clsact"
-    tc_error: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-    def describe(self) -> str:
-        xdp = f"xdp {self.xdp}" if self.xdp else f"no xdp ({self.xdp_error})"
-        tc = self.tc or f"no tc ({self.tc_error})"
-        return f"{self.interface}: {xdp}, {tc}"
-
-
-@dataclass
-class FlowsSnapshot:
-    timestamp: float
-    interval_seconds: float
-    flows: list[FlowRecord]
-    interfaces: list[InterfaceTotals]
-    evictions: int  # monotonic: flows evicted to make room
-    insert_failures: int  # monotonic: new flows that found the table full (counted per interface only)
-    malformed_frames: int  # monotonic: frames with truncated or inconsistent headers
-    attachments: list[InterfaceAttachment]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "flows": [f.to_dict() for f in self.flows],
-            "interfaces": [i.to_dict() for i in self.interfaces],
-            "evictions": self.evictions,
-            "insert_failures": self.insert_failures,
-            "malformed_frames": self.malformed_frames,
-            "attachments": [a.to_dict() for a in self.attachments],
-            "timestamp": self.timestamp,
-            "interval_seconds": self.interval_seconds,
-        }
 
 
 @dataclass
@@ -260,7 +215,7 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached
 class _Ledger:
     """What read() remembers: last totals per flow (for rates), and counts of flows gone from the map."""
 
-    previous: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    deltas: Deltas = field(default_factory=Deltas)  # per flow key: (bytes, packets) for rates
     retired_bytes: Counter = field(default_factory=Counter)  # (ifindex, direction) -> bytes
     retired_packets: Counter = field(default_factory=Counter)
     retired_failures: int = 0
@@ -311,7 +266,7 @@ class FlowsProbe(Probe):
         links = watcher.start()
         try:
             self.loaded = load_first(
-                "flows", "flows", self._strategies,
+                SPEC.name, SPEC.bpf_object, self._strategies,
                 configure=lambda obj, _s: setattr(obj.maps["flows"], "max_entries", self.max_flows),
                 attach=lambda obj, strategy: self._attach_initial(obj, strategy, links),
             )
@@ -384,7 +339,7 @@ class FlowsProbe(Probe):
         to_wall = time.time() - time.monotonic()
         flows = [self._record(raw, key, c, names, interval, to_wall) for raw, (key, c) in live.items()]
         flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
-        self._ledger.previous = {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()}
+        self._ledger.deltas.end_round()
         self._ledger.last_read_ns = now_ns
         self._flow_count = len(live)
         unattributed = self._unattributed(obj, names)
@@ -431,7 +386,7 @@ class FlowsProbe(Probe):
 
     def _record(self, raw: bytes, key: Any, c: Any, names: dict[int, str], interval: float,
                 to_wall: float) -> FlowRecord:
-        before_bytes, before_packets = self._ledger.previous.get(raw, (0, 0))
+        added_bytes, added_packets = self._ledger.deltas.increase(raw, (c.bytes, c.packets))
         return FlowRecord(
             interface=names[key.ifindex],
             direction=DIRECTIONS[key.direction],
@@ -442,8 +397,8 @@ class FlowsProbe(Probe):
             remote_port=key.remote_port,
             bytes=c.bytes,
             packets=c.packets,
-            bytes_per_second=(c.bytes - before_bytes) / interval,
-            packets_per_second=(c.packets - before_packets) / interval,
+            bytes_per_second=added_bytes / interval,
+            packets_per_second=added_packets / interval,
             cgroup_id=c.cgroup_id,
             first_seen=to_wall + c.first_seen_ns / 1e9,
             last_seen=to_wall + c.last_seen_ns / 1e9,
@@ -486,65 +441,3 @@ class FlowsProbe(Probe):
 
     def map_usage(self) -> list[MapUsage]:
         return [MapUsage("flows", self._flow_count, self.max_flows)]
-
-
-# --- `aiprobe flows` ---
-
-TOP_ROWS = 20
-
-
-def _si(value: float) -> str:
-    for unit in ("", "k", "M", "G"):
-        if abs(value) < 1000:
-            return f"{value:.1f}{unit}" if unit else f"{value:.0f}"
-        value /= 1000
-    return f"{value:.1f}T"
-
-
-def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
-    header = f"{'INTERFACE':<15} {'DIR':<7} {'PROTO':<6} {'LOCAL':<45} {'REMOTE':<45} {'BYTES/S':>8} {'PKTS/S':>8}"
-    lines = [header]
-    for f in snapshot.flows[:rows]:
-        lines.append(
-            f"{f.interface:<15} {f.direction:<7} {f.protocol:<6} {endpoint(f.local_address, f.local_port):<45} "
-            f"{endpoint(f.remote_address, f.remote_port):<45} {_si(f.bytes_per_second):>8} "
-            f"{_si(f.packets_per_second):>8}"
-        )
-    lines.append(
-        f"{len(snapshot.flows)} flows · evictions {snapshot.evictions} · insert failures {snapshot.insert_failures}"
-        f" · malformed frames {snapshot.malformed_frames}"
-    )
-    return "\n".join(lines)
-
-
-def _globs(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[str]:
-    return [glob for glob in (value or "").replace(",", " ").split() if glob]
-
-
-def _announce(probe: FlowsProbe) -> None:
-    attachments = probe.attachments()
-    where = "; ".join(a.describe() for a in attachments) or "no matching interface yet, watching for new ones"
-    click.echo(f"aiprobe flows: attached ({probe.strategy}): {where}", err=True)
-
-
-@click.command()
-@click.option("--interfaces", callback=_globs, metavar="GLOBS",
-              help="Interfaces to watch, comma-separated globs (default: every interface but loopback).")
-@click.option("--exclude", callback=_globs, metavar="GLOBS", help="Interfaces to leave alone, comma-separated globs.")
-@duration_option
-@interval_option
-@json_option
-@friendly_errors
-def command(interfaces: list[str], exclude: list[str], duration: float | None, interval: float, as_json: bool) -> None:
-    """Bytes and packets per network flow, per direction, live (XDP ingress, tc egress)."""
-    require_privileges()
-    with FlowsProbe(interfaces, exclude) as probe:
-        _announce(probe)
-        clear = "\033[H\033[J" if sys.stdout.isatty() else ""
-        for _ in ticks(duration, interval):
-            snapshot = probe.read()
-            if not as_json:
-                click.echo(clear + render_table(snapshot) + ("" if clear else "\n"))
-        if as_json:
-            emit_json(probe.read().to_dict())
-

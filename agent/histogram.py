@@ -1,10 +1,10 @@
-"""Cumulative histograms as (le_seconds, count) buckets: quantiles and windows of recent changes."""
+"""Cumulative histograms as (le_seconds, count) buckets: from the kernel's log2 slots, to documents,
+and their quantiles. (Windows of recent changes: aiprobe.deltas.Window.)"""
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, count), ascending
@@ -23,18 +23,9 @@ def log2_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
     return buckets
 
 
-def buckets_to_json(buckets: Buckets) -> list[dict]:
+def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:
     """[{"le_seconds", "count"}], with the open bucket's bound written "+Inf" as Prometheus does."""
     return [{"le_seconds": "+Inf" if math.isinf(le) else le, "count": count} for le, count in buckets]
-
-
-def buckets_from_json(histogram: Iterable[Any]) -> list[tuple[float, float]]:
-    """The inverse of buckets_to_json; also takes (le, count) pairs."""
-    out = []
-    for bucket in histogram or ():
-        le, count = (bucket["le_seconds"], bucket["count"]) if isinstance(bucket, dict) else bucket
-        out.append((math.inf if le is None else float(le), float(count)))
-    return out
 
 
 def quantile(buckets: Buckets, q: float) -> float | None:
@@ -55,51 +46,3 @@ def quantile(buckets: Buckets, q: float) -> float | None:
             return lower + (le - lower) * fraction
         previous_le, previous_count = le, count
     return previous_le
-
-
-class WindowedHistograms:
-    """Per-source change of cumulative histograms over the last `window_seconds`, so alert rules
-    judge recent behaviour rather than everything since start."""
-
-    def __init__(self, window_seconds: float) -> None:
-        self._window = window_seconds
-        self._history: dict[Hashable, deque[tuple[float, tuple[float, ...]]]] = {}
-        self._bounds: dict[Hashable, tuple[float, ...]] = {}
-
-    def observe(self, source: Hashable, buckets: Buckets, now: float) -> list[tuple[float, float]]:
-        """Record the current cumulative buckets; return the buckets of what changed in the window."""
-        bounds = tuple(le for le, _ in buckets)
-        counts = tuple(count for _, count in buckets)
-        history = self._history.get(source)
-        if history is None or self._bounds.get(source) != bounds or any(
-                c < p for c, p in zip(counts, history[-1][1], strict=True)):
-            # New source, new layout or a reset: everything counted so far is recent.
-            history = self._history[source] = deque([(now, tuple(0.0 for _ in counts))])
-        self._bounds[source] = bounds
-        history.append((now, counts))
-        while len(history) > 1 and now - history[1][0] >= self._window:
-            history.popleft()
-        oldest = history[0][1]
-        return [(le, c - o) for le, c, o in zip(bounds, counts, oldest, strict=True)]
-
-    def forget(self, keep: set[Hashable]) -> None:
-        for source in set(self._history) - keep:
-            del self._history[source]
-            self._bounds.pop(source, None)
-
-
-class Rates:
-    """Per-second rate of cumulative counters, per source, between consecutive observations."""
-
-    def __init__(self) -> None:
-        self._last: dict[Hashable, tuple[float, float]] = {}
-
-    def rate(self, source: Hashable, value: float, now: float) -> float:
-        last = self._last.get(source)
-        self._last[source] = (now, value)
-        if last is None or now <= last[0] or value < last[1]:
-            return 0.0
-        return (value - last[1]) / (now - last[0])
-
-    def forget(self, keep: set[Hashable]) -> None:
-        self._last = {k: v for k, v in self._last.items() if k in keep}

@@ -3,23 +3,21 @@
 Every value is converted to base units (ratio 0..1, bytes, watts, hertz, celsius, bytes/s). A
 metric that a GPU answers with NOT_SUPPORTED (or an old driver lacks) is disabled for that GPU
 only and never asked again; other errors leave the value None for that read. Without a driver
-the collector is simply unavailable (`reason` says why) and everything else keeps running.
+the probe is simply unavailable (`reason` says why) and everything else keeps running.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-import click
 import pynvml
 
-from .cli import AiprobeError, emit_json, json_option
-from .loader import Strategy
+from .loader import ProbeUnavailable, Strategy
+from .metrics import PROCESS_LABELS, Family
+from .model import GpuInfo, GpuProcess, GpuSnapshot, ProbeStatus
 from .names import process_name
-from .probes import ProbeSpec
+from .probes import Probe, ProbeSpec
 
 T = TypeVar("T")
 
@@ -61,51 +59,6 @@ GPM_METRICS = {
 }
 
 
-@dataclass
-class GpuInfo:
-    index: int
-    uuid: str
-    name: str
-    utilization_gpu_ratio: float | None = None
-    utilization_memory_ratio: float | None = None
-    memory_total_bytes: int | None = None
-    memory_used_bytes: int | None = None
-    memory_free_bytes: int | None = None
-    power_watts: float | None = None
-    temperature_celsius: float | None = None
-    sm_clock_hz: int | None = None
-    memory_clock_hz: int | None = None
-    clock_event_reasons: list[str] | None = None
-    pcie_tx_bytes_per_second: int | None = None
-    pcie_rx_bytes_per_second: int | None = None
-    compute_mode: str | None = None
-    # GPM, between this read and the previous one (None on the first read or without GPM).
-    gpm_context_switch_requests: float | None = None
-    gpm_context_switch_cycles_per_request: float | None = None
-    gpm_context_switch_active_ratio: float | None = None
-
-
-@dataclass
-class GpuProcess:
-    pid: int  # host pid namespace
-    comm: str
-    gpu_index: int
-    gpu_uuid: str
-    used_memory_bytes: int | None
-    sm_utilization_ratio: float | None = None
-
-
-@dataclass
-class GpuSnapshot:
-    available: bool
-    reason: str = ""
-    gpus: list[GpuInfo] = field(default_factory=list)
-    processes: list[GpuProcess] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
 def _reason(exc: pynvml.NVMLError) -> str:
     return "NVML unavailable: " + _HINTS.get(exc.value, str(exc))
 
@@ -144,20 +97,29 @@ def _scaled(value: float | None, scale: float, cast: Callable[[float], Any] = fl
     return None if value is None else cast(value * scale)
 
 
-class NvmlCollector:
-    """NVML's view of the GPUs. `available` is False (with `reason`) without a working driver."""
+class NvmlProbe(Probe):
+    """NVML's view of the GPUs. `start()` raises ProbeUnavailable (and `reason` says why) without a
+    working driver; `read()` then reports the GPUs as unavailable."""
 
     def __init__(self) -> None:
-        self.reason = ""
+        super().__init__()
+        self.reason = "not started"
         self._gpus: list[_Gpu] = []
         self._initialized = False
+
+    def start(self) -> None:
         try:
             pynvml.nvmlInit()
             self._initialized = True
             self._gpus = [_Gpu(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.reason = ""
         except pynvml.NVMLError as exc:
             self.reason = _reason(exc)
             self.close()
+            raise ProbeUnavailable("nvml", {"nvml": self.reason}) from None
+
+    def status(self) -> ProbeStatus:
+        return ProbeStatus(True, "nvml", SPAN) if self.available else ProbeStatus(False, reason=self.reason)
 
     @property
     def available(self) -> bool:
@@ -271,66 +233,76 @@ class NvmlCollector:
             self._initialized = False
             pynvml.nvmlShutdown()
 
-    def __enter__(self) -> NvmlCollector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def nvml_unavailable() -> str | None:
     """Why NVML cannot be used here, or None."""
-    with NvmlCollector() as collector:
-        return None if collector.available else collector.reason
+    probe = NvmlProbe()
+    try:
+        probe.start()
+    except ProbeUnavailable:
+        return probe.reason
+    probe.close()
+    return None
 
+
+SPAN = "NVML samples at each read"
+_GPU_LABELS = (("gpu", "index"), ("uuid", "uuid"))
+_DCGM_LABELS = (("gpu", "index"), ("UUID", "uuid"), ("modelName", "name"))
+
+
+def _gauge(name: str, value: str, help_text: str, labels: tuple[tuple[str, Any], ...] = _GPU_LABELS,
+           scale: float = 1.0, option: str = "") -> Family:
+    return Family(name, "gauge", help_text, GpuInfo, value, labels, scale=scale, option=option)
+
+
+def _dcgm(name: str, value: str, help_text: str, scale: float = 1.0) -> Family:
+    # dcgm-exporter's names and units, so dashboards built for it keep working (--dcgm-compatible).
+    return _gauge(name, value, help_text, _DCGM_LABELS, scale, option="dcgm_compatible_metrics")
+
+
+def _reason_active(reason: str) -> Callable[[GpuInfo], int | None]:
+    return lambda gpu: None if gpu.clock_event_reasons is None else int(reason in gpu.clock_event_reasons)
+
+
+METRICS = (
+    _gauge("aiprobe_gpu_utilization_ratio", "utilization_gpu_ratio", "Fraction of time a kernel ran on the GPU."),
+    _gauge("aiprobe_gpu_memory_utilization_ratio", "utilization_memory_ratio",
+           "Fraction of time device memory was read or written."),
+    _gauge("aiprobe_gpu_memory_used_bytes", "memory_used_bytes", "GPU memory in use."),
+    _gauge("aiprobe_gpu_memory_total_bytes", "memory_total_bytes", "GPU memory installed."),
+    _gauge("aiprobe_gpu_power_watts", "power_watts", "GPU power draw."),
+    _gauge("aiprobe_gpu_temperature_celsius", "temperature_celsius", "GPU temperature."),
+    _gauge("aiprobe_gpu_sm_clock_hertz", "sm_clock_hz", "GPU SM clock."),
+    _gauge("aiprobe_gpu_memory_clock_hertz", "memory_clock_hz", "GPU memory clock."),
+    _gauge("aiprobe_gpu_pcie_tx_bytes_per_second", "pcie_tx_bytes_per_second", "PCIe transmit throughput."),
+    _gauge("aiprobe_gpu_pcie_rx_bytes_per_second", "pcie_rx_bytes_per_second", "PCIe receive throughput."),
+    Family("aiprobe_gpu_clock_event_reason_active", "gauge",
+           "1 while NVML reports this reason for lowered clocks (throttling), else 0.", GpuInfo, labels=_GPU_LABELS,
+           expand_label="reason", expand=tuple((reason, _reason_active(reason))
+                                               for reason in CLOCK_EVENT_REASONS.values()),
+           doc_note="Reasons: " + ", ".join(f"`{reason}`" for reason in CLOCK_EVENT_REASONS.values()) + "."),
+    Family("aiprobe_gpu_process_memory_used_bytes", "gauge", "GPU memory used by processes.", GpuProcess,
+           "used_memory_bytes", (("gpu", "gpu_index"), *PROCESS_LABELS)),
+    _dcgm("DCGM_FI_DEV_GPU_UTIL", "utilization_gpu_ratio", "GPU utilization (in %).", scale=100),
+    _dcgm("DCGM_FI_DEV_MEM_COPY_UTIL", "utilization_memory_ratio", "Memory utilization (in %).", scale=100),
+    _dcgm("DCGM_FI_DEV_FB_USED", "memory_used_bytes", "Framebuffer memory used (in MiB).", scale=1 / 2**20),
+    _dcgm("DCGM_FI_DEV_FB_FREE", "memory_free_bytes", "Framebuffer memory free (in MiB).", scale=1 / 2**20),
+    _dcgm("DCGM_FI_DEV_POWER_USAGE", "power_watts", "Power draw (in W)."),
+    _dcgm("DCGM_FI_DEV_GPU_TEMP", "temperature_celsius", "GPU temperature (in C)."),
+    _dcgm("DCGM_FI_DEV_SM_CLOCK", "sm_clock_hz", "SM clock frequency (in MHz).", scale=1e-6),
+    _dcgm("DCGM_FI_DEV_MEM_CLOCK", "memory_clock_hz", "Memory clock frequency (in MHz).", scale=1e-6),
+)
 
 SPEC = ProbeSpec(
     name="nvml",
     description="GPU utilization, memory, power, clocks and processes from NVML",
-    strategies=(Strategy("nvml", span="NVML samples at each read"),),
+    strategies=(Strategy("nvml", span=SPAN),),
+    order=50,
+    factory=lambda _config, _running: NvmlProbe(),
     requirement=nvml_unavailable,
+    config_keys=("dcgm_compatible_metrics",),
+    command="aiprobe.commands.gpus:command",
+    cli_name="gpus",
+    metrics=METRICS,
 )
-
-
-# ---- `aiprobe gpus` ----
-
-
-def _fmt(value: Any, scale: float = 1.0, unit: str = "", digits: int = 0) -> str:
-    return "n/a" if value is None else f"{value * scale:.{digits}f}{unit}"
-
-
-def print_text(snapshot: GpuSnapshot) -> None:
-    for g in snapshot.gpus:
-        click.echo(f"GPU {g.index}  {g.name}  {g.uuid}")
-        click.echo(
-            f"  util {_fmt(g.utilization_gpu_ratio, 100, '%')}  mem-util {_fmt(g.utilization_memory_ratio, 100, '%')}"
-            f"  memory {_fmt(g.memory_used_bytes, 2**-20, ' MiB')} / {_fmt(g.memory_total_bytes, 2**-20, ' MiB')}"
-            f"  power {_fmt(g.power_watts, 1, ' W', 1)}  temp {_fmt(g.temperature_celsius, 1, ' C')}"
-        )
-        click.echo(
-            f"  clocks sm {_fmt(g.sm_clock_hz, 1e-6, ' MHz')} mem {_fmt(g.memory_clock_hz, 1e-6, ' MHz')}"
-            f"  pcie tx {_fmt(g.pcie_tx_bytes_per_second, 2**-20, ' MiB/s', 1)}"
-            f" rx {_fmt(g.pcie_rx_bytes_per_second, 2**-20, ' MiB/s', 1)}"
-            f"  mode {g.compute_mode or 'n/a'}  clock events {','.join(g.clock_event_reasons or []) or 'none'}"
-        )
-    click.echo(f"\n{'GPU':>3} {'PID':>8} {'COMM':<16} {'MEMORY':>12} {'SM':>5}")
-    for p in snapshot.processes:
-        click.echo(f"{p.gpu_index:>3} {p.pid:>8} {p.comm:<16} {_fmt(p.used_memory_bytes, 2**-20, ' MiB'):>12}"
-                   f" {_fmt(p.sm_utilization_ratio, 100, '%'):>5}")
-
-
-@click.command()
-@json_option
-def command(as_json: bool) -> None:
-    """Print NVML's view of the GPUs and their processes once."""
-    with NvmlCollector() as collector:
-        if not collector.available:
-            raise AiprobeError(collector.reason)
-        snapshot = collector.read()
-        if collector.has_gpm:
-            time.sleep(GPM_SAMPLE_GAP)
-            snapshot = collector.read()
-    if as_json:
-        emit_json(snapshot.to_dict())
-    else:
-        print_text(snapshot)

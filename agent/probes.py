@@ -1,85 +1,37 @@
-"""The probe registry: each probe module declares a `SPEC`; `aiprobe check` plans them all."""
+"""The probe registry. A probe is one module `agent/<name>.py` declaring `SPEC = ProbeSpec(...)`: its
+name, strategies, factory from the config, config keys, CLI command and metric families. Everything
+that lists probes derives the list from here: `aiprobe check`, the CLI, config validation, the
+daemon and the exporter. Adding a probe touches only its own files.
+
+Every probe has one life cycle (`Probe`): `start()` loads and attaches (raising `ProbeUnavailable`
+with every strategy's reason), `read()` returns its model records, `status()` says what runs and
+why not, `close()` detaches everything and may be called any number of times.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .features import Feature
 from .loader import Loaded, Strategy
+from .model import MapUsage, ProbeStatus
 
-# One module per probe, each owning its load, attach and read; listed in `aiprobe check` order.
-PROBE_MODULES = ("flows", "sendlat", "cuda", "sched", "nvml")
+if TYPE_CHECKING:
+    from .config import Config
+    from .metrics import Family
 
-
-@dataclass(frozen=True)
-class ProbeSpec:
-    name: str
-    description: str
-    strategies: tuple[Strategy, ...]
-    # A prerequisite outside the kernel (a user-space library, a device); returns why it is unmet.
-    requirement: Callable[[], str | None] | None = None
-
-
-@dataclass
-class ProbePlan:
-    probe: str
-    description: str
-    strategy: str | None
-    span: str = ""
-    reason: str = ""
-    skipped: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def available(self) -> bool:
-        return self.strategy is not None
-
-    def as_dict(self) -> dict:
-        return {
-            "available": self.available,
-            "strategy": self.strategy,
-            "span": self.span,
-            "reason": self.reason,
-            "skipped": self.skipped,
-            "description": self.description,
-        }
-
-
-def specs() -> list[ProbeSpec]:
-    return [importlib.import_module(f"aiprobe.{name}").SPEC for name in PROBE_MODULES]
-
-
-def plan(spec: ProbeSpec, features: dict[str, Feature]) -> ProbePlan:
-    """The first strategy whose kernel features all work here, and why the ones before it don't."""
-    unmet = spec.requirement() if spec.requirement else None
-    if unmet:
-        return ProbePlan(spec.name, spec.description, None, reason=unmet)
-    skipped: dict[str, str] = {}
-    for strategy in spec.strategies:
-        missing = [f for f in strategy.features if not features[f].available]
-        if not missing:
-            return ProbePlan(spec.name, spec.description, strategy.name, strategy.span, skipped=skipped)
-        skipped[strategy.name] = "kernel lacks " + ", ".join(missing)
-    reason = "; ".join(f"{name}: {why}" for name, why in skipped.items())
-    return ProbePlan(spec.name, spec.description, None, reason=reason, skipped=skipped)
-
-
-@dataclass
-class MapUsage:
-    """How full a bounded BPF map is (exported as aiprobe_bpf_map_entries / _capacity)."""
-
-    map: str
-    entries: int
-    capacity: int
+# A probe module is recognised by its declaration, so registering a probe needs no list elsewhere.
+_DECLARES_SPEC = re.compile(r"^SPEC = ProbeSpec\(", re.MULTILINE)
 
 
 class Probe:
-    """Uniform life cycle of every probe module, so the agent, `top` and the subcommands drive
-    them alike: `start()` loads and attaches (raising `ProbeUnavailable` with every strategy's
-    reason), `read()` returns the probe's snapshot, `close()` detaches everything and may be
-    called any number of times. Use as a context manager."""
+    """Uniform life cycle of every probe; use as a context manager."""
 
     spec: ProbeSpec
 
@@ -100,6 +52,12 @@ class Probe:
     def read(self) -> Any:
         raise NotImplementedError
 
+    def status(self) -> ProbeStatus:
+        """Running (with its strategy and what it measures), or why not."""
+        if self.loaded is None:
+            return ProbeStatus(False, reason="not started")
+        return ProbeStatus(True, self.loaded.strategy.name, self.loaded.strategy.span)
+
     def map_usage(self) -> list[MapUsage]:
         return []
 
@@ -117,3 +75,96 @@ class Probe:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# factory(config, probes started before this one) -> an unstarted probe
+Factory = Callable[["Config", Mapping[str, Probe]], Probe]
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    name: str
+    description: str
+    strategies: tuple[Strategy, ...]
+    order: int  # place in `aiprobe check`, the snapshot's `probes` and the start order
+    bpf_object: str = ""  # its agent/bpf_objects/<name>.bpf.o, if it has one
+    factory: Factory | None = None
+    # A prerequisite outside the kernel (a user-space library, a device); returns why it is unmet.
+    requirement: Callable[[], str | None] | None = None
+    config_keys: tuple[str, ...] = ()  # the Config fields only this probe reads
+    command: str = ""  # "module:attribute" of its `aiprobe <cli_name>` command
+    cli_name: str = ""  # defaults to the probe's name
+    metrics: tuple[Family, ...] = ()
+    # Runs inside another probe (sched's programs live in cuda's object): selected with it.
+    runs_with: str | None = None
+    # Cheap host-wide counters that run whatever the config selects.
+    always: bool = False
+
+    @property
+    def subcommand(self) -> str:
+        return self.cli_name or self.name
+
+    @property
+    def selectable(self) -> bool:
+        """Whether the config's `probes` names it."""
+        return self.runs_with is None and not self.always
+
+
+@cache
+def specs() -> tuple[ProbeSpec, ...]:
+    package = Path(__file__).parent
+    modules = [path.stem for path in sorted(package.glob("*.py")) if _DECLARES_SPEC.search(path.read_text())]
+    found = [importlib.import_module(f"{__package__}.{name}").SPEC for name in modules]
+    return tuple(sorted(found, key=lambda spec: spec.order))
+
+
+def spec(name: str) -> ProbeSpec:
+    return next(s for s in specs() if s.name == name)
+
+
+def selectable_names() -> tuple[str, ...]:
+    return tuple(s.name for s in specs() if s.selectable)
+
+
+def selected(names: tuple[str, ...]) -> list[ProbeSpec]:
+    """The probes a config's `probes` runs, in start order."""
+    return [s for s in specs() if s.always or s.name in names or s.runs_with in names]
+
+
+@dataclass
+class ProbePlan:
+    probe: str
+    description: str
+    strategy: str | None
+    span: str = ""
+    reason: str = ""
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def available(self) -> bool:
+        return self.strategy is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "available": self.available,
+            "strategy": self.strategy,
+            "span": self.span,
+            "reason": self.reason,
+            "skipped": self.skipped,
+            "description": self.description,
+        }
+
+
+def plan(spec: ProbeSpec, features: dict[str, Feature]) -> ProbePlan:
+    """The first strategy whose kernel features all work here, and why the ones before it don't."""
+    unmet = spec.requirement() if spec.requirement else None
+    if unmet:
+        return ProbePlan(spec.name, spec.description, None, reason=unmet)
+    skipped: dict[str, str] = {}
+    for strategy in spec.strategies:
+        missing = [f for f in strategy.features if not features[f].available]
+        if not missing:
+            return ProbePlan(spec.name, spec.description, strategy.name, strategy.span, skipped=skipped)
+        skipped[strategy.name] = "kernel lacks " + ", ".join(missing)
+    reason = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+    return ProbePlan(spec.name, spec.description, None, reason=reason, skipped=skipped)

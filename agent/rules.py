@@ -8,9 +8,11 @@ outputs (JSON lines, Alertmanager) and `aiprobe_bottleneck_active` consume.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 from .config import RuleConfig
+from .model import Alert
 
 RESOLVED_RETENTION_SECONDS = 15 * 60
 
@@ -49,31 +51,11 @@ class Signal:
     rule: str
     target: str
     value: float
-    evidence: dict = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class Alert:
-    rule: str
-    severity: str
-    target: str
-    state: str  # "pending" | "firing" | "resolved" | "inactive" (a pending alert that cleared)
-    value: float
-    evidence: dict
-    active_since: float  # when the condition started holding
-    since: float  # when the current state began
-    resolved_at: float | None = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.rule, self.target
-
-    @property
-    def summary(self) -> str:
-        return RULES[self.rule].summary.format(value=self.value, target=self.target)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "summary": self.summary}
+def summary(alert: Alert) -> str:
+    return RULES[alert.rule].summary.format(value=alert.value, target=alert.target)
 
 
 class RuleEngine:
@@ -103,6 +85,7 @@ class RuleEngine:
                 changed.append(copy.deepcopy(alert))
             elif alert is not None and holds:
                 alert.value, alert.evidence = signal.value, signal.evidence
+                alert.summary = summary(alert)
             elif alert is not None:
                 changed.extend(self._close(alert, now))
                 continue
@@ -120,6 +103,7 @@ class RuleEngine:
     def _open(self, signal: Signal, now: float) -> Alert:
         alert = Alert(signal.rule, self._rules[signal.rule].severity, signal.target, "pending", signal.value,
                       signal.evidence, active_since=now, since=now)
+        alert.summary = summary(alert)
         self._active[alert.key] = alert
         return alert
 

@@ -4,13 +4,23 @@ The programs live in bpf/cuda.bpf.c next to the CUDA uprobes, because they share
 and `processes`: a thread becomes GPU-driving when a uprobe first sees it call into libcuda, the
 scheduler programs act on those threads only, and `sched_process_exit` removes a thread's entry
 when it exits (its counts stay in its process's entry). `aiprobe.cuda.CudaProbe` loads them
-together, trying the strategies below in order (tp_btf → raw_tp → tracepoint) and reports the one
-chosen as `sched_strategy`. This module declares the scheduler strategies so `aiprobe check` plans
-them.
+together, trying the strategies below in order (tp_btf → raw_tp → tracepoint). `SchedProbe` is the
+scheduler side's own face: its status (the strategy cuda chose for it, or why none), and its
+records are the runqueue fields of cuda's `CudaProcess` records.
 """
 
-from .loader import Strategy
-from .probes import ProbeSpec
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .loader import ProbeUnavailable, Strategy
+from .metrics import PROCESS_LABELS, Family
+from .model import CudaProcess, ProbeStatus
+from .probes import Probe, ProbeSpec
+
+if TYPE_CHECKING:
+    from .config import Config
 
 _SPAN = "sched_wakeup / preemption to sched_switch onto a CPU, GPU-driving threads only"
 TRACEPOINTS = ("sched_wakeup", "sched_switch", "sched_process_exit")
@@ -20,8 +30,48 @@ STRATEGIES = tuple(
     for kind in ("tp_btf", "raw_tp", "tracepoint")
 )
 
+
+class SchedProbe(Probe):
+    """The scheduler programs the cuda probe loaded with its uprobes (`host`: that probe)."""
+
+    def __init__(self, host: Any) -> None:
+        super().__init__()
+        self._host = host
+
+    def start(self) -> None:
+        if self._host is None or self._host.sched_strategy is None:
+            raise ProbeUnavailable("sched", {"sched": "scheduler tracepoints unavailable" if self._host
+                                             else "runs inside the cuda probe, which is not running"})
+
+    def read(self) -> None:
+        return None  # its values are in the cuda probe's records
+
+    def status(self) -> ProbeStatus:
+        strategy = self._host.sched_strategy if self._host is not None else None
+        return ProbeStatus(True, strategy, _SPAN) if strategy else ProbeStatus(False, reason="not running")
+
+    def close(self) -> None:
+        self._host = None
+
+
+def _from_config(_config: Config, running: Mapping[str, Probe]) -> Probe:
+    return SchedProbe(running.get("cuda"))
+
+
 SPEC = ProbeSpec(
     name="sched",
     description="run-queue delay and involuntary preemptions of GPU-driving threads",
     strategies=STRATEGIES,
+    bpf_object="cuda",
+    order=40,
+    factory=_from_config,
+    runs_with="cuda",
+    metrics=(
+        Family("aiprobe_gpu_thread_runqueue_delay_seconds", "histogram",
+               "Time GPU-driving threads waited runnable for a CPU (wakeup to on-CPU).", CudaProcess,
+               "runqueue_histogram", PROCESS_LABELS, sum_field="runqueue_delay_seconds_sum", per_identity=True),
+        Family("aiprobe_gpu_thread_involuntary_preemptions_total", "counter",
+               "Times a GPU-driving thread was preempted while runnable.", CudaProcess, "involuntary_preemptions",
+               PROCESS_LABELS, per_identity=True),
+    ),
 )

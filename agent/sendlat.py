@@ -2,26 +2,27 @@
 
 The kernel aggregates: a log2 histogram per (process, cgroup), counters per flow, and only sends
 slower than a threshold leave it one by one, through a ring buffer. `SendLatencyProbe.read()`
-turns the maps into a `SendLatencySnapshot`; `aiprobe sendlat` prints it.
+turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` prints them.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-import click
+from typing import TYPE_CHECKING, Any
 
 from . import btf
-from .cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from .histogram import NS_PER_SECOND, buckets_to_json, log2_buckets, quantile
+from .histogram import NS_PER_SECOND, log2_buckets, quantile
 from .loader import BpfObject, Strategy, load_first
-from .names import comm_text, endpoint, ip_text
-from .probes import MapUsage, Probe, ProbeSpec
+from .metrics import PROCESS_LABELS, Family
+from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .names import comm_text, ip_text
+from .probes import Probe, ProbeSpec
+from .procfs import StartTimes
+
+if TYPE_CHECKING:
+    pass
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
@@ -58,78 +59,18 @@ SPEC = ProbeSpec(
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",
         ),
     ),
+    bpf_object=OBJECT,
+    order=20,
+    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False),
+    config_keys=("slow_send_threshold_ms",),
+    command="aiprobe.commands.sendlat:command",
+    metrics=(
+        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes passed to tcp_sendmsg.", ProcessSendLatency,
+               "bytes", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram", "Duration of tcp_sendmsg calls (log2 buckets).",
+               ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds", per_identity=True),
+    ),
 )
-
-
-# --- snapshot ---
-
-@dataclass
-class ProcessSendLatency:
-    """Sends of one process in one cgroup since the probe started (monotonic counters)."""
-
-    pid: int
-    comm: str
-    cgroup_id: int
-    count: int
-    bytes: int
-    sum_seconds: float
-    p50_seconds: float | None  # None before the first send
-    p99_seconds: float | None
-    histogram: list[tuple[float, int]]
-
-    def to_dict(self) -> dict:
-        # Not asdict(): it deep-copies the 36 buckets of every process each refresh.
-        return {**vars(self), "histogram": buckets_to_json(self.histogram)}
-
-
-@dataclass
-class FlowSendStats:
-    """Sends of one process on one TCP connection since the probe started."""
-
-    pid: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
-    count: int
-    bytes: int
-    sum_seconds: float
-
-
-@dataclass
-class SlowSend:
-    """One send slower than the threshold."""
-
-    pid: int
-    tid: int
-    comm: str
-    cgroup_id: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
-    bytes: int
-    duration_seconds: float
-
-
-@dataclass
-class SendLatencySnapshot:
-    strategy: str
-    span: str
-    processes: list[ProcessSendLatency] = field(default_factory=list)
-    flows: list[FlowSendStats] = field(default_factory=list)
-    slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
-    lost_events: int = 0  # slow sends lost since start
-
-    def to_dict(self) -> dict:
-        return {
-            "strategy": self.strategy,
-            "span": self.span,
-            "processes": [p.to_dict() for p in self.processes],
-            "flows": [dict(vars(f)) for f in self.flows],
-            "slow_sends": [dict(vars(s)) for s in self.slow_sends],
-            "lost_events": self.lost_events,
-        }
 
 
 # --- decoding map entries ---
@@ -143,7 +84,7 @@ def _endpoints(flow: dict) -> dict[str, Any]:
     }
 
 
-def _process(key: dict, value: dict) -> ProcessSendLatency:
+def _process(key: dict[str, Any], value: dict[str, Any], started: int) -> ProcessSendLatency:
     latency = value["latency"]
     buckets = log2_buckets(latency["slots"])
     return ProcessSendLatency(
@@ -156,6 +97,7 @@ def _process(key: dict, value: dict) -> ProcessSendLatency:
         p50_seconds=quantile(buckets, 0.5),
         p99_seconds=quantile(buckets, 0.99),
         histogram=buckets,
+        start_ticks=started,
     )
 
 
@@ -197,6 +139,7 @@ class SendLatencyProbe(Probe):
         self._pending: list[SlowSend] = []
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
+        self._starts = StartTimes()
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -238,7 +181,9 @@ class SendLatencyProbe(Probe):
         obj = self._obj()
         self.poll(0)
         slow_sends, self._pending = self._pending, []
-        processes = [_process(key, value) for key, value in self._read_and_prune(obj, "procs")]
+        entries = self._read_and_prune(obj, "procs")
+        processes = [_process(key, value, self._starts.of(key["tgid"])) for key, value in entries]
+        self._starts.keep_only({key["tgid"] for key, _ in entries})
         flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
             strategy=self.loaded.strategy.name,
@@ -272,74 +217,3 @@ class SendLatencyProbe(Probe):
     def close(self) -> None:
         self._ring = None  # freed with the object
         super().close()
-
-
-# --- aiprobe sendlat ---
-
-_SLOW_HEADER = f"{'TIME':<9} {'PID':>7} {'COMM':<16} {'LOCAL':<24} {'REMOTE':<24} {'BYTES':>9} {'MS':>9}"
-
-
-def _print_slow_send(send: SlowSend) -> None:
-    click.echo(
-        f"{time.strftime('%H:%M:%S'):<9} {send.pid:>7} {send.comm:<16} "
-        f"{endpoint(send.local_address, send.local_port):<24} {endpoint(send.remote_address, send.remote_port):<24} "
-        f"{send.bytes:>9} {send.duration_seconds * 1e3:>9.3f}"
-    )
-
-
-def _print_histogram(process: ProcessSendLatency) -> None:
-    """bcc-style log2 histogram of one process, in nanoseconds."""
-    click.echo(
-        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends, "
-        f"{process.bytes} bytes, p50 {process.p50_seconds * 1e6:.1f} us, p99 {process.p99_seconds * 1e6:.1f} us"
-    )
-    counts = [cumulative - below for (_, cumulative), (_, below) in
-              zip(process.histogram, [(0.0, 0), *process.histogram[:-1]], strict=True)]
-    used = [i for i, count in enumerate(counts) if count]
-    if not used:
-        return
-    widest = max(counts)
-    click.echo(f"{'nsecs':>24} : {'count':<8} distribution")
-    for slot in range(used[0], used[-1] + 1):
-        stars = "*" * round(40 * counts[slot] / widest)
-        upper = "inf" if slot == len(counts) - 1 else str(2 ** (slot + 1) - 1)
-        click.echo(f"{2 ** slot:>11} -> {upper:<10} : {counts[slot]:<8} |{stars:<40}|")
-
-
-@click.command()
-@duration_option
-@click.option("--pid", type=click.IntRange(min=1), default=None, help="Only this process (its pid / tgid).")
-@click.option(
-    "--threshold-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
-    help="Print each send slower than this as it happens.",
-)
-@json_option
-@friendly_errors
-def command(duration: float | None, pid: int | None, threshold_ms: float, as_json: bool) -> None:
-    """TCP send latency per process, and each slow send as it happens (like bcc's tools)."""
-    require_privileges()
-    if pid is not None and not _process_exists(pid):
-        raise AiprobeError(f"no process with pid {pid}")
-    with SendLatencyProbe(threshold_ms=threshold_ms, pid=pid) as probe:
-        # Status on stderr (stdout is the data): also tells a caller that the probe is attached.
-        click.echo(f"Tracing TCP sends ({probe.strategy}: {probe.loaded.strategy.span}); Ctrl-C to end.", err=True)
-        if not as_json:
-            click.echo(f"Sends slower than {threshold_ms:g} ms:\n{_SLOW_HEADER}")
-        for _ in ticks(duration, 0.2):
-            for send in probe.poll(0):
-                if not as_json:
-                    _print_slow_send(send)
-        snapshot = probe.read()
-    if as_json:
-        emit_json(snapshot.to_dict())
-        return
-    for process in sorted(snapshot.processes, key=lambda p: (p.pid, p.cgroup_id)):
-        _print_histogram(process)
-    if snapshot.lost_events:
-        click.echo(f"\n{snapshot.lost_events} slow-send events lost", err=True)
-
-
-def _process_exists(pid: int) -> bool:
-    import psutil
-
-    return psutil.pid_exists(pid)

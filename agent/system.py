@@ -60,6 +60,19 @@ class Mount:
     detail: str
 
 
+class UserError(Exception):
+    """A failure the user can act on: the CLI prints it as one line `aiprobe: <message>`, exit 1."""
+
+
+def require_privileges() -> None:
+    """Raise UserError (one line) when aiprobe lacks the privileges to load BPF programs; mount what
+    the probes need."""
+    error = privilege_error()
+    if error:
+        raise UserError(error)
+    prepare_mounts()
+
+
 def _is_mounted(path: Path, fstype: str) -> bool:
     for line in Path("/proc/self/mounts").read_text().splitlines():
         fields = line.split()

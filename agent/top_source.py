@@ -16,8 +16,8 @@ from typing import Protocol
 
 import psutil
 
-from .cli import AiprobeError, require_privileges
 from .config import DEFAULT_PORT, ConfigError, load
+from .system import UserError, require_privileges
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 SNAPSHOT_PATH = "/api/v1/snapshot"
@@ -75,7 +75,7 @@ class InProcessAgent:
         try:
             config = load(None, interfaces=interfaces, interval_seconds=interval)
         except ConfigError as exc:
-            raise AiprobeError(str(exc)) from None
+            raise UserError(str(exc)) from None
         require_privileges()
         # The snapshot carries each probe's reason for being down; log lines would scribble over the screen.
         logging.getLogger("aiprobe").addHandler(logging.NullHandler())
@@ -137,7 +137,7 @@ def open_source(connect: str, interfaces: list[str] | None, interval: float) -> 
         for url in urls:
             if answers(url):
                 return AgentClient(url)
-        raise AiprobeError(
+        raise UserError(
             f"an aiprobe agent runs (pid {pid}) but does not answer at {', '.join(urls) or 'any address yet'}; "
             "try again, or --connect its address"
         )

@@ -5,35 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from . import top_format
+from . import formatting
+from .formatting import Column, table
 from .names import endpoint
-
-
-@dataclass(frozen=True)
-class Column:
-    title: str
-    key: str  # the row field shown and sorted on; its name implies the unit (top_format.formatter_for)
-    width: int
-    numeric: bool = True  # right-aligned
-    text: Callable[[Any], str] | None = None  # a formatter other than the one the key's unit implies
-
-    @property
-    def justify(self) -> str:
-        return "right" if self.numeric else "left"
-
-    def cell(self, row: dict) -> str:
-        value = row.get(self.key)
-        if value is None:
-            return top_format.MISSING
-        return self.text(value) if self.text else top_format.field(self.key, value)
-
-    def fit(self, text: str) -> str:
-        """`text` padded or cut to the column width (batch text tables)."""
-        if len(text) > self.width:
-            text = text[: self.width - 1] + "…"
-        return text.rjust(self.width) if self.numeric else text.ljust(self.width)
 
 
 @dataclass(frozen=True)
@@ -71,7 +46,7 @@ def _flow_rows(snapshot: dict) -> list[dict]:
 
 def _evidence(evidence: dict) -> str:
     """`send_p99=310 ms threshold=50 ms`: each value in its unit, the unit suffix dropped from the name."""
-    return " ".join(f"{top_format.without_unit(key)}={top_format.field(key, value)}" for key, value in evidence.items())
+    return " ".join(f"{formatting.without_unit(key)}={formatting.field(key, value)}" for key, value in evidence.items())
 
 
 def _alert_rows(snapshot: dict) -> list[dict]:
@@ -150,7 +125,7 @@ VIEWS: dict[str, View] = {
         View(
             "alerts", "Alerts",
             (
-                Column("SINCE", "age_seconds", 6, text=top_format.age),
+                Column("SINCE", "age_seconds", 6, text=formatting.age),
                 Column("STATE", "state", 7, numeric=False),
                 Column("RULE", "rule", 25, numeric=False),
                 Column("TARGET", "target", 18, numeric=False),
@@ -214,8 +189,5 @@ def text_report(snapshot: dict) -> str:
     lines = header_lines(snapshot)
     for view in VIEWS.values():
         lines += ["", f"{view.title.upper()}", *probe_notices(view, snapshot)]
-        lines.append(" ".join(column.fit(column.title) for column in view.columns).rstrip())
-        for row in visible_rows(view, snapshot, view.sort_key, view.descending):
-            cells = zip(view.columns, view.cells(row), strict=True)
-            lines.append(" ".join(column.fit(cell) for column, cell in cells).rstrip())
+        lines += table(view.columns, visible_rows(view, snapshot, view.sort_key, view.descending))
     return "\n".join(lines)

@@ -18,7 +18,7 @@ import urllib.request
 from datetime import UTC, datetime
 from typing import IO
 
-from aiprobe.rules import Alert
+from aiprobe.model import Alert
 
 log = logging.getLogger("aiprobe.alerts")
 

@@ -1,46 +1,61 @@
-"""docs/metrics.md and the exporter agree: every metric the agent can serve is documented with the
-same type and labels, and nothing documented is missing from the code."""
+"""docs/metrics.md and the exporter agree: the tables are the ones generated from the probes'
+declarations, every metric the agent can serve is documented with the same type and labels, and
+nothing documented is missing from the code."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from aiprobe.exporters.prometheus import AgentCollector, Readings
+from aiprobe.config import Config
+from aiprobe.exporters.prometheus import AgentCollector, doc_tables
+from aiprobe.histogram import log2_buckets
+from aiprobe.model import (
+    Alert,
+    CudaProcess,
+    CudaSnapshot,
+    FlowRecord,
+    FlowsSnapshot,
+    GpuInfo,
+    GpuProcess,
+    GpuSnapshot,
+    InterfaceTotals,
+    MapUsage,
+    ProbeStatus,
+    ProcessSendLatency,
+    Readings,
+    SendLatencySnapshot,
+    TcpCounters,
+)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-HISTOGRAM = [{"le_seconds": 2.0**i / 1e9, "count": 1} for i in range(1, 36)] + [{"le_seconds": None, "count": 1}]
+HISTOGRAM = log2_buckets([1] * 36)
 
 
 def every_kind_of_reading() -> Readings:
     """One record of each kind, so every family the exporter can build has a sample."""
-    flow = {"interface": "eth0", "direction": "ingress", "protocol": "tcp", "local_address": "a", "local_port": 1,
-            "remote_address": "b", "remote_port": 2, "bytes": 10, "packets": 1, "bytes_per_second": 1,
-            "tcp_syn": 1, "tcp_fin": 0, "tcp_rst": 0}
-    gpu = {"index": 0, "uuid": "u", "name": "n", "utilization_gpu_ratio": 0.5, "utilization_memory_ratio": 0.5,
-           "memory_used_bytes": 1, "memory_total_bytes": 2, "memory_free_bytes": 1, "power_watts": 1,
-           "temperature_celsius": 1, "sm_clock_hz": 1, "memory_clock_hz": 1, "pcie_tx_bytes_per_second": 1,
-           "pcie_rx_bytes_per_second": 1, "clock_event_reasons": ["sw_power_cap"]}
-    process = {"pid": 1, "comm": "x", "container": "host"}
+    flow = FlowRecord("eth0", "ingress", "tcp", "a", 1, "b", 2, 10, 1, 1.0, 1.0, 0, 0.0, 0.0, tcp_syn=1)
+    gpu = GpuInfo(0, "u", "n", 0.5, 0.5, 2, 1, 1, 1.0, 1.0, 1, 1, ["sw_power_cap"], 1, 1)
     return Readings(
-        flows={"flows": [flow], "interfaces": [{"interface": "eth0", "direction": "ingress", "bytes": 10,
-                                                "packets": 1}]},
-        sendlat={"processes": [{**process, "count": 1, "bytes": 5, "sum_seconds": 0.1, "histogram": HISTOGRAM}]},
-        cuda={"processes": [{**process, "context_switches": 1, "kernel_launches": 1, "involuntary_preemptions": 1,
-                             "sync_histogram": HISTOGRAM, "sync_seconds_sum": 0.1, "runqueue_histogram": HISTOGRAM,
-                             "runqueue_delay_seconds_sum": 0.1}]},
-        gpus={"gpus": [gpu], "processes": [{**process, "gpu_index": 0, "used_memory_bytes": 1}]},
-        tcp={"listen_overflows": 0, "listen_drops": 0, "retransmitted_segments": 0, "sent_segments": 0},
-        probes={"flows": {"up": True, "strategy": "xdp+tcx"}},
-        map_usage=[{"probe": "flows", "map": "flows", "entries": 1, "capacity": 2}],
+        records={
+            "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, []),
+            "sendlat": SendLatencySnapshot("tracepoint", "", [
+                ProcessSendLatency(1, "x", 0, 1, 5, 0.1, 0.1, 0.1, HISTOGRAM)]),
+            "cuda": CudaSnapshot([CudaProcess(1, "x", "lib", 1, 1, 1, 0.1, 0.1, HISTOGRAM, 0.1, 0.1, HISTOGRAM, 1)],
+                                 "tp_btf", []),
+            "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
+            "netstat": TcpCounters(0, 0, 0, 0),
+        },
+        probes={"flows": ProbeStatus(True, "xdp+tcx")},
+        map_usage={"flows": [MapUsage("flows", 1, 2)]},
         events_lost={"sendlat": 0},
-        alerts=[{"rule": "gpu_saturated", "severity": "info", "target": "gpu0", "state": "firing"}],
+        alerts=[Alert("gpu_saturated", "info", "gpu0", "firing", 1.0, {}, 0.0, 0.0)],
         collectors={"flows": (0.1, True)},
     )
 
 
 def exported() -> dict[str, tuple[str, set[str]]]:
-    collector = AgentCollector(top_flows=100, dcgm_compatible=True,
+    collector = AgentCollector(Config(dcgm_compatible_metrics=True),
                                build_info={"version": "0", "kernel": "k", "libbpf": "1.1"})
     collector.update(every_kind_of_reading())
     out = {}
@@ -55,6 +70,15 @@ def documented() -> dict[str, tuple[str, set[str]]]:
     rows = re.findall(r"^\| `([A-Za-z_:]+)` \| (\w+) \|([^|]*)\|", DOC.read_text(), flags=re.MULTILINE)
     return {name: (kind, {label.strip() for label in labels.split(",") if label.strip()})
             for name, kind, labels in rows}
+
+
+def test_doc_tables_are_the_generated_ones() -> None:
+    text = DOC.read_text()
+    for table, rows in doc_tables().items():
+        assert "\n".join(rows) in text, f"docs/metrics.md: regenerate the {table} table " \
+                                        "(python -m aiprobe.exporters.prometheus)"
+    generated = {row for rows in doc_tables().values() for row in rows}
+    assert {line for line in text.splitlines() if line.startswith("| `")} == generated
 
 
 def test_every_exported_metric_is_documented_and_vice_versa() -> None:

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from aiprobe.nvml import NvmlCollector
+from aiprobe.loader import ProbeUnavailable
+from aiprobe.nvml import NvmlProbe
 from conftest import FIXTURE_BUILD
 
 GIB = 1 << 30
@@ -63,16 +64,16 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
 def test_gpus_text_view(nvml_env, aiprobe_cli) -> None:
     out = subprocess.run([*aiprobe_cli, "gpus"], env=nvml_env, capture_output=True, text=True, check=True).stdout
     assert "GPU 0  NVIDIA H100 80GB HBM3" in out
-    assert "power 312.5 W" in out
-    assert "power n/a" in out
+    assert "power 312 W" in out  # units from aiprobe.formatting, as in top
+    assert "power -" in out  # NOT_SUPPORTED on GPU 1
 
 
 def test_not_supported_metric_is_disabled_for_that_gpu_only(nvml_env) -> None:
     script = """
 import ctypes, json
-from aiprobe.nvml import NvmlCollector
-with NvmlCollector() as collector:
-    powers = [[gpu.power_watts for gpu in collector.read().gpus] for _ in range(3)]
+from aiprobe.nvml import NvmlProbe
+with NvmlProbe() as probe:
+    powers = [[gpu.power_watts for gpu in probe.read().gpus] for _ in range(3)]
 fake = ctypes.CDLL("libnvidia-ml.so.1")
 calls = [fake.fake_nvml_calls(f"nvmlDeviceGetPowerUsage/{i}".encode()) for i in (0, 1)]
 print(json.dumps({"powers": powers, "calls": calls}))
@@ -94,15 +95,17 @@ def test_without_nvml_gpus_exits_1_with_one_line(aiprobe_cli) -> None:
     ]
 
 
-def test_without_nvml_collector_is_unavailable_and_reads_empty() -> None:
+def test_without_nvml_probe_is_unavailable_and_reads_empty() -> None:
     _no_real_nvml()
-    collector = NvmlCollector()  # this process was started without the fake on its library path
-    assert not collector.available
-    assert "libnvidia-ml.so.1 not found" in collector.reason
-    assert collector.read().to_dict() == {"available": False, "reason": collector.reason, "gpus": [],
-                                          "processes": []}
-    collector.close()
-    collector.close()
+    probe = NvmlProbe()  # this process was started without the fake on its library path
+    with pytest.raises(ProbeUnavailable):
+        probe.start()
+    assert not probe.available
+    assert "libnvidia-ml.so.1 not found" in probe.reason
+    assert probe.status().to_dict() == {"up": False, "strategy": None, "span": "", "reason": probe.reason}
+    assert probe.read().to_dict() == {"available": False, "reason": probe.reason, "gpus": [], "processes": []}
+    probe.close()
+    probe.close()
 
 
 @pytest.mark.bpf

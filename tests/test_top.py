@@ -10,8 +10,8 @@ import subprocess
 from collections.abc import Awaitable, Callable
 
 import pytest
-from aiprobe import top_format
-from aiprobe.top import HelpScreen, TopApp, run_batch
+from aiprobe import formatting
+from aiprobe.commands.top import HelpScreen, TopApp, run_batch
 from aiprobe.top_source import SnapshotError, _is_agent, normalize_url
 from aiprobe.top_views import VIEWS, text_report
 from textual.pilot import Pilot
@@ -124,20 +124,20 @@ def comms(app: TopApp) -> list[str]:
 
 
 def test_values_keep_their_units() -> None:
-    assert top_format.field("send_bytes_per_second", 120_000.0) == "117 KiB/s"
-    assert top_format.field("bytes_per_second", 9_000_000.0) == "8.58 MiB/s"
-    assert top_format.field("send_p99_seconds", 0.0003) == "300 µs"
-    assert top_format.field("send_p99_seconds", 0.31) == "310 ms"
-    assert top_format.field("gpu_utilization_ratio", 0.83) == "83%"
-    assert top_format.field("gpu_memory_used_bytes", 1 << 30) == "1 GiB"
-    assert top_format.field("cuda_kernel_launches_per_second", 1500.0) == "1.50k/s"
-    assert top_format.field("sm_clock_hz", 1980000000) == "1980 MHz"
-    assert top_format.field("power_watts", 312.5) == "312 W"
-    assert top_format.field("temperature_celsius", 61) == "61 °C"
-    assert top_format.field("packets", 123456) == "123k"
-    assert top_format.field("anything_seconds", None) == top_format.MISSING
-    assert top_format.age(192) == "3m12s"
-    assert top_format.without_unit("threshold_seconds") == "threshold"
+    assert formatting.field("send_bytes_per_second", 120_000.0) == "117 KiB/s"
+    assert formatting.field("bytes_per_second", 9_000_000.0) == "8.58 MiB/s"
+    assert formatting.field("send_p99_seconds", 0.0003) == "300 µs"
+    assert formatting.field("send_p99_seconds", 0.31) == "310 ms"
+    assert formatting.field("gpu_utilization_ratio", 0.83) == "83%"
+    assert formatting.field("gpu_memory_used_bytes", 1 << 30) == "1 GiB"
+    assert formatting.field("cuda_kernel_launches_per_second", 1500.0) == "1.50k/s"
+    assert formatting.field("sm_clock_hz", 1980000000) == "1980 MHz"
+    assert formatting.field("power_watts", 312.5) == "312 W"
+    assert formatting.field("temperature_celsius", 61) == "61 °C"
+    assert formatting.field("packets", 123456) == "123k"
+    assert formatting.field("anything_seconds", None) == formatting.MISSING
+    assert formatting.age(192) == "3m12s"
+    assert formatting.without_unit("threshold_seconds") == "threshold"
 
 
 # --- the screen --------------------------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-from . import __version__, libbpf
-from .cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
-from .features import probe_features
-from .probes import ProbePlan, plan, specs
-from .system import kernel_release, prepare_mounts
+from .. import __version__, libbpf
+from ..cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
+from ..features import probe_features
+from ..probes import ProbePlan, plan, specs
+from ..system import kernel_release, prepare_mounts
 
 
 def _short(detail: str) -> str:
@@ -16,7 +18,7 @@ def _short(detail: str) -> str:
     return detail.split(" — ")[0]
 
 
-def _print_text(report: dict, plans: list[ProbePlan]) -> None:
+def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
     click.echo(f"aiprobe {report['version']} · kernel {report['kernel']} · libbpf {report['libbpf']}")
     click.echo("\nKernel capabilities (each from a real load and attach):")
     for name, feature in report["features"].items():

@@ -1,6 +1,6 @@
 """`aiprobe top`: processes, flows, GPUs and alerts of this host on one screen, with htop's keys.
 
-The screen renders docs/snapshot.md documents (top_views says which fields, top_format in which
+The screen renders docs/snapshot.md documents (top_views says which fields, formatting in which
 units); top_source fetches them from a running agent or from the probes loaded in-process."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from textual.binding import Binding
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
-from .cli import AiprobeError, friendly_errors, interval_option, ticks
-from .top_source import DEFAULT_URL, SnapshotError, SnapshotSource, normalize_url, open_source
-from .top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
+from ..cli import AiprobeError, friendly_errors, interval_option, ticks
+from ..top_source import DEFAULT_URL, SnapshotError, SnapshotSource, normalize_url, open_source
+from ..top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
 
 # Signals that end top like `q` does: terminal restored first, then the probes closed.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)

@@ -1,0 +1,96 @@
+"""`aiprobe agent`: run the agent (aiprobe.daemon) and serve /metrics, /healthz and /api/v1/snapshot,
+pushing alerts to Alertmanager and a JSON-lines log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from .. import __version__, libbpf
+from ..cli import require_privileges, ticks
+from ..config import Config, ConfigError, load, probe_names
+from ..daemon import Agent
+from ..model import Alert
+from ..system import kernel_release
+
+log = logging.getLogger("aiprobe.agent")
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return [item.strip() for item in value.split(",") if item.strip()] if value else None
+
+
+class ConfigProblem(click.ClickException):
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"aiprobe: config: {self.format_message()}", err=True)
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (docs/config.md).")
+@click.option("--listen", help="HOST:PORT to serve /metrics, /healthz, /api/v1/snapshot (default 0.0.0.0:9645).")
+@click.option("--interfaces", help="Comma-separated globs of interfaces to watch (default: all up, except lo).")
+@click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(probe_names())}).")
+@click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL to push alerts to.")
+@click.option("--dcgm-compatible", "dcgm", is_flag=True, default=None,
+              help="Also export DCGM-exporter metric names for existing GPU dashboards.")
+def command(config_path: str | None, listen: str | None, interfaces: str | None, probes: str | None,
+            alertmanager_url: str | None, dcgm: bool | None) -> None:
+    """Run every available probe and serve Prometheus metrics, health and the snapshot API."""
+    try:
+        config = load(config_path, listen=listen, interfaces=_csv(interfaces), probes=_csv(probes),
+                      alertmanager_url=alertmanager_url, dcgm_compatible_metrics=dcgm)
+    except ConfigError as exc:
+        raise ConfigProblem(str(exc)) from None
+    require_privileges()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="aiprobe: %(message)s")
+    run_agent(config, ticks)
+
+
+def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[float]]) -> None:
+    from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
+    from aiprobe.exporters.http import AgentHTTPServer
+    from aiprobe.exporters.prometheus import AgentCollector, registry_for
+
+    sink = JsonLinesSink(config.alert_log)
+    pusher = (AlertmanagerPusher(config.alertmanager_url, instance=socket.gethostname())
+              if config.alertmanager_url else None)
+
+    def on_transitions(transitions: list[Alert], now: float) -> None:
+        sink.write(transitions, now)
+        if pusher is not None:
+            pusher.update(agent.alerts, changed=True)
+
+    agent = Agent(config, on_transitions=on_transitions)
+    collector = AgentCollector(config, build_info={"version": __version__, "kernel": kernel_release(),
+                                                   "libbpf": libbpf.version()})
+    try:
+        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy)
+    except OSError as exc:
+        raise ConfigProblem(f"listen {config.listen}: {exc.strerror}") from None
+    try:
+        agent.start()
+        for name, status in agent.status.items():
+            log.info("probe %s: %s", name, status.strategy if status.up else f"unavailable ({status.reason})")
+        agent.refresh()
+        collector.update(agent.readings)
+        server.start()
+        log.info("serving http://%s:%d/metrics (pid %d)", config.listen_address[0], server.port, os.getpid())
+        for _ in ticks(None, config.interval_seconds):
+            agent.refresh()
+            collector.update(agent.readings)
+            if pusher is not None:
+                pusher.update(agent.alerts, changed=False)  # keeps resends current
+    finally:
+        server.close()
+        agent.close()
+        if pusher is not None:
+            pusher.close()
+        sink.close()

@@ -1,0 +1,58 @@
+"""`aiprobe flows`: the flows probe's records, live, as a table (or one JSON document at exit)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..cli import duration_option, emit_json, friendly_errors, interval_option, json_option, require_privileges, ticks
+from ..flows import FlowsProbe
+from ..formatting import table
+from ..model import FlowsSnapshot
+from ..top_views import VIEWS
+
+TOP_ROWS = 20
+
+
+def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
+    """The flows view of `aiprobe top` over this probe's flows (no process join here)."""
+    view = VIEWS["flows"]
+    lines = table(view.columns, view.rows({"flows": [flow.to_dict() for flow in snapshot.flows[:rows]]}))
+    lines.append(
+        f"{len(snapshot.flows)} flows · evictions {snapshot.evictions} · insert failures {snapshot.insert_failures}"
+        f" · malformed frames {snapshot.malformed_frames}"
+    )
+    return "\n".join(lines)
+
+
+def _globs(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[str]:
+    return [glob for glob in (value or "").replace(",", " ").split() if glob]
+
+
+def _announce(probe: FlowsProbe) -> None:
+    attachments = probe.attachments()
+    where = "; ".join(a.describe() for a in attachments) or "no matching interface yet, watching for new ones"
+    click.echo(f"aiprobe flows: attached ({probe.strategy}): {where}", err=True)
+
+
+@click.command()
+@click.option("--interfaces", callback=_globs, metavar="GLOBS",
+              help="Interfaces to watch, comma-separated globs (default: every interface but loopback).")
+@click.option("--exclude", callback=_globs, metavar="GLOBS", help="Interfaces to leave alone, comma-separated globs.")
+@duration_option
+@interval_option
+@json_option
+@friendly_errors
+def command(interfaces: list[str], exclude: list[str], duration: float | None, interval: float, as_json: bool) -> None:
+    """Bytes and packets per network flow, per direction, live (XDP ingress, tc egress)."""
+    require_privileges()
+    with FlowsProbe(interfaces, exclude) as probe:
+        _announce(probe)
+        clear = "\033[H\033[J" if sys.stdout.isatty() else ""
+        for _ in ticks(duration, interval):
+            snapshot = probe.read()
+            if not as_json:
+                click.echo(clear + render_table(snapshot) + ("" if clear else "\n"))
+        if as_json:
+            emit_json(probe.read().to_dict())

@@ -1,0 +1,57 @@
+"""`aiprobe gpus`: NVML's view of the GPUs and their processes, once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from ..cli import AiprobeError, emit_json, json_option
+from ..formatting import field, record_table
+from ..loader import ProbeUnavailable
+from ..model import GpuSnapshot
+from ..nvml import GPM_SAMPLE_GAP, NvmlProbe
+
+PROCESS_FIELDS = ("gpu_index", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio")
+
+
+def _values(gpu: dict[str, Any], *pairs: tuple[str, str]) -> str:
+    return "  ".join(f"{name} {field(key, gpu[key])}" for name, key in pairs)
+
+
+def print_text(snapshot: GpuSnapshot) -> None:
+    for g in snapshot.gpus:
+        gpu = g.to_dict()
+        click.echo(f"GPU {g.index}  {g.name}  {g.uuid}")
+        click.echo("  " + _values(gpu, ("util", "utilization_gpu_ratio"), ("mem-util", "utilization_memory_ratio"),
+                                  ("memory", "memory_used_bytes"), ("of", "memory_total_bytes"),
+                                  ("power", "power_watts"), ("temp", "temperature_celsius")))
+        click.echo("  " + _values(gpu, ("sm clock", "sm_clock_hz"), ("mem clock", "memory_clock_hz"),
+                                  ("pcie tx", "pcie_tx_bytes_per_second"), ("rx", "pcie_rx_bytes_per_second"),
+                                  ("mode", "compute_mode"), ("clock events", "clock_event_reasons")))
+    click.echo("")
+    for line in record_table((process.to_dict() for process in snapshot.processes), PROCESS_FIELDS):
+        click.echo(line)
+
+
+@click.command()
+@json_option
+def command(as_json: bool) -> None:
+    """Print NVML's view of the GPUs and their processes once."""
+    probe = NvmlProbe()
+    try:
+        probe.start()
+    except ProbeUnavailable:
+        raise AiprobeError(probe.reason) from None
+    try:
+        snapshot = probe.read()
+        if probe.has_gpm:
+            time.sleep(GPM_SAMPLE_GAP)
+            snapshot = probe.read()
+    finally:
+        probe.close()
+    if as_json:
+        emit_json(snapshot.to_dict())
+    else:
+        print_text(snapshot)

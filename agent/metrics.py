@@ -1,0 +1,86 @@
+"""Metric families described as tables over model records (in the way of ebpf_exporter's decoders).
+
+A probe lists its families in its `SPEC.metrics`; `aiprobe.exporters.prometheus` renders them and
+docs/metrics.md is generated from them (`python -m aiprobe.metrics`; tests/test_metrics_doc.py
+fails when the two differ). This module only describes: it imports no Prometheus client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+Getter = str | Callable[[Any], Any]  # a record field, or a function of the record
+
+
+def value_of(record: Any, getter: Getter) -> Any:
+    return getter(record) if callable(getter) else getattr(record, getter)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family over one kind of record.
+
+    gauge: one sample per label set, the sum of `value` over its records.
+    counter with `per_identity`: each record's increase since the last refresh (the delta engine,
+      by record identity) summed per label set, so the series stays monotonic while records come
+      and go; without it: the record's own (monotonic) value.
+    histogram: `value` holds cumulative buckets and `sum_field` their sum; always per identity.
+    `expand` turns one record into one sample per (label value, getter) under label `expand_label`.
+    `top_by` keeps only the `top` records ranked by that field as their own series and sums the
+    rest per identity into one series per the labels `rest` leaves (flows: remote_address="other").
+    """
+
+    name: str
+    kind: str  # "gauge" | "counter" | "histogram"
+    help: str
+    record: type
+    value: Getter = ""
+    labels: tuple[tuple[str, Getter], ...] = ()  # (label, getter)
+    scale: float = 1.0
+    sum_field: str = ""
+    per_identity: bool = False
+    expand_label: str = ""
+    expand: tuple[tuple[str, Getter], ...] = ()
+    top_by: str = ""
+    rest: tuple[tuple[str, str], ...] = ()  # label -> value for the series summing what is not top
+    option: str = ""  # a Config flag that must be on (DCGM names)
+    doc_note: str = ""  # extra words in docs/metrics.md only
+
+    @property
+    def label_names(self) -> list[str]:
+        names = [label for label, _ in self.labels]
+        return [*names, self.expand_label] if self.expand_label else names
+
+    def label_values(self, record: Any) -> tuple[str, ...]:
+        return tuple(str(value_of(record, getter)) for _, getter in self.labels)
+
+
+@dataclass(frozen=True)
+class AgentFamily:
+    """A family about the agent itself, built by the exporter from the agent's own records."""
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+    doc_note: str = ""
+
+    @property
+    def label_names(self) -> list[str]:
+        return list(self.labels)
+
+
+def doc_rows(source: str, families: Iterable[Family | AgentFamily]) -> list[str]:
+    """docs/metrics.md table rows: | metric | type | labels | source | description |"""
+    rows = []
+    for family in families:
+        labels = ", ".join(sorted(family.label_names))
+        description = family.help + (f" {family.doc_note}" if family.doc_note else "")
+        rows.append(f"| `{family.name}` | {family.kind} | {labels} | {source} | {description} |")
+    return rows
+
+
+# Processes are labelled by name and container, never by pid (bounded label sets).
+PROCESS_LABELS: tuple[tuple[str, Getter], ...] = (("process", "comm"), ("container", "container"))

@@ -1,0 +1,418 @@
+"""The agent's one model: every record a probe returns, and the snapshot the agent joins them into.
+
+Probes return these records; the agent adds what it joins (container, pod, socket owner) and rates;
+`/metrics`, `/api/v1/snapshot`, `aiprobe top` and every `--json` are views over the same records.
+docs/snapshot.md documents every field (tests/test_model.py fails on one that is not).
+
+A field marked JOINED is filled by the agent, not the probe: a probe's own `--json` leaves it out.
+A field marked HISTOGRAM holds cumulative (le_seconds, count) buckets, written as
+[{"le_seconds", "count"}] in documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import cache
+from typing import Any
+
+from .histogram import buckets_to_json
+
+JOINED = {"joined": True}
+HISTOGRAM = {"histogram": True}
+
+Histogram = list[tuple[float, int]]  # cumulative (le_seconds, count); the last le is +Inf
+Identity = tuple[Any, ...]
+
+
+@cache
+def _layout(cls: type) -> tuple[tuple[str, bool, bool], ...]:
+    return tuple((f.name, bool(f.metadata.get("joined")), bool(f.metadata.get("histogram"))) for f in fields(cls))
+
+
+def document(value: Any, *, joined: bool = True) -> Any:
+    """A record (or list / dict of them) as plain JSON types; `joined=False` leaves out the fields the
+    agent joins in. Flat fields are copied, not deep-copied: thousands of flows go through here."""
+    if isinstance(value, Record):
+        out: dict[str, Any] = {}
+        for name, is_joined, is_histogram in _layout(type(value)):
+            if is_joined and not joined:
+                continue
+            item = getattr(value, name)
+            out[name] = buckets_to_json(item) if is_histogram else document(item, joined=joined)
+        return out
+    if isinstance(value, list | tuple):
+        return [document(item, joined=joined) for item in value]
+    if isinstance(value, dict):
+        return {key: document(item, joined=joined) for key, item in value.items()}
+    return value
+
+
+class Record:
+    """Base of every model dataclass: one way to a JSON document."""
+
+    def to_dict(self, *, joined: bool = False) -> dict[str, Any]:
+        result: dict[str, Any] = document(self, joined=joined)
+        return result
+
+
+# --- network ---
+
+
+@dataclass
+class FlowRecord(Record):
+    interface: str
+    direction: str  # "ingress" | "egress"
+    protocol: str  # "tcp", "udp", ... or the IP protocol number
+    local_address: str  # this host's side
+    local_port: int
+    remote_address: str
+    remote_port: int
+    bytes: int
+    packets: int
+    bytes_per_second: float
+    packets_per_second: float
+    cgroup_id: int  # egress: the sending socket's cgroup v2 id; 0 when unknown
+    first_seen: float  # Unix time
+    last_seen: float
+    tcp_syn: int = 0
+    tcp_fin: int = 0
+    tcp_rst: int = 0
+    # The process owning the socket (host network namespace only) and its container.
+    pid: int | None = field(default=None, metadata=JOINED)
+    comm: str | None = field(default=None, metadata=JOINED)
+    container: str = field(default="host", metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return (self.interface, self.direction, self.protocol, self.local_address, self.local_port,
+                self.remote_address, self.remote_port)
+
+
+@dataclass
+class InterfaceTotals(Record):
+    """Everything one interface moved in one direction since the probe attached to it."""
+
+    interface: str
+    direction: str
+    bytes: int
+    packets: int
+    bytes_per_second: float = field(default=0.0, metadata=JOINED)
+    packets_per_second: float = field(default=0.0, metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return self.interface, self.direction
+
+
+@dataclass
+class InterfaceAttachment(Record):
+    """How the flows programs sit on one interface, or why they could not."""
+
+    interface: str
+    ifindex: int
+    xdp: str | None = None  # "native" | "generic"
+    xdp_error: str = ""
+    tc: str | None = None  # "tcx" | "clsact"
+    tc_error: str = ""
+
+    def describe(self) -> str:
+        xdp = f"xdp {self.xdp}" if self.xdp else f"no xdp ({self.xdp_error})"
+        tc = self.tc or f"no tc ({self.tc_error})"
+        return f"{self.interface}: {xdp}, {tc}"
+
+
+@dataclass
+class FlowsSnapshot(Record):
+    timestamp: float
+    interval_seconds: float
+    flows: list[FlowRecord]
+    interfaces: list[InterfaceTotals]
+    evictions: int  # monotonic: flows evicted to make room
+    insert_failures: int  # monotonic: new flows that found the table full (counted per interface only)
+    malformed_frames: int  # monotonic: frames with truncated or inconsistent headers
+    attachments: list[InterfaceAttachment]
+
+
+@dataclass
+class TcpCounters(Record):
+    """Host-wide kernel TCP counters (/proc/net/netstat, /proc/net/snmp), monotonic."""
+
+    listen_overflows: int
+    listen_drops: int
+    retransmitted_segments: int
+    sent_segments: int
+
+
+# --- processes ---
+
+
+@dataclass
+class ProcessSendLatency(Record):
+    """Sends of one process in one cgroup since the probe started (monotonic counters)."""
+
+    pid: int
+    comm: str
+    cgroup_id: int
+    count: int
+    bytes: int
+    sum_seconds: float
+    p50_seconds: float | None  # None before the first send
+    p99_seconds: float | None
+    histogram: Histogram = field(metadata=HISTOGRAM)
+    start_ticks: int = 0  # the process's start (/proc/PID/stat): with pid and cgroup, its identity
+    bytes_per_second: float = field(default=0.0, metadata=JOINED)
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id
+
+
+@dataclass
+class FlowSendStats(Record):
+    """Sends of one process on one TCP connection since the probe started."""
+
+    pid: int
+    local_address: str
+    local_port: int
+    remote_address: str
+    remote_port: int
+    count: int
+    bytes: int
+    sum_seconds: float
+
+
+@dataclass
+class SlowSend(Record):
+    """One send slower than the threshold."""
+
+    pid: int
+    tid: int
+    comm: str
+    cgroup_id: int
+    local_address: str
+    local_port: int
+    remote_address: str
+    remote_port: int
+    bytes: int
+    duration_seconds: float
+
+
+@dataclass
+class SendLatencySnapshot(Record):
+    strategy: str
+    span: str
+    processes: list[ProcessSendLatency] = field(default_factory=list)
+    flows: list[FlowSendStats] = field(default_factory=list)
+    slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
+    lost_events: int = 0  # slow sends lost since start
+
+
+@dataclass
+class CudaProcess(Record):
+    pid: int
+    comm: str
+    library: str
+    context_switches: int
+    kernel_launches: int
+    syncs: int
+    sync_seconds_sum: float
+    sync_p99_seconds: float | None
+    sync_histogram: Histogram = field(metadata=HISTOGRAM)
+    runqueue_delay_seconds_sum: float = 0.0
+    runqueue_delay_p99_seconds: float | None = None
+    runqueue_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
+    involuntary_preemptions: int = 0
+    gpu_threads: int = 0  # threads ever seen calling into libcuda
+    start_ticks: int = 0
+    context_switches_per_second: float = field(default=0.0, metadata=JOINED)
+    kernel_launches_per_second: float = field(default=0.0, metadata=JOINED)
+    syncs_per_second: float = field(default=0.0, metadata=JOINED)
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks
+
+
+@dataclass
+class AttachedLibrary(Record):
+    """One probed libcuda file: which entry points it exported, or why it could not be probed."""
+
+    path: str
+    host_path: str
+    symbols: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class CudaSnapshot(Record):
+    processes: list[CudaProcess]
+    sched_strategy: str | None
+    libraries: list[AttachedLibrary]
+
+
+# --- GPUs ---
+
+
+@dataclass
+class GpuInfo(Record):
+    index: int
+    uuid: str
+    name: str
+    utilization_gpu_ratio: float | None = None
+    utilization_memory_ratio: float | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    sm_clock_hz: int | None = None
+    memory_clock_hz: int | None = None
+    clock_event_reasons: list[str] | None = None
+    pcie_tx_bytes_per_second: int | None = None
+    pcie_rx_bytes_per_second: int | None = None
+    compute_mode: str | None = None
+    # GPM, between this read and the previous one (None on the first read or without GPM).
+    gpm_context_switch_requests: float | None = None
+    gpm_context_switch_cycles_per_request: float | None = None
+    gpm_context_switch_active_ratio: float | None = None
+
+
+@dataclass
+class GpuProcess(Record):
+    pid: int  # host pid namespace
+    comm: str
+    gpu_index: int
+    gpu_uuid: str
+    used_memory_bytes: int | None
+    sm_utilization_ratio: float | None = None
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+
+@dataclass
+class GpuSnapshot(Record):
+    available: bool
+    reason: str = ""
+    gpus: list[GpuInfo] = field(default_factory=list)
+    processes: list[GpuProcess] = field(default_factory=list)
+
+
+# --- the agent's own records ---
+
+
+@dataclass
+class ProbeStatus(Record):
+    up: bool
+    strategy: str | None = None
+    span: str = ""
+    reason: str = ""
+
+
+@dataclass
+class MapUsage(Record):
+    """How full a bounded BPF map is (exported as aiprobe_bpf_map_entries / _capacity)."""
+
+    map: str
+    entries: int
+    capacity: int
+
+
+@dataclass
+class Alert(Record):
+    rule: str
+    severity: str
+    target: str
+    state: str  # "pending" | "firing" | "resolved" | "inactive" (a pending alert that cleared)
+    value: float
+    evidence: dict[str, Any]
+    active_since: float  # when the condition started holding
+    since: float  # when the current state began
+    resolved_at: float | None = None
+    summary: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.rule, self.target
+
+
+@dataclass
+class HostInfo(Record):
+    hostname: str
+    kernel: str
+    version: str
+    time: float
+    interval_seconds: float
+
+
+@dataclass
+class ProcessRow(Record):
+    """One process joined across probes: its sends, its CUDA calls, its GPUs (null: no such data)."""
+
+    pid: int
+    comm: str
+    container: str = "host"
+    pod_uid: str = ""
+    send_count: int | None = None
+    send_bytes: int | None = None
+    send_bytes_per_second: float | None = None
+    send_p50_seconds: float | None = None
+    send_p99_seconds: float | None = None
+    cuda_context_switches_per_second: float | None = None
+    cuda_kernel_launches_per_second: float | None = None
+    cuda_syncs_per_second: float | None = None
+    runqueue_delay_p99_seconds: float | None = None
+    gpu_utilization_ratio: float | None = None
+    gpu_memory_used_bytes: int | None = None
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TcpSummary(TcpCounters):
+    """The snapshot's `tcp`: the counters and the ratio since boot."""
+
+    retransmit_ratio: float = 0.0
+
+
+@dataclass
+class Snapshot(Record):
+    """`/api/v1/snapshot` (docs/snapshot.md)."""
+
+    host: HostInfo
+    probes: dict[str, ProbeStatus]
+    processes: list[ProcessRow]
+    flows: list[FlowRecord]
+    interfaces: list[InterfaceTotals]
+    gpus: list[GpuInfo]
+    tcp: TcpSummary | None
+    alerts: list[Alert]
+
+    def to_dict(self, *, joined: bool = True) -> dict[str, Any]:
+        result = super().to_dict(joined=joined)
+        if result["tcp"] is None:
+            result["tcp"] = {}
+        return result
+
+
+@dataclass
+class Readings:
+    """One refresh: every record each probe returned (by probe name), and the agent's own state."""
+
+    records: dict[str, Any] = field(default_factory=dict)  # probe name -> its reading
+    probes: dict[str, ProbeStatus] = field(default_factory=dict)
+    map_usage: dict[str, list[MapUsage]] = field(default_factory=dict)
+    events_lost: dict[str, int] = field(default_factory=dict)
+    alerts: list[Alert] = field(default_factory=list)  # active (pending + firing)
+    collectors: dict[str, tuple[float, bool]] = field(default_factory=dict)  # name -> (seconds, success)
+
+    def of(self, kind: type[Any]) -> list[Any]:
+        """Every record of `kind`, whichever probe returned it (directly or inside its reading)."""
+        found: list[Any] = []
+        for reading in self.records.values():
+            if isinstance(reading, kind):
+                found.append(reading)
+            elif isinstance(reading, Record):
+                for name, _, _ in _layout(type(reading)):
+                    value = getattr(reading, name)
+                    if isinstance(value, list) and value and isinstance(value[0], kind):
+                        found.extend(value)
+        return found

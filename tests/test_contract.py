@@ -1,0 +1,87 @@
+"""Contract between Python and the built BPF objects, read from the objects themselves (libbpf opens
+them; nothing is loaded, no root needed): every program and map name the agent looks up exists in
+the .bpf.o it looks it up in."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+from aiprobe import cuda, features
+from aiprobe.loader import BpfObject
+from aiprobe.probes import specs
+
+AGENT = Path(__file__).resolve().parent.parent / "agent"
+# Calls whose first string argument names a map or a program.
+_NAMING_CALLS = {"ring_buffer": "maps", "_read_and_prune": "maps", "_program": "programs"}
+
+
+def names_looked_up(module_name: str) -> dict[str, set[str]]:
+    """{"maps": ..., "programs": ...}: the names a module looks up in `obj.maps[...]`,
+    `obj.programs[...]`, the naming calls above and its `*_MAPS` / `*PROGRAMS` constants, with module
+    constants (XDP_PROGRAM) resolved."""
+    module = importlib.import_module(f"aiprobe.{module_name}")
+    tree = ast.parse((AGENT / f"{module_name}.py").read_text())
+    found: dict[str, set[str]] = {"maps": set(), "programs": set()}
+
+    def text(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name) and isinstance(getattr(module, node.id, None), str):
+            return str(getattr(module, node.id))
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr in found and (name := text(node.slice)):
+            found[node.value.attr].add(name)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            args = [text(arg) for arg in node.args]
+            strings = [arg for arg in args if arg]
+            if called in _NAMING_CALLS and strings:
+                found[_NAMING_CALLS[called]].add(strings[0])
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            target = node.targets[0].id
+            kind = "maps" if target.endswith("_MAPS") else "programs" if target.endswith("PROGRAMS") else None
+            if kind:
+                found[kind] |= {value for value in getattr(module, target) if isinstance(value, str)}
+    return found
+
+
+def contents(object_name: str) -> tuple[set[str], set[str]]:
+    obj = BpfObject(object_name)
+    try:
+        return set(obj.maps), set(obj.programs)
+    finally:
+        obj.close()
+
+
+@pytest.mark.parametrize("spec", [s for s in specs() if s.bpf_object], ids=lambda s: s.name)
+def test_probe_names_exist_in_its_object(spec) -> None:
+    maps, programs = contents(spec.bpf_object)
+    looked_up = names_looked_up(spec.name)
+    declared = {program for strategy in spec.strategies for program in strategy.programs}
+    assert looked_up["maps"] - maps == set(), f"maps missing from {spec.bpf_object}.bpf.o"
+    assert (looked_up["programs"] | declared) - programs == set(), f"programs missing from {spec.bpf_object}.bpf.o"
+
+
+def test_the_scan_sees_lookups() -> None:
+    assert names_looked_up("flows") == {"maps": {"flows", "unattributed"}, "programs": {"flows_xdp", "flows_tc"}}
+    assert {"procs", "flows", "starts", "counters", "slow_sends"} <= names_looked_up("sendlat")["maps"]
+
+
+def test_cuda_strategies_and_entry_points_exist_in_its_object() -> None:
+    _, programs = contents(cuda.SPEC.bpf_object)
+    wanted = {p for s in cuda.STRATEGIES for p in s.programs} | {e.program for e in cuda.ENTRY_POINTS}
+    assert wanted - programs == set()
+
+
+def test_feature_probes_exist_in_their_object() -> None:
+    maps, programs = contents(features.FEATURE_OBJECT)
+    looked_up = names_looked_up("features")
+    assert looked_up["programs"], "the scan found no feature programs"
+    assert looked_up["programs"] - programs == set()
+    assert looked_up["maps"] - maps == set()

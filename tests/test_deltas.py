@@ -1,0 +1,73 @@
+"""The delta/rate engine (agent/deltas.py) and the exporter's counters over it, without root: counters
+stay monotonic per label set through pid reuse, cgroup moves and evicted entries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aiprobe.config import Config
+from aiprobe.deltas import Deltas, Rates, Totals, Window
+from aiprobe.exporters.prometheus import AgentCollector
+from aiprobe.model import ProcessSendLatency, Readings, SendLatencySnapshot
+
+
+def test_increase_counts_a_new_source_whole_and_a_decrease_as_a_restart() -> None:
+    deltas = Deltas()
+    assert deltas.increase("a", [5.0]) == [5.0]
+    assert deltas.increase("a", [7.0]) == [2.0]
+    assert deltas.increase("a", [1.0]) == [1.0]  # restarted
+    deltas.end_round()
+    deltas.end_round()  # "a" not seen in this round: forgotten
+    assert deltas.increase("a", [3.0]) == [3.0]
+
+
+def test_totals_stay_monotonic_while_sources_come_and_go() -> None:
+    totals = Totals()
+    totals.add("app", ("pid", 1), [10.0])
+    totals.add("app", ("pid", 2), [4.0])
+    totals.end_round()
+    totals.add("app", ("pid", 1), [12.0])  # pid 2 evicted
+    totals.end_round()
+    totals.add("app", ("pid", 2), [1.0])  # a new process on a reused key
+    totals.end_round()
+    assert totals.sums["app"] == [10 + 4 + 2 + 1]
+
+
+def test_rates_per_second_between_rounds() -> None:
+    rates = Rates()
+    assert rates.rate("a", [100.0], now=10.0) == [0.0]
+    rates.end_round()
+    assert rates.rate("a", [300.0], now=12.0) == [100.0]
+
+
+def test_window_sums_only_recent_increases() -> None:
+    window = Window(10.0)
+    assert window.recent("a", [1.0, 2.0], now=0.0) == [1.0, 2.0]
+    assert window.recent("a", [1.0, 5.0], now=5.0) == [1.0, 5.0]
+    assert window.recent("a", [1.0, 6.0], now=12.0) == [0.0, 4.0]  # the first observation left the window
+
+
+def sends(*records: ProcessSendLatency) -> Readings:
+    return Readings(records={"sendlat": SendLatencySnapshot("tracepoint", "", list(records))})
+
+
+def send_bytes_total(collector: AgentCollector) -> float:
+    (family,) = [f for f in collector.collect() if f.name == "aiprobe_tcp_send_bytes"]
+    return sum(sample.value for sample in family.samples if sample.labels["process"] == "app")
+
+
+def test_send_bytes_total_through_a_cgroup_move_and_pid_reuse() -> None:
+    """One process with entries under two cgroups (it moved) is two sources of one label set: the
+    counter grows by what each sent, however the entries' order changes between refreshes."""
+    collector = AgentCollector(Config(), build_info={})
+    before = ProcessSendLatency(7, "app", 100, 1, 1000, 0.0, None, None, [], start_ticks=5)
+    after = dataclasses.replace(before, cgroup_id=200, bytes=300)
+    collector.update(sends(before))
+    assert send_bytes_total(collector) == 1000
+    collector.update(sends(before, after))
+    assert send_bytes_total(collector) == 1300
+    collector.update(sends(dataclasses.replace(after, bytes=500), before))
+    assert send_bytes_total(collector) == 1500
+    reused = dataclasses.replace(after, start_ticks=9, bytes=50)  # pid 7 again, a new process
+    collector.update(sends(reused))
+    assert send_bytes_total(collector) == 1550

@@ -1,0 +1,52 @@
+"""Histogram helpers and /proc parsers, without root."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+from aiprobe.histogram import buckets_to_json, log2_buckets, quantile
+from aiprobe.procfs import StartTimes, start_ticks
+
+
+def test_quantile_interpolates_inside_its_log2_bucket() -> None:
+    slots = [0] * 36
+    slots[10] = 100  # [1024, 2048) ns
+    buckets = log2_buckets(slots)
+    assert quantile(buckets, 0.5) == pytest.approx(1536e-9)
+    assert quantile(buckets, 1.0) == pytest.approx(2048e-9)
+
+
+def test_quantile_without_observations_or_in_the_open_bucket() -> None:
+    assert quantile(log2_buckets([0] * 36), 0.99) is None
+    assert quantile([], 0.5) is None
+    open_ended = log2_buckets([0] * 35 + [4])
+    assert quantile(open_ended, 0.5) == 2**35 / 1e9  # the open bucket's lower bound
+
+
+def test_documents_write_the_open_bound_as_text() -> None:
+    assert buckets_to_json([(1e-9, 1), (math.inf, 2)]) == [{"le_seconds": 1e-9, "count": 1},
+                                                             {"le_seconds": "+Inf", "count": 2}]
+
+
+def test_start_ticks_from_a_stat_line_with_spaces_and_parens_in_comm(tmp_path: Path) -> None:
+    (tmp_path / "42").mkdir()
+    fields = ["S", *map(str, range(4, 22)), "123456", "0"]  # field 22 is the start time
+    (tmp_path / "42" / "stat").write_text(f"42 (a (b) c) {' '.join(fields)}\n")
+    assert start_ticks(42, tmp_path) == 123456
+    assert start_ticks(43, tmp_path) is None
+    assert start_ticks(os.getpid()) == start_ticks(os.getpid())
+
+
+def test_start_times_remember_an_exited_process(tmp_path: Path) -> None:
+    (tmp_path / "42").mkdir()
+    stat = tmp_path / "42" / "stat"
+    stat.write_text("42 (x) S " + " ".join(["0"] * 18) + " 77 0\n")
+    starts = StartTimes(tmp_path)
+    assert starts.of(42) == 77
+    stat.unlink()
+    assert starts.of(42) == 77  # read once more after it exited: same identity
+    starts.keep_only(set())
+    assert starts.of(42) == 0

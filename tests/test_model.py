@@ -1,0 +1,77 @@
+"""The model (agent/model.py) without root: documents of records, joins left out of a probe's own
+output, and docs/snapshot.md documenting every field the snapshot can carry."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+from aiprobe import model
+from aiprobe.histogram import log2_buckets
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "snapshot.md"
+
+
+def records_in(cls: type) -> set[type]:
+    """Every model record type reachable from `cls`'s fields (lists, dicts, optionals unwrapped)."""
+    found = {cls}
+    hints = typing.get_type_hints(cls, vars(model))
+    for hint in hints.values():
+        for arg in _flatten(hint):
+            if dataclasses.is_dataclass(arg) and arg not in found:
+                found |= records_in(arg)
+    return found
+
+
+def _flatten(hint: object) -> list[object]:
+    args = typing.get_args(hint)
+    if not args:
+        return [hint]
+    return [leaf for arg in args for leaf in _flatten(arg)]
+
+
+def test_every_snapshot_field_is_documented() -> None:
+    documented = set(re.findall(r'"([a-z0-9_]+)":', DOC.read_text()))
+    missing = {f"{cls.__name__}.{field.name}" for cls in records_in(model.Snapshot)
+               for field in dataclasses.fields(cls) if field.name not in documented}
+    assert missing == set(), "fields of the snapshot missing from docs/snapshot.md"
+
+
+def test_joined_fields_stay_out_of_a_probes_own_document() -> None:
+    record = model.ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, log2_buckets([0, 1]), start_ticks=99)
+    record.container, record.bytes_per_second = "abc", 5.0
+    own = record.to_dict()
+    assert "container" not in own and "bytes_per_second" not in own
+    assert own["histogram"] == [{"le_seconds": 2e-9, "count": 0}, {"le_seconds": "+Inf", "count": 1}]
+    joined = record.to_dict(joined=True)
+    assert (joined["container"], joined["bytes_per_second"]) == ("abc", 5.0)
+
+
+def test_snapshot_document_has_every_section_and_empty_tcp_without_counters() -> None:
+    snapshot = model.Snapshot(model.HostInfo("h", "k", "v", 1.0, 1.0), {"flows": model.ProbeStatus(True, "xdp+tcx")},
+                              [], [], [], [], None, [])
+    document = snapshot.to_dict()
+    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts"]
+    assert document["tcp"] == {}
+    assert document["probes"]["flows"] == {"up": True, "strategy": "xdp+tcx", "span": "", "reason": ""}
+
+
+def test_readings_find_records_inside_each_probes_reading() -> None:
+    flow = model.FlowRecord("eth0", "egress", "udp", "a", 1, "b", 2, 1, 1, 0.0, 0.0, 0, 0.0, 0.0)
+    totals = model.InterfaceTotals("eth0", "egress", 1, 1)
+    readings = model.Readings(records={
+        "flows": model.FlowsSnapshot(0.0, 1.0, [flow], [totals], 0, 0, 0, []),
+        "netstat": model.TcpCounters(1, 2, 3, 4), "sched": None})
+    assert readings.of(model.FlowRecord) == [flow]
+    assert readings.of(model.InterfaceTotals) == [totals]
+    assert readings.of(model.TcpCounters) == [model.TcpCounters(1, 2, 3, 4)]
+    assert readings.of(model.GpuInfo) == []
+
+
+def test_identities() -> None:
+    one = model.ProcessSendLatency(7, "app", 3, 0, 0, 0.0, None, None, [], start_ticks=100)
+    other_cgroup = dataclasses.replace(one, cgroup_id=4)
+    reused_pid = dataclasses.replace(one, start_ticks=200)
+    assert len({one.identity(), other_cgroup.identity(), reused_pid.identity()}) == 3

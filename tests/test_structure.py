@@ -1,0 +1,53 @@
+"""The architecture, checked: library modules import neither click nor the CLI, every probe declares
+itself once in the registry, and every config key belongs to the agent or to exactly one probe."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import fields
+from pathlib import Path
+
+from aiprobe.cli import subcommands
+from aiprobe.config import Config, probe_names
+from aiprobe.probes import specs
+
+AGENT = Path(__file__).resolve().parent.parent / "agent"
+# Keys about the agent as a whole rather than one probe.
+AGENT_KEYS = {"listen", "interval_seconds", "probes", "traffic_floor_bytes_per_second", "alertmanager_url",
+              "alert_log", "rules"}
+
+
+def imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add("." * node.level + (node.module or ""))
+    return found
+
+
+def test_library_modules_import_neither_click_nor_the_cli() -> None:
+    offenders = {path.name: sorted(imports(path) & {"click", ".cli", "aiprobe.cli", ".commands"})
+                 for path in AGENT.glob("*.py") if path.name != "cli.py"}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_every_probe_is_registered_once_with_a_factory() -> None:
+    names = [spec.name for spec in specs()]
+    assert names == ["flows", "sendlat", "cuda", "sched", "nvml", "netstat"]
+    assert all(spec.factory is not None for spec in specs())
+    assert probe_names() == ("flows", "sendlat", "cuda", "nvml")  # sched runs with cuda, netstat always
+
+
+def test_probe_commands_come_from_the_registry() -> None:
+    assert subcommands() == {"check": "aiprobe.commands.check:command", "top": "aiprobe.commands.top:command",
+                             "agent": "aiprobe.commands.agent:command",
+                             "flows": "aiprobe.commands.flows:command", "sendlat": "aiprobe.commands.sendlat:command",
+                             "cuda": "aiprobe.commands.cuda:command", "gpus": "aiprobe.commands.gpus:command"}
+
+
+def test_every_config_key_is_the_agents_or_one_probes() -> None:
+    claimed = [key for spec in specs() for key in spec.config_keys]
+    assert len(claimed) == len(set(claimed)), "a key claimed by two probes"
+    assert {f.name for f in fields(Config)} == AGENT_KEYS | set(claimed)
