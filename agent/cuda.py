@@ -35,7 +35,7 @@ from .loader import BpfObject, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import AttachedLibrary, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text
-from .probes import Probe, ProbeSpec
+from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes, start_ticks
 
 RESCAN_INTERVAL = 1.0
@@ -81,13 +81,24 @@ STRATEGIES = (
     Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), f"{_UPROBE_SPAN}; no scheduler side"),
 )
 
+
+
+def strategies_with_scheduler(name: str | None) -> tuple[Strategy, ...]:
+    """The chain, or the uprobes with only the scheduler strategy `name` (forced: `--strategy`,
+    the config's `strategies.sched`)."""
+    if name is None:
+        return STRATEGIES
+    [forced] = strategies_named(sched.SPEC, name)
+    return tuple(s for s in STRATEGIES if s.name == f"uprobe+{forced.name}")
+
+
 SPEC = ProbeSpec(
     name="cuda",
     description="CUDA driver calls per process: context switches, launches, syncs",
     strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
     bpf_object="cuda",
     order=30,
-    factory=lambda _config, _running: CudaProbe(),
+    factory=lambda config, _running: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched"))),
     command="aiprobe.commands.cuda:command",
     metrics=(
         Family("aiprobe_cuda_context_switches_total", "counter",

@@ -52,7 +52,7 @@ PROGRAMS = (XDP_PROGRAM, TC_PROGRAM)
 
 def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
     return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds)
+                      idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"))
 
 
 FLOW_LABELS = tuple((name, name) for name in (

@@ -18,7 +18,7 @@ from .loader import BpfObject, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
-from .probes import Probe, ProbeSpec
+from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes
 
 if TYPE_CHECKING:
@@ -61,7 +61,9 @@ SPEC = ProbeSpec(
     ),
     bpf_object=OBJECT,
     order=20,
-    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False),
+    factory=lambda config, _running: SendLatencyProbe(
+        threshold_ms=config.slow_send_threshold_ms, per_flow=False,
+        strategies=strategies_named(SPEC, config.strategies.get("sendlat"))),
     config_keys=("slow_send_threshold_ms",),
     command="aiprobe.commands.sendlat:command",
     metrics=(

@@ -32,7 +32,8 @@ IS_ROOT = os.geteuid() == 0
 # emulation: each probe's exactness tests under every strategy, the capability matrix and least
 # privilege. Chosen to keep CI under its time; tests marked `realtime` (wall-clock deadlines) stay
 # on this host.
-KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_loader", "test_check", "test_least_privilege"}
+KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_loader", "test_check", "test_least_privilege",
+                  "test_strategies"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ from aiprobe.probes import specs
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Keys about the agent as a whole rather than one probe.
 AGENT_KEYS = {"listen", "interval_seconds", "probes", "traffic_floor_bytes_per_second", "alertmanager_url",
-              "alert_log", "rules"}
+              "alert_log", "rules", "strategies"}
 
 
 def imports(path: Path) -> set[str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from ..cuda import LIBRARY_PREFIX, CudaProbe
+from .. import sched
+from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, strategy_option, ticks
+from ..cuda import LIBRARY_PREFIX, CudaProbe, strategies_with_scheduler
 from ..formatting import record_table
 from ..model import AttachedLibrary, CudaSnapshot
 
@@ -26,12 +27,13 @@ def _announce(library: AttachedLibrary) -> None:
 
 @click.command()
 @duration_option
+@strategy_option(sched.SPEC, "the scheduler side's chain (the uprobes have no alternative)")
 @json_option
 @friendly_errors
-def command(duration: float | None, as_json: bool) -> None:
+def command(duration: float | None, strategy: str | None, as_json: bool) -> None:
     """CUDA context switches, kernel launches, syncs and run-queue delay per process."""
     require_privileges()
-    with CudaProbe(on_attach=_announce) as probe:
+    with CudaProbe(on_attach=_announce, strategies=strategies_with_scheduler(strategy)) as probe:
         click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* "
                    f"(scheduler side: {probe.sched_strategy or 'unavailable'})", err=True)
         for _ in ticks(duration, 1.0):

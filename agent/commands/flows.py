@@ -6,8 +6,17 @@ import sys
 
 import click
 
-from ..cli import duration_option, emit_json, friendly_errors, interval_option, json_option, require_privileges, ticks
-from ..flows import FlowsProbe
+from ..cli import (
+    duration_option,
+    emit_json,
+    friendly_errors,
+    interval_option,
+    json_option,
+    require_privileges,
+    strategy_option,
+    ticks,
+)
+from ..flows import SPEC, FlowsProbe
 from ..formatting import table
 from ..model import FlowsSnapshot
 from ..top_views import VIEWS
@@ -42,12 +51,14 @@ def _announce(probe: FlowsProbe) -> None:
 @click.option("--exclude", callback=_globs, metavar="GLOBS", help="Interfaces to leave alone, comma-separated globs.")
 @duration_option
 @interval_option
+@strategy_option(SPEC)
 @json_option
 @friendly_errors
-def command(interfaces: list[str], exclude: list[str], duration: float | None, interval: float, as_json: bool) -> None:
+def command(interfaces: list[str], exclude: list[str], duration: float | None, interval: float,
+            strategy: str | None, as_json: bool) -> None:
     """Bytes and packets per network flow, per direction, live (XDP ingress, tc egress)."""
     require_privileges()
-    with FlowsProbe(interfaces, exclude) as probe:
+    with FlowsProbe(interfaces, exclude, strategy=strategy) as probe:
         _announce(probe)
         clear = "\033[H\033[J" if sys.stdout.isatty() else ""
         for _ in ticks(duration, interval):
