@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ from .names import comm_text
 from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes, start_ticks
 
+log = logging.getLogger("aiprobe.cuda")
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -361,6 +363,7 @@ class CudaProbe(Probe):
                     library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
                 except (BpfError, OSError) as exc:  # OSError: the file went away before we opened it
                     library.error = str(exc)
+                    log.warning("cannot probe %s via %s: %s", library.path, library.host_path, exc)
                 self._libraries[mapped.key] = library
             new.append(library)
             if self._on_attach is not None:

@@ -21,6 +21,7 @@ import itertools
 import os
 import re
 import struct
+import time
 from pathlib import Path
 
 from . import libbpf
@@ -98,9 +99,18 @@ def create_event(path: str, offset: int, *, retprobe: bool) -> tuple[str, int]:
         raise
 
 
-def remove_event(name: str) -> None:
-    with contextlib.suppress(OSError):  # already gone
-        _write(f"-:{GROUP}/{name}")
+def remove_event(name: str, wait: float = 2.0) -> None:
+    """Remove the event; while the kernel still releases a perf event on it (EBUSY just after the
+    link's close), retry for up to `wait` seconds. Gone already is fine."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            _write(f"-:{GROUP}/{name}")
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                return
+        time.sleep(0.01)
 
 
 def remove_stale_events() -> None:
