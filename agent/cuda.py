@@ -361,7 +361,9 @@ class CudaProbe(Probe):
                 library = AttachedLibrary(mapped.path, mapped.host_path(self._proc))
                 try:
                     library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
-                except (BpfError, OSError) as exc:  # OSError: the file went away before we opened it
+                except FileNotFoundError:  # the process left before we opened its file: the next one retries
+                    continue
+                except (BpfError, OSError) as exc:
                     library.error = str(exc)
                     log.warning("cannot probe %s via %s: %s", library.path, library.host_path, exc)
                 self._libraries[mapped.key] = library

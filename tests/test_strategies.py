@@ -94,9 +94,18 @@ def test_each_probe_picks_the_strategy_expected_on_this_kernel(veth: VethPair) -
         assert {name: running[name].status().strategy for name in expected} == expected
 
 
+def skip_unless_the_kernel_has(probe: str, strategy: str, kernel_features: dict) -> None:
+    [chosen] = [s for s in spec(probe).strategies if s.name == strategy]
+    missing = [name for name in chosen.features if not kernel_features[name].available]
+    if missing:
+        pytest.skip(f"{probe} {strategy}: this kernel lacks {', '.join(missing)}")
+
+
 @pytest.mark.bpf
 @pytest.mark.parametrize(("probe", "strategy"), FORCEABLE, ids=[f"{p}-{s}" for p, s in FORCEABLE])
-def test_config_forces_each_strategy_of_the_chain(veth: VethPair, probe: str, strategy: str) -> None:
+def test_config_forces_each_strategy_of_the_chain(veth: VethPair, kernel_features: dict, probe: str,
+                                                  strategy: str) -> None:
+    skip_unless_the_kernel_has(probe, strategy, kernel_features)
     try:
         with running_probes(probes_config(veth, **{probe: strategy})) as running:
             assert running[probe].status().strategy == strategy
@@ -109,7 +118,9 @@ def test_config_forces_each_strategy_of_the_chain(veth: VethPair, probe: str, st
 
 @pytest.mark.bpf
 @pytest.mark.parametrize("strategy", [s.name for s in spec("sendlat").strategies])
-def test_sendlat_command_with_each_strategy_counts_every_send(aiprobe_cli: list[str], cbuild, strategy: str) -> None:
+def test_sendlat_command_with_each_strategy_counts_every_send(aiprobe_cli: list[str], cbuild, kernel_features: dict,
+                                                              strategy: str) -> None:
+    skip_unless_the_kernel_has("sendlat", strategy, kernel_features)
     peer = build(cbuild)
     with sink(peer, "127.0.0.1") as to:
         sender = subprocess.Popen(sender_cmd(peer, to, 7, 300, "write", wait=True),

@@ -7,5 +7,5 @@ shift
 cd "$(dirname "$0")/../.." || exit 1
 ip link set lo up
 .venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
-.venv/bin/pytest -p no:cacheprovider -ra --junitxml="$RESULTS/junit.xml" "$@" > "$RESULTS/pytest.log" 2>&1
+.venv/bin/pytest -p no:cacheprovider -ra --durations=25 --junitxml="$RESULTS/junit.xml" "$@" > "$RESULTS/pytest.log" 2>&1
 echo $? > "$RESULTS/rc"
