@@ -10,7 +10,7 @@ over 9p and sees this repository through an overlay whose writes stay in the gue
 its results directory is shared read-write. KVM is used when it works (nested KVM often does not),
 plain emulation otherwise.
 
-Usage: matrix.py [--kernel SUBSTRING]... [-- PYTEST ARGS]  (default pytest args: -m "kernels and not realtime")
+Usage: matrix.py [--kernel SUBSTRING]... [-- PYTEST ARGS]  (default pytest args: -m "kernels and bpf and not realtime")
 Exit status 1 when a test failed or a kernel did not report.
 """
 
@@ -35,7 +35,7 @@ CACHE = ROOT / "build" / "kernels"
 VNG = CACHE / "vng-venv" / "bin" / "vng"
 GUEST = ROOT / "tests" / "kernels" / "guest.sh"
 PROBES = ("flows", "sendlat", "cuda", "sched", "nvml")
-DEFAULT_SELECTION = ("-m", "kernels and not realtime")
+DEFAULT_SELECTION = ("-m", "kernels and bpf and not realtime")  # the rest needs no kernel: make test runs it
 VM_TIMEOUT = 1500  # seconds for one boot and its tests; emulation is ~10x slower than the host
 VM_OPTIONS = ("--cpus", "2", "--memory", "2G")
 EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p")
@@ -222,7 +222,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", action="append", default=[],
                         help="only kernels whose package name contains this ('host' for this host)")
-    parser.add_argument("pytest_args", nargs="*", help="pytest arguments (default: -m 'kernels and not realtime')")
+    parser.add_argument("pytest_args", nargs="*", help=f"pytest arguments (default: {shlex.join(DEFAULT_SELECTION)})")
     args = parser.parse_args()
     selection = args.pytest_args or list(DEFAULT_SELECTION)
     wanted = lambda name: not args.kernel or any(k in name for k in args.kernel)  # noqa: E731
