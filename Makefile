@@ -12,7 +12,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Build and test dependencies from Debian/Ubuntu. Nodes that only run aiprobe need libbpf1 alone.
 APT_PACKAGES := clang llvm libbpf-dev iproute2 make gcc libc6-dev python3-venv python3-pip \
-                tmux prometheus prometheus-alertmanager ruby wrk
+                tmux prometheus prometheus-alertmanager ruby wrk ethtool iperf3
 # bpftool is its own package on Debian (and recent Ubuntu); older Ubuntu ships it in linux-tools
 # (the deps recipe falls back to those).
 
@@ -44,6 +44,9 @@ $(STAMPS)/kernel-deps: Makefile $(STAMPS)/deps
 
 lint: venv
 	$(BIN)/ruff check agent exporters tests benchmarks
+	@rm -rf $(STAMPS)/typecheck && mkdir -p $(STAMPS)/typecheck/aiprobe
+	@ln -s $(CURDIR)/agent/* $(STAMPS)/typecheck/aiprobe/ && ln -s $(CURDIR)/exporters $(STAMPS)/typecheck/aiprobe/
+	cd $(STAMPS)/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p aiprobe
 
 setup: deps venv bpf
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from .names import text_of
+
 log = logging.getLogger("aiprobe.containers")
 
 
@@ -72,12 +74,12 @@ def workload_of(cgroup_path: str) -> Workload:
 def cgroup_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
     """The cgroup v2 path of a process, or None when it is gone."""
     try:
-        text = (proc / str(pid) / "cgroup").read_text()
+        raw = (proc / str(pid) / "cgroup").read_bytes()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            return line[3:]
+    for line in raw.splitlines():
+        if line.startswith(b"0::"):
+            return text_of(line[3:])  # cgroup names are anyone's bytes
     return None
 
 
@@ -97,7 +99,8 @@ class CgroupIndex:
         while stack:
             directory = stack.pop()
             try:
-                paths[os.stat(directory).st_ino] = "/" + os.path.relpath(directory, self._root).removeprefix(".")
+                relative = text_of(os.fsencode(os.path.relpath(directory, self._root)))
+                paths[os.stat(directory).st_ino] = "/" + relative.removeprefix(".")
                 with os.scandir(directory) as entries:
                     stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
             except OSError:

@@ -1,9 +1,19 @@
-"""CUDA driver uprobes: context switches, kernel launches and synchronizations per process, plus
-the run-queue delay of the threads that drive the GPU (bpf/cuda.bpf.c; scheduler side: sched.py).
+"""CUDA uprobes: per process kernel and graph launches, synchronizations, threads changing their
+current context, cold start; per context its device and launches (so GPUs shared between busy
+contexts show); plus the run-queue delay of the threads that drive the GPU (bpf/cuda.bpf.c;
+scheduler side: sched.py).
 
-Libraries are found, not configured: every `libcuda.so*` file that a process maps is probed once
-per file (dev, inode), whatever path or container it is reached through. A uprobe on a file covers
-every process mapping it, so the probe cost grows only with calls. A background thread scans /proc
+Two layers are probed, as frameworks reach the GPU through both: the driver (`libcuda.so*`) and the
+runtime (`libcudart*.so*`, wherever it is mapped: system, Python wheels, torch/lib; or linked
+statically into the executable). The runtime reaches the driver through cuGetProcAddress pointers,
+which need not be the exported functions probed in libcuda, so a launch made through libcudart is
+counted at libcudart's entry point, and a driver entry point firing inside it is not counted again.
+
+Libraries are found, not configured: every CUDA library file that a process maps is probed once
+per file (dev, inode), whatever path or container it is reached through. Files are parsed by
+aiprobe.elf (bounded, checked) and uprobes attach at the offsets found, only where the library
+defines its anchor symbol. A uprobe on a file covers every process mapping it, so the probe cost
+grows only with calls. A background thread scans /proc
 every RESCAN_INTERVAL seconds (`close()` stops it), incrementally (see LibraryScanner): a process
 not seen before has its maps read at the next scan, so processes started later are picked up
 within about RESCAN_INTERVAL; a process already seen is looked at again only after as long as it
@@ -12,39 +22,46 @@ the dlopen (early, when frameworks usually load it) and never later than REVISIT
 
 Counts live per process in the kernel (map `processes`) and only grow; a thread's entry in map
 `threads` goes when it exits. `read()` deletes a process's entries once it has reported them with
-the process already gone, so both maps stay bounded on a busy host.
+the process already gone, so the maps stay bounded on a busy host (map `contexts` is also LRU).
+
+A context is known by the value its process sees, its device from its creation or retain; a
+device's primary context is one context whether a thread reached it through cudaSetDevice or
+cuCtxSetCurrent. Contexts made current before aiprobe attached are one "unknown" context per
+process (device -1) until a thread makes a context current again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import sched
+from . import elf, sched
 from .btf import decode
 from .histogram import NS_PER_SECOND, log2_buckets, quantile
 from .libbpf import BpfError
-from .loader import BpfObject, Strategy, load_first
+from .loader import BpfObject, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
-from .model import AttachedLibrary, CudaProcess, CudaSnapshot, MapUsage
-from .names import comm_text
+from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage
+from .names import comm_text, printable
 from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes, start_ticks
+from .supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 
-log = logging.getLogger("aiprobe.cuda")
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LIBRARY_PREFIX = "libcuda.so"
-_COUNTED_MAPS = ("threads", "processes")  # bounded maps reported as aiprobe_bpf_map_entries
+# libcudart.so.12, and the renamed copies wheels bundle (auditwheel: libcudart-<hash>.so.12).
+RUNTIME_LIBRARY = re.compile(r"libcudart(-[0-9a-f]+)?\.so")
+DRIVER, RUNTIME, STATIC_RUNTIME = "driver", "runtime", "static runtime"
+_COUNTED_MAPS = ("threads", "processes", "contexts")  # bounded maps reported as aiprobe_bpf_map_entries
 
 
 @dataclass(frozen=True)
@@ -54,25 +71,61 @@ class EntryPoint:
     retprobe: bool = False
 
 
-_LAUNCHES = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz")
-_SYNCS = ("cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize")
+def _with_exit(symbols: tuple[str, ...], enter: str, exit_program: str) -> tuple[EntryPoint, ...]:
+    """Entry and return probes of each symbol. The return probe attaches first, so a half-attached
+    pair can never leave a call open forever."""
+    return tuple(entry for symbol in symbols
+                 for entry in (EntryPoint(symbol, exit_program, True), EntryPoint(symbol, enter)))
 
-# What is probed in each library. A symbol the library does not export (the _ptsz variants, or
-# cuLaunchKernelEx before CUDA 11.8) is skipped. The uretprobe of a sync attaches before its
-# uprobe, so a half-attached pair can never leave a sync open forever.
-ENTRY_POINTS = (
+
+def _ptsz(*symbols: str) -> tuple[str, ...]:
+    """Each symbol and its per-thread default stream variant."""
+    return tuple(name for symbol in symbols for name in (symbol, f"{symbol}_ptsz"))
+
+
+# What is probed in libcuda. A symbol the library does not define (the _ptsz variants, or
+# cuLaunchKernelEx before CUDA 11.8) is skipped.
+DRIVER_ENTRY_POINTS = (
     EntryPoint("cuCtxSetCurrent", "uprobe_ctx_set_current"),
     EntryPoint("cuCtxPushCurrent_v2", "uprobe_ctx_push_current"),
     EntryPoint("cuCtxPopCurrent_v2", "uprobe_ctx_pop_current"),
-    *(EntryPoint(symbol, "uprobe_launch_kernel") for symbol in _LAUNCHES),
-    *(
-        EntryPoint(symbol, program, retprobe)
-        for symbol in _SYNCS
-        for program, retprobe in (("uretprobe_sync_exit", True), ("uprobe_sync_enter", False))
-    ),
+    EntryPoint("cuCtxDestroy_v2", "uprobe_ctx_destroy"),
+    *_with_exit(("cuCtxCreate_v2",), "uprobe_ctx_create_v2", "uretprobe_ctx_made"),
+    *_with_exit(("cuCtxCreate_v3",), "uprobe_ctx_create_v3", "uretprobe_ctx_made"),
+    *_with_exit(("cuCtxCreate_v4",), "uprobe_ctx_create_v4", "uretprobe_ctx_made"),
+    *_with_exit(("cuDevicePrimaryCtxRetain",), "uprobe_primary_ctx_retain", "uretprobe_ctx_made"),
+    *_with_exit(("cuInit",), "uprobe_init", "uretprobe_call_exit"),
+    *_with_exit(("cuModuleLoad", "cuModuleLoadData", "cuModuleLoadDataEx", "cuModuleLoadFatBinary",
+                 "cuLibraryLoadData", "cuLibraryLoadFromFile"), "uprobe_module_load", "uretprobe_call_exit"),
+    *(EntryPoint(symbol, "uprobe_launch_kernel")
+      for symbol in _ptsz("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")),
+    *(EntryPoint(symbol, "uprobe_graph_launch") for symbol in _ptsz("cuGraphLaunch")),
+    *_with_exit(_ptsz("cuStreamSynchronize"), "uprobe_sync_stream", "uretprobe_sync_exit"),
+    *_with_exit(("cuCtxSynchronize",), "uprobe_sync_device", "uretprobe_sync_exit"),
+    *_with_exit(("cuEventSynchronize",), "uprobe_sync_event", "uretprobe_sync_exit"),
 )
+
+# What is probed in libcudart (shared, or linked into the executable).
+RUNTIME_ENTRY_POINTS = (
+    *_with_exit(_ptsz("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel"),
+                "uprobe_runtime_launch_kernel", "uretprobe_runtime_exit"),
+    *_with_exit(_ptsz("cudaGraphLaunch"), "uprobe_runtime_graph_launch", "uretprobe_runtime_exit"),
+    *_with_exit(("cudaSetDevice",), "uprobe_runtime_set_device", "uretprobe_runtime_set_device"),
+    *_with_exit(_ptsz("cudaStreamSynchronize"), "uprobe_sync_stream", "uretprobe_sync_exit"),
+    *_with_exit(("cudaDeviceSynchronize",), "uprobe_sync_device", "uretprobe_sync_exit"),
+    *_with_exit(("cudaEventSynchronize",), "uprobe_sync_event", "uretprobe_sync_exit"),
+)
+
+# Per kind of library: what is probed, and the symbol that must be defined for it to be probed at all.
+LIBRARY_KINDS = {
+    DRIVER: (DRIVER_ENTRY_POINTS, "cuInit"),
+    RUNTIME: (RUNTIME_ENTRY_POINTS, "cudaLaunchKernel"),
+    STATIC_RUNTIME: (RUNTIME_ENTRY_POINTS, "cudaLaunchKernel"),
+}
+ENTRY_POINTS = DRIVER_ENTRY_POINTS + RUNTIME_ENTRY_POINTS
 UPROBE_PROGRAMS = tuple(dict.fromkeys(entry.program for entry in ENTRY_POINTS))
-_UPROBE_SPAN = "libcuda.so entry points (cuCtx*Current, cuLaunchKernel*, cu*Synchronize)"
+_UPROBE_SPAN = ("libcuda.so and libcudart.so entry points (launches, graph launches, syncs, context changes, "
+                "cold-start calls)")
 
 # The uprobes with each scheduler strategy in turn, then without a scheduler side at all.
 STRATEGIES = (
@@ -94,9 +147,26 @@ def strategies_with_scheduler(name: str | None) -> tuple[Strategy, ...]:
     return tuple(s for s in STRATEGIES if s.name == f"uprobe+{forced.name}")
 
 
+def _cold_start(phase: str) -> Callable[[CudaProcess], float | None]:
+    return lambda process: getattr(process.cold_start, phase) if process.cold_start else None
+
+
+def _cold_start_gauge(phase: str, help_text: str) -> Family:
+    return Family(f"aiprobe_cuda_cold_start_{phase}", "gauge", help_text, CudaProcess, _cold_start(phase),
+                  (("pid", "pid"), *PROCESS_LABELS),
+                  doc_note="Only for live processes started while the agent runs (the one family with pid).")
+
+
+def _syncs(field_suffix: str) -> tuple[tuple[str, str], ...]:
+    return tuple((kind, f"{kind}_sync{field_suffix}") for kind in ("stream", "device", "event"))
+
+
+_GPU_LABELS = (("gpu", "gpu"),)
+
 SPEC = ProbeSpec(
     name="cuda",
-    description="CUDA driver calls per process: context switches, launches, syncs",
+    description="CUDA driver and runtime calls per process: launches, graph launches, syncs, context changes, "
+                "cold start; contexts sharing a GPU",
     strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
     bpf_object="cuda",
     order=30,
@@ -104,13 +174,39 @@ SPEC = ProbeSpec(
     command="aiprobe.commands.cuda:command",
     metrics=(
         Family("aiprobe_cuda_context_switches_total", "counter",
-               "Times a thread's current CUDA context changed to a different one.", CudaProcess,
+               "Times one of the process's threads changed its current CUDA context to a different one "
+               "(cuCtxSetCurrent, push/pop, create, destroy, cudaSetDevice). Per thread: contexts "
+               "time-sliced on a GPU are aiprobe_gpu_active_contexts.", CudaProcess,
                "context_switches", PROCESS_LABELS, per_identity=True),
-        Family("aiprobe_cuda_kernel_launches_total", "counter", "CUDA kernel launches.", CudaProcess,
+        Family("aiprobe_cuda_kernel_launches_total", "counter",
+               "CUDA kernel launches (cuLaunchKernel*, cuLaunchCooperativeKernel*, cudaLaunchKernel*, "
+               "cudaLaunchKernelExC*, cudaLaunchCooperativeKernel*), each call once.", CudaProcess,
                "kernel_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_graph_launches_total", "counter",
+               "CUDA graph launches (cuGraphLaunch*, cudaGraphLaunch*).", CudaProcess,
+               "graph_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_runtime_launches_total", "counter",
+               "Of kernel and graph launches, those counted at libcudart's entry points (the rest at "
+               "libcuda's).", CudaProcess, "runtime_launches", PROCESS_LABELS, per_identity=True),
         Family("aiprobe_cuda_sync_duration_seconds", "histogram",
-               "Duration of cuStreamSynchronize / cuCtxSynchronize calls.", CudaProcess, "sync_histogram",
+               "Duration of synchronize calls (stream, context/device, event).", CudaProcess, "sync_histogram",
                PROCESS_LABELS, sum_field="sync_seconds_sum", per_identity=True),
+        Family("aiprobe_cuda_syncs_total", "counter", "Synchronize calls by kind.", CudaProcess,
+               labels=PROCESS_LABELS, per_identity=True, expand_label="kind", expand=_syncs("s")),
+        Family("aiprobe_cuda_sync_seconds_total", "counter", "Time in synchronize calls by kind.", CudaProcess,
+               labels=PROCESS_LABELS, per_identity=True, expand_label="kind", expand=_syncs("_seconds_sum")),
+        _cold_start_gauge("to_init_seconds", "From the process's start to its first cuInit."),
+        _cold_start_gauge("init_seconds", "Time in cuInit."),
+        _cold_start_gauge("context_create_seconds", "Time creating or retaining contexts."),
+        _cold_start_gauge("module_loads", "Module and library loads (cuModuleLoad*, cuLibraryLoad*)."),
+        _cold_start_gauge("module_load_seconds", "Time loading modules and libraries."),
+        _cold_start_gauge("to_first_launch_seconds", "From the process's start to its first kernel or graph launch."),
+        Family("aiprobe_gpu_active_contexts", "gauge",
+               "CUDA contexts that launched work on the GPU since the previous refresh: two or more busy "
+               "contexts are time-sliced by the GPU.", CudaGpu, "active_contexts", _GPU_LABELS),
+        Family("aiprobe_gpu_context_launches_per_second", "gauge",
+               "Kernel and graph launches per second into contexts on the GPU, by the process behind them.",
+               CudaContext, "launches_per_second", (*_GPU_LABELS, *PROCESS_LABELS)),
     ),
 )
 
@@ -120,13 +216,14 @@ SPEC = ProbeSpec(
 
 @dataclass(frozen=True)
 class MappedLibrary:
-    """A libcuda file as one process maps it."""
+    """A CUDA library file (or a candidate executable) as one process maps it."""
 
     pid: int
     path: str  # as the process sees it (inside its container)
     dev: int
     inode: int
     address: str  # the mapping's range, which names /proc/PID/map_files/<range>
+    kind: str = DRIVER  # DRIVER, RUNTIME or STATIC_RUNTIME (an executable that may define the runtime)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -150,40 +247,71 @@ class MappedLibrary:
         return mapping
 
 
-def mapped_libcuda(pid: int, proc: Path = Path("/proc")) -> MappedLibrary | None:
-    """The libcuda file process `pid` maps, if any."""
+def _library_kind(path: str) -> str | None:
+    name = os.path.basename(path)
+    if name.startswith(LIBRARY_PREFIX):
+        return DRIVER
+    if RUNTIME_LIBRARY.match(name):
+        return RUNTIME
+    return None
+
+
+def _executable_key(pid: int, proc: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(proc / str(pid) / "exe")
+    except OSError:  # gone, a kernel thread, or not ours to see
+        return None
+    return st.st_dev, st.st_ino
+
+
+def mapped_cuda_libraries(pid: int, proc: Path = Path("/proc")) -> list[MappedLibrary]:
+    """The CUDA library files process `pid` maps (one mapping each), and, when it maps libcuda but
+    no libcudart, its executable as a STATIC_RUNTIME candidate (a runtime linked in statically)."""
     try:
         maps = (proc / str(pid) / "maps").read_bytes()
     except OSError:  # gone, or a kernel thread
-        return None
-    if LIBRARY_PREFIX.encode() not in maps:
-        return None
+        return []
+    if b"libcud" not in maps:
+        return []
+    found: dict[tuple[int, int], MappedLibrary] = {}
+    mappings: dict[tuple[int, int], tuple[str, str]] = {}
     for line in maps.decode(errors="replace").splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) < 6:
+        if len(fields) < 6 or not fields[5].startswith("/"):
             continue
         path = fields[5].removesuffix(" (deleted)")
-        if os.path.basename(path).startswith(LIBRARY_PREFIX):
+        try:
             major, minor = (int(part, 16) for part in fields[3].split(":"))
-            return MappedLibrary(pid, path, os.makedev(major, minor), int(fields[4]), fields[0])
-    return None
+            key = (os.makedev(major, minor), int(fields[4]))
+        except ValueError:  # not a line the kernel writes; the next one may do
+            continue
+        mappings.setdefault(key, (path, fields[0]))
+        kind = _library_kind(path)
+        if kind is not None and key not in found:
+            found[key] = MappedLibrary(pid, path, *key, fields[0], kind)
+    kinds = {library.kind for library in found.values()}
+    if kinds == {DRIVER} and (exe := _executable_key(pid, proc)) in mappings:
+        path, address = mappings[exe]
+        found[exe] = MappedLibrary(pid, path, *exe, address, STATIC_RUNTIME)
+    return list(found.values())
 
 
 @dataclass
 class _Watched:
     start: int  # start_ticks()
     due: float  # when to look at it again (monotonic seconds)
-    library: MappedLibrary | None = None
+    libraries: set[tuple[int, int]] = field(default_factory=set)  # keys found so far
+    has_driver: bool = False  # done: the runtime, if any, is loaded before the driver it loads
 
 
 class LibraryScanner:
-    """Which processes map libcuda, without reading every process's maps at every scan.
+    """Which processes map CUDA libraries, without reading every process's maps at every scan.
 
     A pid not seen before has its maps read at once. After that a process is looked at again after
     as long as it has lived (at least `interval`, at most `revisit`): a driver is usually dlopen'ed
     early (when a framework initializes CUDA), so young processes are looked at often and old ones
     rarely. A look starts by reading the start time: the same process already known to map libcuda
-    needs nothing more; a reused pid is a new process.
+    needs nothing more (libcudart, which loads it, is there by then); a reused pid is a new process.
     """
 
     def __init__(self, proc: Path = Path("/proc"), *, interval: float = RESCAN_INTERVAL,
@@ -195,7 +323,7 @@ class LibraryScanner:
         self._watched: dict[int, _Watched] = {}
 
     def scan(self) -> list[MappedLibrary]:
-        """The processes found mapping libcuda since the last scan."""
+        """The libraries processes were found mapping since the last scan."""
         now = self._clock()
         uptime = float((self._proc / "uptime").read_text().split()[0])
         pids = {int(entry.name) for entry in os.scandir(self._proc) if entry.name.isdigit()}
@@ -212,21 +340,25 @@ class LibraryScanner:
                 continue
             if watched is None or watched.start != start:
                 watched = self._watched[pid] = _Watched(start, now)
-            if watched.library is None and (library := mapped_libcuda(pid, self._proc)) is not None:
-                watched.library = library
-                found.append(library)
+            if not watched.has_driver:
+                found += self._new_libraries(pid, watched)
             age = uptime - start / CLOCK_TICKS
             watched.due = now + min(max(age, self._interval), self._revisit)
         return found
 
+    def _new_libraries(self, pid: int, watched: _Watched) -> list[MappedLibrary]:
+        new = [lib for lib in mapped_cuda_libraries(pid, self._proc) if lib.key not in watched.libraries]
+        watched.libraries.update(lib.key for lib in new)
+        watched.has_driver = watched.has_driver or any(lib.kind == DRIVER for lib in new)
+        return new
 
 @contextlib.contextmanager
 def own_descriptor(path: str) -> Iterator[str]:
-    """`path` opened by us, as /proc/self/fd/N. The kernel refuses a uprobe on a path through
-    another process's /proc/PID/root or map_files without CAP_SYS_ADMIN, but opening that path
-    needs only what reading the file needs (CAP_SYS_PTRACE to follow it), and a uprobe on our own
-    descriptor needs no more: the DaemonSet's capabilities suffice. The uprobe holds the inode,
-    so the descriptor is closed once attached."""
+    """`path` opened by us, as /proc/self/fd/N. Without CAP_SYS_ADMIN the kernel refuses a uprobe
+    on a path through another process's /proc/PID/root, but opening that path needs only what
+    reading the file needs (CAP_SYS_PTRACE to follow it), and a uprobe on our own descriptor needs
+    no more: the DaemonSet's capabilities suffice (deploy/kubernetes/README.md). The uprobe holds
+    the inode, so the descriptor is closed once attached."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         yield f"/proc/self/fd/{fd}"
@@ -234,34 +366,84 @@ def own_descriptor(path: str) -> Iterator[str]:
         os.close(fd)
 
 
-def attach_entry_points(obj: BpfObject, host_path: str) -> list[str]:
-    """Attach every entry point the library exports; the symbols attached."""
-    attached = []
+class NotACudaLibrary(Exception):
+    """The file does not define the anchor symbol of its kind of library."""
+
+
+def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER) -> list[str]:
+    """Attach every entry point the library defines, at the offsets aiprobe.elf found (a file
+    defines each symbol once, but two symbols may share an address: one probe each); the symbols
+    attached. Raises NotACudaLibrary when the anchor symbol is missing, elf.ElfError for a file
+    that is not an ELF object aiprobe reads."""
+    entry_points, anchor = LIBRARY_KINDS[kind]
     with own_descriptor(host_path) as path:
-        for entry in ENTRY_POINTS:
-            try:
-                obj.programs[entry.program].attach_uprobe(path, entry.symbol, retprobe=entry.retprobe)
-            except BpfError as exc:
-                if exc.errno != errno.ENOENT:  # ENOENT: symbol not exported by this driver version
-                    raise
-                continue
-            if not entry.retprobe:
-                attached.append(entry.symbol)
+        return _attach_at_offsets(obj, path, entry_points, anchor)
+
+
+def _attach_at_offsets(obj: BpfObject, path: str, entry_points: tuple[EntryPoint, ...], anchor: str) -> list[str]:
+    offsets = elf.function_offsets(path, {entry.symbol for entry in entry_points})
+    if anchor not in offsets:
+        raise NotACudaLibrary(f"no {anchor}")
+    attached, done, links = [], set(), []
+    for entry in entry_points:
+        where = (offsets.get(entry.symbol), entry.program)
+        if where[0] is None or where in done:
+            continue
+        done.add(where)
+        try:
+            links.append(obj.programs[entry.program].attach_uprobe(path, offset=where[0],
+                                                                   retprobe=entry.retprobe))
+        except BpfError:
+            for link in links:  # all or nothing: a retry must not count the same calls twice
+                obj.release(link)
+            raise
+        if not entry.retprobe:
+            attached.append(entry.symbol)
     return attached
 
 
 # ---- records ----
+
+SYNC_KINDS = ("stream", "device", "event")  # enum sync_kind
+CALL_INIT, CALL_CTX_CREATE, CALL_MODULE_LOAD = range(3)  # enum timed_call
+PRIMARY_CTX_TAG = 1 << 63
+
+
+def counted_at(entry: dict[str, Any]) -> str:
+    """The layers a process's launches were counted at."""
+    runtime = entry["runtime_launches"]
+    driver = entry["kernel_launches"] + entry["graph_launches"] - runtime
+    return "+".join(layer for layer, count in (("runtime", runtime), ("driver", driver)) if count)
+
+
+def _since_start(entry: dict[str, Any], field_name: str) -> float | None:
+    at = entry[field_name]
+    return (at - entry["start_ns"]) / NS_PER_SECOND if at and at >= entry["start_ns"] else None
+
+
+def cold_start(entry: dict[str, Any]) -> ColdStart:
+    count, ns = entry["call_count"], entry["call_ns"]
+    return ColdStart(
+        to_init_seconds=_since_start(entry, "init_ns"),
+        init_seconds=ns[CALL_INIT] / NS_PER_SECOND,
+        context_creates=count[CALL_CTX_CREATE],
+        context_create_seconds=ns[CALL_CTX_CREATE] / NS_PER_SECOND,
+        module_loads=count[CALL_MODULE_LOAD],
+        module_load_seconds=ns[CALL_MODULE_LOAD] / NS_PER_SECOND,
+        to_first_launch_seconds=_since_start(entry, "first_launch_ns"),
+    )
 
 
 def process_record(pid: int, entry: dict[str, Any], library: str, started: int = 0) -> CudaProcess:
     """One process from its entry in map `processes`."""
     sync, runqueue = entry["sync"], entry["runqueue"]
     sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
+    by_kind = dict(zip(SYNC_KINDS, zip(entry["sync_count"], entry["sync_ns"], strict=True), strict=True))
     return CudaProcess(
         pid=pid,
         comm=comm_text(entry["comm"]),
         library=library,
-        context_switches=entry["context_switches"],
+        context_switches=entry["thread_ctx_changes"],
         kernel_launches=entry["kernel_launches"],
         syncs=sync["count"],
         sync_seconds_sum=sync["sum_ns"] / NS_PER_SECOND,
@@ -272,8 +454,75 @@ def process_record(pid: int, entry: dict[str, Any], library: str, started: int =
         runqueue_histogram=runqueue_buckets,
         involuntary_preemptions=entry["involuntary_preemptions"],
         gpu_threads=entry["gpu_threads"],
+        graph_launches=entry["graph_launches"],
+        runtime_launches=entry["runtime_launches"],
+        counted_at=counted_at(entry),
         start_ticks=started,
+        **{f"{kind}_syncs": count for kind, (count, _) in by_kind.items()},
+        **{f"{kind}_sync_seconds_sum": ns / NS_PER_SECOND for kind, (_, ns) in by_kind.items()},
     )
+
+
+def context_name(ctx: int) -> str:
+    if not ctx:
+        return "unknown"
+    return f"primary:{ctx & 0xFFFF}" if ctx & PRIMARY_CTX_TAG else hex(ctx)
+
+
+def visible_devices(pid: int, proc: Path = Path("/proc")) -> list[str] | None:
+    """The process's CUDA_VISIBLE_DEVICES as a list (None: unset or unreadable). Read as data:
+    bounded, never evaluated."""
+    try:
+        with open(proc / str(pid) / "environ", "rb") as environ:
+            raw = environ.read(1 << 20)
+    except OSError:
+        return None
+    for variable in raw.split(b"\0"):
+        if variable.startswith(b"CUDA_VISIBLE_DEVICES="):
+            value = variable.split(b"=", 1)[1][:4096].decode("ascii", errors="replace")
+            return [part.strip() for part in value.split(",") if part.strip()]
+    return None
+
+
+def physical_gpu(device: int, visible: list[str] | None) -> str:
+    """The GPU a process's device ordinal names: its entry in CUDA_VISIBLE_DEVICES (an index or a
+    UUID), else the ordinal itself; "unknown" when the ordinal is not known."""
+    if device < 0 or (visible is not None and device >= len(visible)):
+        return "unknown"
+    return visible[device] if visible is not None else str(device)
+
+
+def gpus_of(contexts: list[CudaContext]) -> list[CudaGpu]:
+    """Per GPU, the contexts active since the previous read."""
+    by_gpu: dict[str, list[CudaContext]] = {}
+    for context in contexts:
+        if context.active:
+            by_gpu.setdefault(context.gpu, []).append(context)
+    return [
+        CudaGpu(gpu, len(active), [f"{c.pid}/{c.context}" for c in active], sorted({c.pid for c in active}),
+                sum(c.launches_per_second for c in active))
+        for gpu, active in sorted(by_gpu.items())
+    ]
+
+
+class _LaunchRates:
+    """Launches per context since the previous read (a context that launched is active)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int], int] = {}
+        self._last_read = time.monotonic()
+
+    def update(self, key: tuple[int, int], launches: int, now: float) -> tuple[int, float]:
+        """(launches added, per second) since the previous read; a context seen for the first time
+        launched all of its launches since then."""
+        previous = self._last.get(key, 0)
+        self._last[key] = launches
+        added = launches - previous if launches >= previous else launches  # LRU-evicted and back
+        return added, added / (now - self._last_read) if now > self._last_read else 0.0
+
+    def read_done(self, keys: set[tuple[int, int]], now: float) -> None:
+        self._last = {key: value for key, value in self._last.items() if key in keys}
+        self._last_read = now
 
 
 # ---- the probe ----
@@ -287,7 +536,7 @@ def _attach_scheduler(obj: BpfObject, strategy: Strategy) -> None:
 
 
 class CudaProbe(Probe):
-    """CUDA driver uprobes on every libcuda file in use, plus the scheduler side. Libraries are
+    """CUDA uprobes on every libcuda and libcudart file in use, plus the scheduler side. Libraries are
     rescanned by a background thread (stopped by `close()`); `on_attach` hears of each new one.
     `strategies` defaults to tp_btf → raw_tp → tracepoint for the scheduler side, then none.
     `max_threads` overrides the capacity of map `threads` (live GPU-driving threads)."""
@@ -312,12 +561,19 @@ class CudaProbe(Probe):
         self._lock = threading.Lock()  # the loaded object and what is known of processes
         self._scan_lock = threading.Lock()  # one scan at a time
         self._scanner = LibraryScanner(proc, interval=rescan_interval)
-        self._libraries: dict[tuple[int, int], AttachedLibrary] = {}
+        self._libraries: dict[tuple[int, int], AttachedLibrary | None] = {}
         self._process_library: dict[int, str] = {}  # pid -> library path as the process sees it
+        self._process_runtime: dict[int, AttachedLibrary] = {}  # pid -> its probed libcudart
         self._reported: set[int] = set()  # pids the last read reported
         self._starts = StartTimes(proc)
+        self._started_ns = 0  # CLOCK_MONOTONIC, as the kernel's timestamps
+        self._attached_ns: dict[tuple[int, int], int] = {}  # library file -> when its probes were attached
+        self._watched_since: dict[int, int] = {}  # pid -> when its driver's probes were attached
+        self._launches = _LaunchRates()
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
+        self._retry: dict[tuple[int, int], MappedLibrary] = {}  # libraries whose attach failed
+        self._backoff = Backoff()
 
     @property
     def sched_strategy(self) -> str | None:
@@ -325,18 +581,13 @@ class CudaProbe(Probe):
         strategy = self.strategy or ""
         return strategy.split("+", 1)[1] if "+" in strategy else None
 
-    @property
-    def libraries(self) -> list[AttachedLibrary]:
-        with self._lock:
-            return list(self._libraries.values())
-
     def start(self) -> None:
+        self._started_ns = time.monotonic_ns()
         self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
                                  attach=_attach_scheduler)
         self.rescan()
         self._stop.clear()
-        self._scan_thread = threading.Thread(target=self._scan_loop, name="aiprobe-cuda-scan", daemon=True)
-        self._scan_thread.start()
+        self._scan_thread = SUPERVISOR.start_thread("cuda_scan", self._scan_loop, self._stop)
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         if self._max_threads is not None:
@@ -347,34 +598,77 @@ class CudaProbe(Probe):
             self.rescan()
 
     def rescan(self) -> list[AttachedLibrary]:
-        """Probe the libcuda files mapped since the last scan; returns the newly probed ones."""
+        """Probe the CUDA libraries mapped since the last scan, and again those that failed once their
+        back-off is over; returns the newly probed ones."""
         with self._scan_lock:
-            found = self._scanner.scan()
-        new = []
+            found = self._scanner.scan() + self._due_retries()
+        new: list[AttachedLibrary] = []
         for mapped in found:
             with self._lock:
                 if self.loaded is None:
                     return new
-                self._process_library[mapped.pid] = mapped.path
-                if mapped.key in self._libraries:
-                    continue
-                library = AttachedLibrary(mapped.path, mapped.host_path(self._proc))
-                try:
-                    library.symbols = attach_entry_points(self.loaded.obj, library.host_path)
-                except FileNotFoundError:  # the process left before we opened its file: the next one retries
-                    continue
-                except (BpfError, OSError) as exc:
-                    library.error = str(exc)
-                    log.warning("cannot probe %s via %s: %s", library.path, library.host_path, exc)
-                self._libraries[mapped.key] = library
-            new.append(library)
-            if self._on_attach is not None:
-                self._on_attach(library)
+                library, is_new = self._library(mapped)
+                self._note_process_library(mapped, library)
+            if is_new and library is not None:
+                new.append(library)
+                if self._on_attach is not None:
+                    self._on_attach(library)
         return new
 
+    def _library(self, mapped: MappedLibrary) -> tuple[AttachedLibrary | None, bool]:
+        """The file's probes, attached on first sight; None: not a CUDA library after all (an
+        executable without a runtime in it). Every outcome is remembered per file."""
+        known = self._libraries.get(mapped.key)
+        if mapped.key in self._libraries and (known is None or not known.error):
+            return known, False
+        assert self.loaded is not None  # rescan() holds the lock and checked
+        library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc), kind=mapped.kind)
+        self._attached_ns[mapped.key] = time.monotonic_ns()
+        try:
+            library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind)
+        except BpfError as exc:  # e.g. a privilege or a busy kernel: worth another try later
+            library.error = printable(str(exc))
+            ATTACHMENTS.failed(SPEC.name, library.path, attach_reason(exc), library.error)
+            self._backoff.failed(mapped.key, time.monotonic())
+            self._retry[mapped.key] = mapped
+        except (NotACudaLibrary, elf.ElfError, OSError) as exc:  # the file itself: not worth retrying
+            library.error = printable(str(exc))
+        else:
+            ATTACHMENTS.succeeded(SPEC.name, library.path)
+            self._backoff.forget(mapped.key)
+            self._retry.pop(mapped.key, None)
+        probed = None if mapped.kind == STATIC_RUNTIME and library.error else library
+        self._libraries[mapped.key] = probed
+        return probed, True
+
+    def _note_process_library(self, mapped: MappedLibrary, library: AttachedLibrary | None) -> None:
+        if mapped.kind == DRIVER:
+            self._process_library[mapped.pid] = printable(mapped.path)
+            self._watched_since[mapped.pid] = self._attached_ns[mapped.key]
+        elif library is not None and not library.error:
+            self._process_runtime[mapped.pid] = library
+
+    @property
+    def libraries(self) -> list[AttachedLibrary]:
+        with self._lock:
+            return [library for library in self._libraries.values() if library is not None]
+
+    def _due_retries(self) -> list[MappedLibrary]:
+        """Libraries that failed to attach and may be tried again: by a process that still maps them."""
+        now = time.monotonic()
+        due = []
+        for key, mapped in list(self._retry.items()):
+            if not os.path.exists(f"{self._proc}/{mapped.pid}"):
+                self._retry.pop(key)
+                self._backoff.forget(key)
+            elif self._backoff.due(key, now):
+                due.append(mapped)
+        return due
+
     def read(self) -> CudaSnapshot:
-        """Every process with counts. A process gone before the maps are read has its final values
-        here, so its entries are deleted right after (and it is not reported again)."""
+        """Every process with counts, every context with launches, the GPUs shared by busy contexts.
+        A process gone before the maps are read has its final values here, so its entries are
+        deleted right after (and it is not reported again)."""
         with self._lock:
             if self.loaded is None:
                 return CudaSnapshot([], self.sched_strategy, [])
@@ -382,21 +676,60 @@ class CudaProbe(Probe):
                     if not os.path.exists(f"{self._proc}/{pid}")}
             maps = self.loaded.obj.maps
             entries = {key.value: decode(value) for key, value in maps["processes"].items()}
-            processes = [process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
-                         for pid, entry in sorted(entries.items())]
+            processes = [self._process(pid, entry) for pid, entry in sorted(entries.items())]
             self._starts.keep_only(set(entries))
-            self._forget(gone)
+            contexts = self._contexts(maps["contexts"].items(), {p.pid: p.comm for p in processes})
+            self._forget(maps, gone)
             self._reported = entries.keys() - gone
-        return CudaSnapshot(processes, self.sched_strategy, self.libraries)
+        return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts))
 
-    def _forget(self, pids: set[int]) -> None:
+    def _process(self, pid: int, entry: dict[str, Any]) -> CudaProcess:
+        process = process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
+        runtime = self._process_runtime.get(pid)
+        if runtime is not None:
+            process.runtime = "static" if runtime.kind == STATIC_RUNTIME else "shared"
+            process.runtime_library = runtime.path
+        if self._saw_start(pid, entry):
+            process.cold_start = cold_start(entry)
+        return process
+
+    def _saw_start(self, pid: int, entry: dict[str, Any]) -> bool:
+        """Whether the process's CUDA start-up was watched from its beginning: it started while the
+        probe ran, and either its driver's probes were attached before it started, or its cuInit
+        (the first call of every CUDA program) was seen."""
+        start = entry["start_ns"]
+        attached = self._watched_since.get(pid)
+        return start >= self._started_ns and (bool(entry["init_ns"]) or (attached is not None and attached <= start))
+
+    def _contexts(self, items: list[tuple[Any, Any]], comms: dict[int, str]) -> list[CudaContext]:
+        now = time.monotonic()
+        visible: dict[int, list[str] | None] = {}
+        contexts, seen = [], set()
+        for key, value in items:
+            seen.add((key.tgid, key.ctx))
+            pid, entry = key.tgid, decode(value)
+            if pid not in visible:
+                visible[pid] = visible_devices(pid, self._proc)
+            launches = entry["kernel_launches"] + entry["graph_launches"]
+            if not launches:  # known (created, retained) but never launched on
+                continue
+            added, rate = self._launches.update((pid, key.ctx), launches, now)
+            contexts.append(CudaContext(pid, comms.get(pid, ""), context_name(key.ctx), entry["device"],
+                                        physical_gpu(entry["device"], visible[pid]), entry["kernel_launches"],
+                                        entry["graph_launches"], rate, added > 0))
+        self._launches.read_done(seen, now)
+        return sorted(contexts, key=lambda c: (c.gpu, c.pid, c.context))
+
+    def _forget(self, maps: dict[str, Map], pids: set[int]) -> None:
         """Delete the entries of processes that are gone. Their threads' entries normally went as
         each thread exited; without a scheduler side (no sched_process_exit) they go here."""
-        maps = self.loaded.obj.maps
         maps["processes"].delete_keys(pids)
         maps["threads"].delete_keys(key for key, thread in maps["threads"].items() if thread.tgid in pids)
+        maps["contexts"].delete_keys(key for key in maps["contexts"].keys() if key.tgid in pids)
         for pid in pids:
             self._process_library.pop(pid, None)
+            self._process_runtime.pop(pid, None)
+            self._watched_since.pop(pid, None)
 
     def map_usage(self) -> list[MapUsage]:
         with self._lock:

@@ -10,8 +10,10 @@ each timed and reported as aiprobe_collector_duration_seconds / _success.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,8 @@ from .histogram import quantile
 from .loader import ProbeUnavailable
 from .model import (
     Alert,
+    CudaContext,
+    CudaGpu,
     CudaProcess,
     FlowRecord,
     GpuInfo,
@@ -41,9 +45,14 @@ from .model import (
 from .names import process_name
 from .probes import Probe, ProbeSpec, selected
 from .rules import RuleEngine, Signal
+from .supervisor import SUPERVISOR
 from .system import kernel_release
 
 log = logging.getLogger("aiprobe.agent")
+
+# /healthz fails when the refresh loop or a part stalls longer than this many refreshes (and seconds).
+HEALTH_GRACE_REFRESHES = 3
+MIN_HEALTH_GRACE_SECONDS = 5.0
 
 # Alert rules judge latency histograms over this recent window rather than since start.
 SIGNAL_WINDOW_SECONDS = 10.0
@@ -74,8 +83,14 @@ class Agent:
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
         self._last_refresh: float | None = None
+        self._refreshed_at: float | None = None  # monotonic
         self._snapshot: dict[str, Any] = {}
         self.readings = Readings()
+        # The newest read of each SPEC.read_at_scrape probe, by refresh or scrape: (monotonic time, record).
+        self._newest: dict[str, tuple[float, Any]] = {}
+        self._newest_lock = threading.Lock()
+        self._read_at_scrape = {s.name for s in selected(config.probes) if s.read_at_scrape}
+        self._scraped: tuple[Readings, Readings] | None = None  # (the refresh it came from, what a scrape got)
         self.hostname = socket.gethostname()
 
     # --- life cycle ---
@@ -120,7 +135,10 @@ class Agent:
 
     @property
     def healthy(self) -> bool:
-        return bool(self._snapshot)
+        """A snapshot, refreshed lately, and no part of the agent down for longer than a few refreshes."""
+        grace = max(HEALTH_GRACE_REFRESHES * self.config.interval_seconds, MIN_HEALTH_GRACE_SECONDS)
+        fresh = self._refreshed_at is not None and time.monotonic() - self._refreshed_at <= grace
+        return bool(self._snapshot) and fresh and not SUPERVISOR.down(longer_than=grace)
 
     def snapshot(self) -> dict[str, Any]:
         return self._snapshot
@@ -131,8 +149,9 @@ class Agent:
         now = time.time()
         readings = Readings()
         for name, probe in list(self._probes.items()):
-            readings.records[name] = self._collect(name, probe.read, readings.collectors)
-        self._join(readings)
+            readings.records[name] = self._read(name, probe, readings.collectors)
+        # Joins read /proc and cgroupfs, which any process shapes: a failure costs the joins, not the refresh.
+        self._collect("join", lambda: self._join(readings), readings.collectors)
         self._add_rates(readings, now)
         signals = self._collect("rules", lambda: self._signals(readings, now), readings.collectors) or []
         self._rates.end_round()
@@ -144,8 +163,10 @@ class Agent:
         readings.map_usage = {name: probe.map_usage() for name, probe in self._probes.items()}
         readings.events_lost = {name: probe.events_lost() for name, probe in self._probes.items()}
         readings.alerts = self._rules.active
+        SUPERVISOR.fill(readings)
         self.readings = readings
         self._last_refresh = now
+        self._refreshed_at = time.monotonic()
         self._snapshot = self._build_snapshot(readings, now).to_dict()
         return self._snapshot
 
@@ -154,14 +175,47 @@ class Agent:
         """Firing alerts and those resolved recently: what Alertmanager should know about."""
         return self._rules.firing + self._rules.resolved
 
+    def scrape_readings(self) -> Readings:
+        """What /metrics renders at a scrape: the last refresh's readings, with the SPEC.read_at_scrape
+        probes' (flows) newest read, read again now unless a read is younger than half an interval, as
+        node_exporter reads at scrape time. So two scrapes an interval apart never see the same read
+        (a flat step in rate()), and a burst of scrapes costs one read. The same object comes back
+        while nothing changed, so the exporter renders each reading once."""
+        last = self.readings
+        collectors = dict(last.collectors)
+        for name in self._read_at_scrape:
+            with self._newest_lock:
+                at = self._newest.get(name, (None, None))[0]
+            probe = self._probes.get(name)
+            if probe is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
+                self._read(name, probe, collectors)
+        with self._newest_lock:
+            fresh = {name: record for name, (_at, record) in self._newest.items()}
+        cached = self._scraped
+        if cached is not None and cached[0] is last and all(cached[1].records[n] is r for n, r in fresh.items()):
+            return cached[1]
+        readings = dataclasses.replace(last, records={**last.records, **fresh}, collectors=collectors)
+        self._scraped = (last, readings)
+        return readings
+
+    def _read(self, name: str, probe: Probe, collectors: dict[str, tuple[float, bool]]) -> Any:
+        record = self._collect(name, probe.read, collectors)
+        finished = time.monotonic()
+        if record is not None and name in self._read_at_scrape:
+            with self._newest_lock:  # the probe reads one at a time: the one that finished last read last
+                if finished >= self._newest.get(name, (0.0, None))[0]:
+                    self._newest[name] = (finished, record)
+        return record
+
     def _collect(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
         started = time.perf_counter()
+        error = None
         try:
-            result, ok = read(), True
+            result = read()
         except Exception as exc:  # e.g. an interface vanished mid-read: report, keep the agent running
-            log.warning("collector %s failed: %s", name, exc)
-            result, ok = None, False
-        collectors[name] = (time.perf_counter() - started, ok)
+            result, error = None, exc
+        SUPERVISOR.collected(name, error)  # logged once per distinct error, counted every time
+        collectors[name] = (time.perf_counter() - started, error is None)
         return result
 
     # --- joins: who is behind a pid, a cgroup or a socket ---
@@ -192,11 +246,12 @@ class Agent:
             workload = self._workload(send.cgroup_id, send.pid)
             send.container, send.pod_uid = workload.container, workload.pod_uid
             live_pids.add(send.pid)
-        for proc in [*r.of(CudaProcess), *r.of(GpuProcess)]:
+        for proc in [*r.of(CudaProcess), *r.of(CudaContext), *r.of(GpuProcess)]:
             workload = self._workload_of_pid(proc.pid)
             proc.container, proc.pod_uid = workload.container, workload.pod_uid
             live_pids.add(proc.pid)
         self._workloads = {pid: w for pid, w in self._workloads.items() if pid in live_pids}
+        _join_active_contexts(r.of(GpuInfo), r.of(CudaGpu))
 
     def _add_rates(self, r: Readings, now: float) -> None:
         """Per-second rates of cumulative counters over the interval since the last refresh, each
@@ -204,9 +259,9 @@ class Agent:
         for send in r.of(ProcessSendLatency):
             (send.bytes_per_second,) = self._rates.rate(("send", send.identity()), [send.bytes], now)
         for cuda in r.of(CudaProcess):
-            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs]
-            cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second = \
-                self._rates.rate(("cuda", cuda.identity()), counters, now)
+            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs, cuda.graph_launches]
+            (cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second,
+             cuda.graph_launches_per_second) = self._rates.rate(("cuda", cuda.identity()), counters, now)
         for side in r.of(InterfaceTotals):
             side.bytes_per_second, side.packets_per_second = \
                 self._rates.rate(("interface", side.identity()), [side.bytes, side.packets], now)
@@ -240,6 +295,7 @@ class Agent:
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
                     "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
         signals += self._gpu_signals(r)
+        signals += time_slicing_signals(r.of(CudaGpu), r.of(CudaContext), r.of(GpuInfo))
         signals += self._tcp_signals(r, now)
         return signals
 
@@ -261,13 +317,14 @@ class Agent:
         signals = []
         elapsed = now - self._last_refresh if self._last_refresh is not None else 0.0
         for tcp in r.of(TcpCounters):
-            counters = [tcp.listen_overflows, tcp.listen_drops, tcp.retransmitted_segments, tcp.sent_segments]
-            overflows, drops, retransmitted, sent = self._rates.rate(("tcp",), counters, now)
+            counters = [tcp.listen_drops, tcp.retransmitted_segments, tcp.sent_segments]
+            drops, retransmitted, sent = self._rates.rate(("tcp",), counters, now)
             if elapsed <= 0:
                 continue
-            signals.append(Signal("listen_queue_overflow", "host", overflows + drops, {
+            # ListenDrops alone: the kernel counts every ListenOverflows in ListenDrops too.
+            signals.append(Signal("listen_queue_overflow", "host", drops, {
                 "listen_overflows": tcp.listen_overflows, "listen_drops": tcp.listen_drops,
-                "per_second": round(overflows + drops, 3)}))
+                "per_second": round(drops, 3)}))
             if sent * elapsed >= MIN_SEGMENTS_FOR_RETRANSMIT_RATIO:
                 signals.append(Signal("tcp_retransmits_high", "host", retransmitted / sent, {
                     "retransmit_ratio": round(retransmitted / sent, 4), "segments_sent": round(sent * elapsed)}))
@@ -308,6 +365,10 @@ class Agent:
             entry.cuda_context_switches_per_second = cuda.context_switches_per_second
             entry.cuda_kernel_launches_per_second = cuda.kernel_launches_per_second
             entry.cuda_syncs_per_second = cuda.syncs_per_second
+            entry.cuda_graph_launches_per_second = cuda.graph_launches_per_second
+            entry.cuda_counted_at = cuda.counted_at or None
+            entry.cuda_time_to_first_launch_seconds = cuda.cold_start.to_first_launch_seconds \
+                if cuda.cold_start else None
             entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
         for gpu in r.of(GpuProcess):
             entry = row(gpu.pid, gpu.comm, gpu.container, gpu.pod_uid)
@@ -316,6 +377,27 @@ class Agent:
             if gpu.sm_utilization_ratio is not None:
                 entry.gpu_utilization_ratio = (entry.gpu_utilization_ratio or 0) + gpu.sm_utilization_ratio
         return sorted(rows.values(), key=lambda p: p.send_bytes_per_second or 0, reverse=True)
+
+
+def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
+    """Each NVML GPU's active CUDA contexts (the cuda probe names a GPU by index or UUID)."""
+    active = {gpu.gpu: gpu.active_contexts for gpu in gpus}
+    for info in infos:
+        info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
+
+
+def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo]) -> list[Signal]:
+    """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
+    processes, launch rates and the GPU's utilization (NVML, matched by index or UUID) as evidence."""
+    utilization = {key: info.utilization_gpu_ratio for info in infos for key in (str(info.index), info.uuid)}
+    signals = []
+    for gpu in gpus:
+        active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
+        signals.append(Signal("gpu_time_sliced", f"gpu{gpu.gpu}", gpu.active_contexts, {
+            "contexts": [{"pid": c.pid, "process": f"{c.comm or c.pid}@{c.container}", "context": c.context,
+                          "launches_per_second": round(c.launches_per_second, 1)} for c in active],
+            "utilization_ratio": utilization.get(gpu.gpu)}))
+    return signals
 
 
 def _target(proc: ProcessSendLatency | CudaProcess) -> str:

@@ -15,10 +15,13 @@ that vanishes (exit, eviction) is forgotten at the end of the round in which it 
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, TypeVar
 
 Values = Sequence[float]
+Labels = TypeVar("Labels", bound=Hashable)
 
 
 def _added(values: Values, last: Values | None) -> list[float]:
@@ -50,15 +53,23 @@ class Deltas:
         return source in self._last
 
 
-class Totals:
-    """Monotonic sums per label set of the increases of every source carrying those labels."""
+class Totals(Generic[Labels]):
+    """Monotonic sums per label set of the increases of every source carrying those labels. With
+    `idle_seconds`, a label set no source carried for that long is dropped (short-lived processes
+    would otherwise pile up series for ever); should it return, it counts from zero, which
+    Prometheus reads as a counter reset."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.deltas = Deltas()
-        self.sums: dict[Hashable, list[float]] = {}
+        self.sums: dict[Labels, list[float]] = {}
+        self._idle = idle_seconds
+        self._clock = clock
+        self._seen: set[Labels] = set()
+        self._seen_at: dict[Labels, float] = {}
 
-    def add(self, labels: Hashable, source: Hashable, values: Values) -> list[float]:
+    def add(self, labels: Labels, source: Hashable, values: Values) -> list[float]:
         """Add the source's increase to its label set; returns the increase."""
+        self._seen.add(labels)
         added = self.deltas.increase(source, values)
         current = self.sums.get(labels)
         if current is None or len(current) != len(added):  # a new label set, or a new layout: start over
@@ -69,6 +80,14 @@ class Totals:
 
     def end_round(self) -> None:
         self.deltas.end_round()
+        if self._idle is None:
+            return
+        now = self._clock()
+        self._seen_at.update(dict.fromkeys(self._seen, now))
+        self._seen = set()
+        for labels in [labels for labels, at in self._seen_at.items() if now - at > self._idle]:
+            del self._seen_at[labels]
+            self.sums.pop(labels, None)
 
 
 class Rates:

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from . import libbpf
 from .btf import Btf
-from .libbpf import BpfError
 from .loader import BpfObject
 
 CLONE_NEWNET = 0x40000000
@@ -35,15 +35,15 @@ class Feature:
     available: bool
     detail: str = ""
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def _attempt(action: Callable[[], str | None]) -> Feature:
     try:
         return Feature(True, action() or "")
-    except (BpfError, OSError, KeyError) as exc:
-        return Feature(False, str(exc))
+    except Exception as exc:  # whatever went wrong, this feature is the one that is missing
+        return Feature(False, str(exc) or type(exc).__name__)
 
 
 # What a failure of these usually means; libbpf's own hints (e.g. "raise ulimit -l") mislead here.
@@ -114,6 +114,9 @@ def _map_batch() -> None:
         os.close(fd)
 
 
+_NETWORK = ("xdp_native", "xdp_generic", "xdp_link", "tcx", "tc_clsact")
+
+
 def _network_features() -> dict[str, Feature]:
     """XDP and tc attempts in a throwaway network namespace, owned by a short-lived thread
     (namespaces are per thread, so the rest of the process stays where it was)."""
@@ -123,7 +126,7 @@ def _network_features() -> dict[str, Feature]:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
-            for name in ("xdp_native", "xdp_generic", "xdp_link", "tcx", "tc_clsact"):
+            for name in _NETWORK:
                 result[name] = Feature(False, f"cannot create a private netns to test in: {errno.errorcode[err]}")
             return
         from pyroute2 import IPRoute
@@ -131,7 +134,10 @@ def _network_features() -> dict[str, Feature]:
         with IPRoute() as ipr:
             ipr.link("add", ifname="aiprobe-p0", kind="veth", peer="aiprobe-p1")
             veth = ipr.link_lookup(ifname="aiprobe-p0")[0]
-            xdp = lambda mode, ifx: lambda obj: obj.programs["probe_xdp"].attach_xdp(ifx, mode)  # noqa: E731
+
+            def xdp(mode: str | None, ifindex: int) -> Callable[[BpfObject], object]:
+                return lambda obj: obj.programs["probe_xdp"].attach_xdp(ifindex, mode)
+
             result["xdp_native"] = _program("probe_xdp", xdp("native", veth))
             result["xdp_generic"] = _program("probe_xdp", xdp("generic", 1))
             result["xdp_link"] = _program("probe_xdp", xdp(None, veth))
@@ -141,7 +147,14 @@ def _network_features() -> dict[str, Feature]:
                 lambda obj: obj.programs["probe_tc"].attach_tc_clsact(veth, "egress", handle=1, priority=1),
             )
 
-    thread = threading.Thread(target=run, name="aiprobe-netns-probe")
+    def guarded() -> None:
+        try:
+            run()
+        except Exception as exc:  # e.g. no veth support: every network feature says why, check goes on
+            for name in _NETWORK:
+                result.setdefault(name, Feature(False, f"cannot test in a private netns: {exc}"))
+
+    thread = threading.Thread(target=guarded, name="aiprobe-netns-probe")
     thread.start()
     thread.join()
     return result
@@ -168,7 +181,8 @@ def probe_features() -> dict[str, Feature]:
 
 
 def _any(found: dict[str, Feature], *names: str) -> Feature:
-    working = [n for n in names if found[n].available]
+    tried = {n: found.get(n, Feature(False, "not tried")) for n in names}
+    working = [n for n, feature in tried.items() if feature.available]
     if working:
         return Feature(True, "via " + ", ".join(working))
-    return Feature(False, "; ".join(f"{n}: {found[n].detail}" for n in names))
+    return Feature(False, "; ".join(f"{n}: {feature.detail}" for n, feature in tried.items()))

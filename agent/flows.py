@@ -1,9 +1,23 @@
-"""Per-flow throughput: XDP counts what arrives, tc counts what leaves (bpf/flows.bpf.c).
+"""Per-flow throughput at tc ingress and egress, counted as wire frames (bpf/flows.bpf.c).
 
-`FlowsProbe` attaches both programs to every selected interface (following interfaces that come
-and go), and `read()` turns the flow table into `FlowRecord`s with rates over the interval
-since the previous read. Idle flows expire here, in user space; when the table runs full the
-stalest flows are evicted and counted. Interface totals add the flows that expired or were evicted
+`FlowsProbe` attaches tc programs (TCX, clsact where the kernel lacks it) to both directions of
+every selected interface (following interfaces that come and go), and `read()` turns the flow table
+into `FlowRecord`s with rates over the interval since the previous read.
+
+Why tc and not XDP by default: tc leaves the data path as it is. Ingress tc sees skbs after GRO
+(one program run per batch of segments, each counted), egress tc sees them before GSO, and neither
+changes a device's offloads. XDP is opt-in per interface (`xdp_interfaces`), native mode on
+physical NICs only: its cost per frame is lower and it sees every frame before GRO, but attaching
+it resets the receive queues on many NIC drivers (a link blip), and on virtual devices it slows
+the traffic it watches: native XDP on a veth switches TSO/GSO off on its peer (every segment then
+crosses the pair on its own: a third of the throughput here), and generic XDP linearizes each skb.
+
+Packets and bytes are what crosses the wire: a GSO/GRO skb counts as its segments, each with its
+own headers (bpf/flows.h). They match `/proc/net/snmp` segment counts; an interface counter that
+counts skbs (veth, lo) is short by the extra segments and their headers.
+
+Idle flows expire here, in user space; when the table runs full the stalest flows are evicted and
+counted. Interface totals add the flows that expired or were evicted
 and the frames no flow could hold, so they stay exact and monotonic: the numbers behind
 `aiprobe_interface_bytes_total`.
 """
@@ -14,12 +28,11 @@ import errno
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
-from .deltas import Deltas
 from .libbpf import BpfError
 from .loader import (
     BpfObject,
@@ -31,69 +44,90 @@ from .loader import (
     tc_clsact_detach,
     tc_clsact_query,
 )
-from .metrics import Family
-from .model import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals, MapUsage
+from .metrics import Family, Series
+from .model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage, ProbeStatus
 from .names import ip_text
-from .netlink import LinkInfo, LinkWatcher, xdp_program_id
+from .netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
 from .probes import Probe, ProbeSpec
+from .supervisor import ATTACHMENTS, Backoff, attach_reason
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from .config import Config
 
 log = logging.getLogger(__name__)
 
 XDP_PROGRAM = "flows_xdp"
-TC_PROGRAM = "flows_tc"
-PROGRAMS = (XDP_PROGRAM, TC_PROGRAM)
-
+TC_PROGRAM_OF = {"ingress": "flows_ingress", "egress": "flows_egress"}  # kernel names: 15 chars at most
+PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 
 
 def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
     return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"))
+                      idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"),
+                      xdp_interfaces=list(config.xdp_interfaces))
 
 
-FLOW_LABELS = tuple((name, name) for name in (
-    "interface", "direction", "protocol", "local_address", "local_port", "remote_address", "remote_port"))
+FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
+                    "remote_port")
+FLOW_LABELS = tuple((name, "") for name in FLOW_LABEL_NAMES)  # named only: TopFlows gives their values
 _SIDE = (("interface", "interface"), ("direction", "direction"))
-# What `aiprobe_flow_*` sum the flows outside the top K into, per interface and direction.
-_OTHER = (("protocol", ""), ("local_address", ""), ("local_port", ""), ("remote_address", "other"),
-          ("remote_port", ""))
+
+
+def _top_flows(field: str) -> Callable[[int], Callable[[list[FlowsSnapshot]], list[Series]]]:
+    return lambda k: TopFlows(k, field)
+
+
 METRICS = (
-    Family("aiprobe_flow_bytes_total", "counter", "Bytes of a flow (L2 frame lengths as seen at XDP / tc), top "
-           "flows by rate; the rest summed per interface and direction as remote_address=\"other\".",
-           FlowRecord, "bytes", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
-    Family("aiprobe_flow_packets_total", "counter", "Packets of a flow; same selection as aiprobe_flow_bytes_total.",
-           FlowRecord, "packets", FLOW_LABELS, top_by="bytes_per_second", rest=_OTHER),
+    Family("aiprobe_flow_bytes_total", "counter",
+           "Wire bytes of a flow (L2 frames, Ethernet header included; a GSO/GRO batch counts each segment with "
+           "its headers) since it got its series: the top K flows by rate, sticky, and the rest per interface "
+           "and direction as remote_address=\"other\", so the series sum to aiprobe_interface_bytes_total.",
+           FlowsSnapshot, labels=FLOW_LABELS, series=_top_flows("bytes")),
+    Family("aiprobe_flow_packets_total", "counter",
+           "Wire packets (segments) of a flow; the same series as aiprobe_flow_bytes_total.",
+           FlowsSnapshot, labels=FLOW_LABELS, series=_top_flows("packets")),
     Family("aiprobe_interface_bytes_total", "counter",
-           "Bytes seen on an interface, expired and evicted flows included.", InterfaceTotals, "bytes", _SIDE),
-    Family("aiprobe_interface_packets_total", "counter", "Packets seen on an interface.", InterfaceTotals,
-           "packets", _SIDE),
+           "Wire bytes through an interface (as aiprobe_flow_bytes_total counts them), expired and evicted "
+           "flows and frames in no flow included. A veth or lo counter counts a GSO batch as one packet "
+           "with its headers once.", InterfaceTotals, "bytes", _SIDE),
+    Family("aiprobe_interface_packets_total", "counter",
+           "Wire packets (TCP/UDP segments, not skbs) through an interface; matches /proc/net/snmp segments.",
+           InterfaceTotals, "packets", _SIDE),
     Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
            FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
            expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
+    Family("aiprobe_flow_evictions_total", "counter",
+           "Flows evicted from the full flow table to make room (their counts stay in the interface totals).",
+           FlowsSnapshot, "evictions"),
+    Family("aiprobe_flow_insert_failures_total", "counter",
+           "New flows that found the flow table full (their frames count in the interface totals only).",
+           FlowsSnapshot, "insert_failures"),
+    Family("aiprobe_flow_lost_frames_total", "counter",
+           "Frames counted nowhere, not even in the interface totals (the per-interface table was full).",
+           FlowsSnapshot, "lost_frames"),
 )
 
 SPEC = ProbeSpec(
     name="flows",
-    description="per-flow bytes and packets: XDP ingress, tc egress",
+    description="per-flow wire packets and bytes: tc ingress and egress (XDP ingress where opted in)",
     strategies=(
-        Strategy("xdp+tcx", PROGRAMS, ("xdp_link", "tcx"), span="L2 frames at XDP (ingress) and tc (egress)"),
-        Strategy("xdp+clsact", PROGRAMS, ("xdp_link", "tc_clsact"),
-                 span="L2 frames at XDP (ingress) and tc clsact (egress)"),
+        Strategy("tcx", PROGRAMS, ("tcx",), span="wire frames at tc ingress (after GRO) and egress (before GSO)"),
+        Strategy("clsact", PROGRAMS, ("tc_clsact",),
+                 span="wire frames at tc clsact ingress (after GRO) and egress (before GSO)"),
     ),
     bpf_object="flows",
     order=10,
     factory=_from_config,
-    config_keys=("interfaces", "exclude", "flow_idle_seconds", "top_flows"),
+    config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "top_flows"),
     command="aiprobe.commands.flows:command",
     metrics=METRICS,
+    read_at_scrape=True,
 )
-# How each strategy attaches the egress program.
-TC_MODES = {"xdp+tcx": "tcx", "xdp+clsact": "clsact"}
-# Our clsact filter's identity: only a filter with both, running our program, is ever removed.
+# Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
+TC_MODES = tuple(s.name for s in SPEC.strategies)
+# Our clsact filters' identity: only a filter with both, running our program, is ever removed.
 TC_HANDLE = 0xA1B0
 TC_PRIORITY = 0xA1B0
 
@@ -103,6 +137,9 @@ DEFAULT_MAX_FLOWS = 16384
 EVICT_ABOVE = 0.9
 EVICT_TO = 0.8
 DIRECTIONS = ("ingress", "egress")  # indexed by enum flow_direction (bpf/flows.h)
+# Rates are taken against the latest read at least this old, never over a sliver of time (a final
+# read right after the last tick would read 0).
+MIN_RATE_WINDOW_NS = 100_000_000
 PROTOCOLS = {1: "icmp", 2: "igmp", 6: "tcp", 17: "udp", 47: "gre", 50: "esp", 51: "ah", 58: "icmpv6", 132: "sctp"}
 _FOREIGN_XDP = (errno.EEXIST, errno.EBUSY)
 
@@ -118,22 +155,41 @@ class _Unattributed:
     malformed: int
 
 
+def _matches(name: str, globs: list[str]) -> bool:
+    return any(fnmatch(name, glob) for glob in globs)
+
+
 @dataclass
 class InterfaceFilter:
-    """Which interfaces to watch: glob lists; by default every interface but loopback."""
+    """Which interfaces to watch (glob lists; by default every interface but loopback), and where to
+    count ingress with XDP instead of tc."""
 
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
+    xdp: list[str] = field(default_factory=list)
 
     def wants(self, link: LinkInfo) -> bool:
-        if any(fnmatch(link.name, glob) for glob in self.exclude):
+        if _matches(link.name, self.exclude):
             return False
         if self.include:
-            return any(fnmatch(link.name, glob) for glob in self.include)
+            return _matches(link.name, self.include)
         return not link.loopback
+
+    def wants_xdp(self, link: LinkInfo) -> bool:
+        return _matches(link.name, self.xdp)
 
 
 # --- attaching to one interface ---
+
+
+def xdp_refusal(link: LinkInfo) -> str:
+    """Why XDP must not count this interface's ingress, "" when it may (a physical NIC)."""
+    if link.kind == "veth":
+        return ("XDP refused on veth: native XDP switches TSO/GSO off on its peer and generic XDP "
+                "linearizes every skb; ingress counted at tc")
+    if link.kind or link.loopback:
+        return f"XDP refused on a virtual device ({link.kind or 'loopback'}): no driver XDP; ingress counted at tc"
+    return ""
 
 
 def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
@@ -143,51 +199,70 @@ def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
     return f"another XDP program holds the interface ({program_name(prog_id)!r}, id {prog_id}); left in place"
 
 
+def foreign_xdp_holders() -> list[str]:
+    """Interfaces whose XDP hook another program holds, as "eth0: 'name' (id N)": flows leaves them
+    in place and attaches there once they leave (`aiprobe check` lists them)."""
+    held = []
+    for link in current_links():
+        prog_id = xdp_program_id(link.index)
+        if prog_id is not None and (name := program_name(prog_id)) != XDP_PROGRAM:
+            held.append(f"{link.name}: {name!r} (id {prog_id})")
+    return held
+
+
 def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) -> Link | None:
-    """Native mode where the driver has it, else generic; never over someone else's program."""
-    errors = []
-    for mode in ("native", "generic"):
-        try:
-            attached = program.attach_xdp(link.index, mode)
-        except BpfError as exc:
-            if exc.errno in _FOREIGN_XDP:
-                state.xdp_error = _foreign_xdp_reason(link.index, exc)
-                return None
-            errors.append(f"{mode}: {exc}")
-            continue
-        state.xdp = mode
-        return attached
-    state.xdp_error = "; ".join(errors)
-    return None
+    """Native mode only: generic XDP runs on skbs after GRO, slower than tc and blind to the
+    segments of a batch. Never over someone else's program."""
+    try:
+        attached = program.attach_xdp(link.index, "native")
+    except BpfError as exc:
+        reason = _foreign_xdp_reason(link.index, exc) if exc.errno in _FOREIGN_XDP else f"native XDP: {exc}"
+        state.xdp_refused = f"{reason}; ingress counted at tc"
+        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.xdp_refused)
+        return None
+    state.ingress = "xdp"
+    return attached
 
 
-def remove_stale_tc_filter(link: LinkInfo) -> None:
+def remove_stale_tc_filter(link: LinkInfo, direction: str) -> None:
     """A filter with our handle and priority that runs our program was left by a run that could not
     detach (SIGKILL, crash): netlink attachments outlive their process. Remove it, say so; refuse
     to touch one that runs anything else."""
-    prog_id = tc_clsact_query(link.index, "egress", handle=TC_HANDLE, priority=TC_PRIORITY)
+    prog_id = tc_clsact_query(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
     if prog_id is None:
         return
     owner = program_name(prog_id)
-    if owner is not None and owner != TC_PROGRAM:
-        raise BpfError(errno.EEXIST, f"clsact handle {TC_HANDLE:#x} priority {TC_PRIORITY} on {link.name} "
-                       f"runs another program ({owner!r}, id {prog_id})")
-    tc_clsact_detach(link.index, "egress", handle=TC_HANDLE, priority=TC_PRIORITY)
-    log.warning("removed a stale aiprobe tc filter (program id %d) from %s, left by an earlier run", prog_id, link.name)
+    if owner is not None and owner != TC_PROGRAM_OF[direction]:
+        raise BpfError(errno.EEXIST, f"clsact {direction} handle {TC_HANDLE:#x} priority {TC_PRIORITY} on "
+                       f"{link.name} runs another program ({owner!r}, id {prog_id})")
+    tc_clsact_detach(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
+    log.warning("removed a stale aiprobe tc %s filter (program id %d) from %s, left by an earlier run",
+                direction, prog_id, link.name)
 
 
-def _attach_tc(program: Program, link: LinkInfo, mode: str, state: InterfaceAttachment) -> Link | None:
+def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
+               state: InterfaceAttachment) -> Link | None:
+    program = obj.programs[TC_PROGRAM_OF[direction]]
+    attached: Link
     try:
         if mode == "tcx":
-            attached = program.attach_tcx(link.index, "egress")
+            attached = program.attach_tcx(link.index, direction)
         else:
-            remove_stale_tc_filter(link)
-            attached = program.attach_tc_clsact(link.index, "egress", handle=TC_HANDLE, priority=TC_PRIORITY)
+            remove_stale_tc_filter(link, direction)
+            attached = program.attach_tc_clsact(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
     except BpfError as exc:
-        state.tc_error = str(exc)
+        state.error = "; ".join(e for e in (state.error, f"{direction}: {exc}") if e)
+        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.error)
         return None
-    state.tc = mode
+    setattr(state, direction, mode)
     return attached
+
+
+def _retryable(state: InterfaceAttachment) -> bool:
+    """A hook failed on an interface whose frames we could parse, or another XDP program holds one
+    whose ingress we were asked to count with XDP: worth trying again later."""
+    failed = state.error or "another XDP program" in state.xdp_refused
+    return bool(failed) and "not an Ethernet interface" not in state.error
 
 
 @dataclass
@@ -196,15 +271,18 @@ class _Attached:
     links: list[Link]
 
 
-def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
+def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: bool) -> _Attached:
     state = InterfaceAttachment(link.name, link.index)
     if not link.ethernet:
-        state.xdp_error = state.tc_error = "not an Ethernet interface: frames carry no Ethernet header"
+        state.error = "not an Ethernet interface: frames carry no Ethernet header"
         return _Attached(state, [])
-    links = [
-        _attach_xdp(obj.programs[XDP_PROGRAM], link, state),
-        _attach_tc(obj.programs[TC_PROGRAM], link, tc_mode, state),
-    ]
+    links = [_attach_tc(obj, link, tc_mode, "egress", state)]
+    if xdp_wanted:
+        state.xdp_refused = xdp_refusal(link)
+        if not state.xdp_refused:
+            links.append(_attach_xdp(obj.programs[XDP_PROGRAM], link, state))
+    if state.ingress is None:
+        links.append(_attach_tc(obj, link, tc_mode, "ingress", state))
     return _Attached(state, [x for x in links if x is not None])
 
 
@@ -212,16 +290,29 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached
 
 
 @dataclass
-class _Ledger:
-    """What read() remembers: last totals per flow (for rates), and counts of flows gone from the map."""
+class _Baseline:
+    """Flow totals (bytes, packets) as one read saw them, what later reads take rates against."""
 
-    deltas: Deltas = field(default_factory=Deltas)  # per flow key: (bytes, packets) for rates
-    retired_bytes: Counter = field(default_factory=Counter)  # (ifindex, direction) -> bytes
-    retired_packets: Counter = field(default_factory=Counter)
+    at_ns: int
+    flows: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class _Ledger:
+    """What read() remembers: recent reads' totals (for rates), and counts of flows gone from the map."""
+
+    recent: deque[_Baseline] = field(default_factory=deque)  # oldest first
+    retired_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (ifindex, direction) -> bytes
+    retired_packets: Counter[tuple[int, int]] = field(default_factory=Counter)
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
-    last_read_ns: int = 0
+
+    def baseline(self, now_ns: int) -> _Baseline:
+        """The latest read at least MIN_RATE_WINDOW_NS before now (or the oldest there is)."""
+        while len(self.recent) > 1 and now_ns - self.recent[1].at_ns >= MIN_RATE_WINDOW_NS:
+            self.recent.popleft()
+        return self.recent[0]
 
     def retire(self, key: Any, counters: Any) -> None:
         where = (key.ifindex, key.direction)
@@ -245,19 +336,24 @@ class FlowsProbe(Probe):
         idle_timeout: float = 30.0,
         max_flows: int = DEFAULT_MAX_FLOWS,
         strategy: str | None = None,
+        xdp_interfaces: list[str] | None = None,
     ) -> None:
         super().__init__()
-        self.filter = InterfaceFilter(list(interfaces or []), list(exclude or []))
+        self.filter = InterfaceFilter(list(interfaces or []), list(exclude or []), list(xdp_interfaces or []))
         self.idle_timeout = idle_timeout
         self.max_flows = max_flows
         self._strategies = tuple(s for s in SPEC.strategies if strategy in (None, s.name))
         if not self._strategies:
             raise ValueError(f"unknown flows strategy {strategy!r}; one of {', '.join(TC_MODES)}")
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._attached: dict[int, _Attached] = {}
         self._watcher: LinkWatcher | None = None
         self._ledger = _Ledger()
         self._flow_count = 0
+        self._unattributed_count = 0
+        self._last_snapshot: FlowsSnapshot | None = None
+        self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
 
@@ -273,17 +369,19 @@ class FlowsProbe(Probe):
         except BaseException:
             watcher.stop()
             raise
-        self._ledger.last_read_ns = time.monotonic_ns()
+        self._ledger.recent.append(_Baseline(time.monotonic_ns()))
+        # Fixed at start, so first_seen is the same float in every read (it tells flow incarnations apart).
+        self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
         watcher.run_in_background()
 
     def _attach_initial(self, obj: BpfObject, strategy: Strategy, links: list[LinkInfo]) -> None:
         wanted = [link for link in links if link.up and self.filter.wants(link)]
-        attached = {link.index: _attach_interface(obj, link, TC_MODES[strategy.name]) for link in wanted}
+        attached = {link.index: self._attach(obj, link, strategy.name) for link in wanted}
         tried = [attached[link.index].state for link in wanted if link.ethernet]
-        if tried and not any(s.tc for s in tried):
+        if tried and not any(s.egress for s in tried):
             # The egress hook failed everywhere: this kernel lacks the strategy, try the next one.
-            raise BpfError(errno.EOPNOTSUPP, f"{TC_MODES[strategy.name]} attach: {tried[0].tc_error}")
+            raise BpfError(errno.EOPNOTSUPP, f"{strategy.name} attach: {tried[0].error}")
         self._attached = attached
 
     def close(self) -> None:
@@ -305,13 +403,51 @@ class FlowsProbe(Probe):
                 known.state.interface = link.name  # renames keep the attachment
                 return
             if link.up and self.filter.wants(link):
-                self._attached[link.index] = _attach_interface(
-                    self.loaded.obj, link, TC_MODES[self.loaded.strategy.name]
-                )
+                self._attached[link.index] = self._attach(self.loaded.obj, link, self.loaded.strategy.name)
                 log.info("attached to %s", self._attached[link.index].state.describe())
+
+    def _attach(self, obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
+        attached = _attach_interface(obj, link, tc_mode, self.filter.wants_xdp(link))
+        if _retryable(attached.state):
+            self._backoff.failed(link.index, time.monotonic())
+        else:
+            self._backoff.forget(link.index)
+            ATTACHMENTS.succeeded(SPEC.name, link.name)
+        return attached
+
+    def _retry_failed(self) -> None:
+        """Attach again, once their back-off is over, to interfaces where a hook failed: what did
+        attach is released first, so nothing is counted twice."""
+        now = time.monotonic()
+        with self._lock:
+            due = [index for index in self._backoff.waiting()
+                   if index in self._attached and self._backoff.due(index, now)]
+            if not due or self.loaded is None:
+                return
+            links = {link.index: link for link in current_links()}
+            for index in due:
+                if index not in links:
+                    continue  # gone: the watcher removes it
+                for link in self._attached[index].links:
+                    self.loaded.obj.release(link)
+                self._attached[index] = self._attach(self.loaded.obj, links[index], self.loaded.strategy.name)
+                if not _retryable(self._attached[index].state):
+                    log.info("attached to %s", self._attached[index].state.describe())
+
+    def status(self) -> ProbeStatus:
+        """Down, with the reason, while no interface has any of our programs (nothing is measured)."""
+        status = super().status()
+        with self._lock:
+            states = [a.state for a in self._attached.values()]
+        if status.up and not any(s.ingress or s.egress for s in states):
+            errors = [f"{s.interface}: {s.error}" for s in states if s.error]
+            return ProbeStatus(False, status.strategy, status.span,
+                               "attached to no interface" + (f" ({'; '.join(errors[:3])})" if errors else ""))
+        return status
 
     def _on_removed(self, ifindex: int) -> None:
         with self._lock:
+            self._backoff.forget(ifindex)
             gone = self._attached.pop(ifindex, None)
             if gone is None or self.loaded is None:
                 return
@@ -326,24 +462,31 @@ class FlowsProbe(Probe):
     # --- reading ---
 
     def read(self) -> FlowsSnapshot:
+        """The flow table now. Safe from several threads (the agent's refresh, a scrape): one read
+        at a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
-        obj = self.loaded.obj
+        with self._read_lock:
+            self._retry_failed()
+            return self._read(self.loaded.obj)
+
+    def _read(self, obj: BpfObject) -> FlowsSnapshot:
         now_ns = time.monotonic_ns()
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
             attachments = [a.state for a in self._attached.values()]
         live = self._live_flows(obj, names)
         self._drop_stale(obj, live, now_ns)
-        interval = max(now_ns - self._ledger.last_read_ns, 1) / 1e9
-        to_wall = time.time() - time.monotonic()
-        flows = [self._record(raw, key, c, names, interval, to_wall) for raw, (key, c) in live.items()]
+        baseline = self._ledger.baseline(now_ns)
+        interval = max(now_ns - baseline.at_ns, 1) / 1e9
+        flows = [self._record(key, c, baseline.flows.get(raw, (0, 0)), names, interval, self._to_wall)
+                 for raw, (key, c) in live.items()]
         flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
-        self._ledger.deltas.end_round()
-        self._ledger.last_read_ns = now_ns
         self._flow_count = len(live)
         unattributed = self._unattributed(obj, names)
-        return FlowsSnapshot(
+        self._unattributed_count = len(unattributed)
+        self._ledger.recent.append(_Baseline(now_ns, {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()}))
+        self._last_snapshot = FlowsSnapshot(
             timestamp=time.time(),
             interval_seconds=interval,
             flows=flows,
@@ -351,8 +494,10 @@ class FlowsProbe(Probe):
             evictions=self._ledger.evictions,
             insert_failures=self._ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
             malformed_frames=self._ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
+            lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
+        return self._last_snapshot
 
     def _live_flows(self, obj: BpfObject, names: dict[int, str]) -> dict[bytes, tuple[Any, Any]]:
         """The flow table (struct flow_counters per flow); flows of interfaces we no longer watch
@@ -384,9 +529,10 @@ class FlowsProbe(Probe):
             obj.maps["flows"].delete(key)
             self._ledger.retire(key, counters)
 
-    def _record(self, raw: bytes, key: Any, c: Any, names: dict[int, str], interval: float,
+    @staticmethod
+    def _record(key: Any, c: Any, before: tuple[int, int], names: dict[int, str], interval: float,
                 to_wall: float) -> FlowRecord:
-        added_bytes, added_packets = self._ledger.deltas.increase(raw, (c.bytes, c.packets))
+        before_bytes, before_packets = before
         return FlowRecord(
             interface=names[key.ifindex],
             direction=DIRECTIONS[key.direction],
@@ -397,8 +543,8 @@ class FlowsProbe(Probe):
             remote_port=key.remote_port,
             bytes=c.bytes,
             packets=c.packets,
-            bytes_per_second=added_bytes / interval,
-            packets_per_second=added_packets / interval,
+            bytes_per_second=(c.bytes - before_bytes) / interval,
+            packets_per_second=(c.packets - before_packets) / interval,
             cgroup_id=c.cgroup_id,
             first_seen=to_wall + c.first_seen_ns / 1e9,
             last_seen=to_wall + c.last_seen_ns / 1e9,
@@ -440,4 +586,84 @@ class FlowsProbe(Probe):
         ]
 
     def map_usage(self) -> list[MapUsage]:
-        return [MapUsage("flows", self._flow_count, self.max_flows)]
+        """The flow table's overflows are its evictions and failed inserts (whose frames still count
+        in the interface totals); the unattributed table's are frames counted nowhere."""
+        last = self._last_snapshot
+        return [
+            MapUsage("flows", self._flow_count, self.max_flows,
+                     last.evictions + last.insert_failures if last is not None else 0),
+            MapUsage("unattributed", self._unattributed_count,
+                     self.loaded.obj.maps["unattributed"].max_entries if self.loaded is not None else 0,
+                     last.lost_frames if last is not None else 0),
+        ]
+
+
+# --- what /metrics exports: the top K flows and the rest, adding up to the interface ---
+
+# Seconds a flow may rank outside the top K before it loses its series: a flow that dips below
+# the K-th for a refresh or two keeps its exact rate instead of flapping between its series and `other`.
+TOP_K_HOLD_SECONDS = 30.0
+
+
+@dataclass
+class _Member:
+    since: tuple[int, int]  # the flow's (bytes, packets) when it got its series
+    out_since: float | None = None  # when it last dropped out of the ranking's top K
+
+
+class TopFlows:
+    """The series of one flow counter ("bytes" or "packets"): at most K flows with their own series,
+    sticky (a flow keeps its series until it has ranked outside the top K by bytes/s for
+    TOP_K_HOLD_SECONDS, or left the flow table), counting from when the flow got its series, so its
+    rate is exact from the first sample and it takes nothing from `other`. `other` per interface and
+    direction is the interface counter minus those series: the series sum to the interface counter
+    in raw values at every read, and `other` never decreases (a flow that loses its series hands its
+    count to `other`; one that gets a series starts at 0)."""
+
+    def __init__(self, k: int, field: str) -> None:
+        self.k = k
+        self.index = ("bytes", "packets").index(field)
+        self._members: dict[Identity, _Member] = {}
+
+    def __call__(self, snapshots: list[FlowsSnapshot]) -> list[Series]:
+        return [series for snapshot in snapshots for series in self._series(snapshot)]
+
+    def _series(self, snapshot: FlowsSnapshot) -> list[Series]:
+        live = {_incarnation(f): f for f in snapshot.flows}
+        self._update_membership(live, snapshot.timestamp)
+        own = [(_labels(live[ident]), [float(_counts(live[ident])[self.index] - member.since[self.index])])
+               for ident, member in self._members.items()]
+        taken: dict[tuple[str, ...], float] = {}
+        for labels, (value,) in own:
+            taken[labels[:2]] = taken.get(labels[:2], 0.0) + value
+        other = [((t.interface, t.direction, "", "", "", "other", ""),
+                  [_counts(t)[self.index] - taken.get((t.interface, t.direction), 0.0)]) for t in snapshot.interfaces]
+        return own + other
+
+    def _update_membership(self, live: dict[Identity, FlowRecord], now: float) -> None:
+        ranked = sorted(live, key=lambda ident: (live[ident].bytes_per_second, live[ident].bytes), reverse=True)
+        in_top = set(ranked[: self.k])
+        for ident, member in list(self._members.items()):
+            if ident in in_top:
+                member.out_since = None
+            elif member.out_since is None:
+                member.out_since = now
+            if ident not in live or (member.out_since is not None and now - member.out_since >= TOP_K_HOLD_SECONDS):
+                del self._members[ident]
+        for ident in ranked[: self.k]:
+            if len(self._members) >= self.k:
+                break
+            self._members.setdefault(ident, _Member(_counts(live[ident])))
+
+
+def _labels(f: FlowRecord) -> tuple[str, ...]:
+    return tuple(str(getattr(f, name)) for name in FLOW_LABEL_NAMES)
+
+
+def _incarnation(f: FlowRecord) -> Identity:
+    # first_seen tells a flow apart from an earlier one with the same key (expired, then back).
+    return (*_labels(f), f.first_seen)
+
+
+def _counts(record: FlowRecord | InterfaceTotals) -> tuple[int, int]:
+    return record.bytes, record.packets

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 MISSING = "-"  # a field the probe could not fill (null in the snapshot)
 
@@ -145,7 +145,7 @@ class Column:
     text: Callable[[Any], str] | None = None  # a formatter other than the one the key's unit implies
 
     @property
-    def justify(self) -> str:
+    def justify(self) -> Literal["left", "right"]:
         return "right" if self.numeric else "left"
 
     def cell(self, row: dict[str, Any]) -> str:

@@ -217,8 +217,9 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
 ]
 
 _LOG_LINES = 20
-_log = collections.deque(maxlen=_LOG_LINES)
-_log_lock = threading.Lock()
+# libbpf prints from the thread that called it, and three threads call it (the refresh loop, the
+# CUDA library scan, the link watcher): one log per thread, so an error quotes its own call's log.
+_logs = threading.local()
 _lib: ctypes.CDLL | None = None
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.vsnprintf.argtypes = [c_char_p, c_size_t, c_char_p, c_void_p]
@@ -231,8 +232,7 @@ def _capture_print(level: int, fmt: bytes, va_list: int) -> int:
     _libc.vsnprintf(buf, len(buf), fmt, va_list)
     line = buf.value.decode(errors="replace").strip().removeprefix("libbpf: ")
     if line:
-        with _log_lock:
-            _log.append(line)
+        _thread_log().append(line)
         if os.environ.get("AIPROBE_LIBBPF_DEBUG"):
             print(f"libbpf: {line}", flush=True)
     return 0
@@ -265,12 +265,18 @@ def version() -> str:
     return f"{lib().libbpf_major_version()}.{lib().libbpf_minor_version()}"
 
 
+def _thread_log() -> collections.deque:
+    if not hasattr(_logs, "lines"):
+        _logs.lines = collections.deque(maxlen=_LOG_LINES)
+    return _logs.lines
+
+
 def drain_log() -> str:
-    """The lines libbpf printed since the last call, joined; clears them."""
-    with _log_lock:
-        lines = list(_log)
-        _log.clear()
-    return " | ".join(lines[-4:])
+    """The lines libbpf printed in this thread since the last call, joined; clears them."""
+    lines = _thread_log()
+    text = " | ".join(list(lines)[-4:])
+    lines.clear()
+    return text
 
 
 def _errno(rc: int | None = None) -> int:

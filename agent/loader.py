@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import libbpf, uprobe_events
+from . import elf, libbpf, uprobe_events
 from .btf import Btf
 from .libbpf import BpfError
 
@@ -120,28 +120,28 @@ class Program:
         ptr = libbpf.new_ptr("bpf_program__attach", self._ptr)
         return self._obj.own(_libbpf_link(ptr, f"{self.name} ({self.section})"))
 
-    def attach_uprobe(self, binary: str, func_name: str, *, retprobe: bool = False, pid: int = -1) -> Link:
-        """uprobe/uretprobe on `func_name` in `binary`, for every process (pid -1) that maps it.
-        Where the perf uprobe PMU is refused (it needs CAP_SYS_ADMIN on current kernels), and for
-        every process, through a tracefs uprobe event instead (see aiprobe.uprobe_events)."""
-        opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe, func_name=func_name.encode())
+    def attach_uprobe(self, binary: str, func_name: str | None = None, *, offset: int = 0, retprobe: bool = False,
+                      pid: int = -1) -> Link:
+        """uprobe/uretprobe on `func_name` in `binary`, or at file `offset` (libbpf then does not parse
+        the file), for every process (pid -1) that maps it. Where the perf uprobe PMU is refused (it
+        needs CAP_SYS_ADMIN on current kernels), through a tracefs uprobe event (aiprobe.uprobe_events)."""
+        opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe,
+                            func_name=func_name.encode() if func_name else None)
         kind = "uretprobe" if retprobe else "uprobe"
-        description = f"{self.name} {kind} {binary}:{func_name}"
+        description = f"{self.name} {kind} {binary}:{func_name or hex(offset)}"
         try:
             ptr = libbpf.new_ptr(
-                "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), 0, ctypes.byref(opts)
+                "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), offset, ctypes.byref(opts)
             )
         except BpfError as exc:
             if exc.errno != errno.EACCES or pid != -1:
                 raise
-            return self._obj.own(self._attach_uprobe_event(binary, func_name, retprobe, description))
+            if func_name:
+                offset += _function_offset(binary, func_name)
+            return self._obj.own(self._attach_uprobe_event(binary, offset, retprobe, description))
         return self._obj.own(_libbpf_link(ptr, description))
 
-    def _attach_uprobe_event(self, binary: str, func_name: str, retprobe: bool, description: str) -> Link:
-        try:
-            offset = uprobe_events.symbol_offset(binary, func_name)
-        except LookupError as exc:  # as libbpf says for a symbol the library does not export
-            raise BpfError(errno.ENOENT, f"uprobe on {func_name}", str(exc)) from None
+    def _attach_uprobe_event(self, binary: str, offset: int, retprobe: bool, description: str) -> Link:
         uprobe_events.remove_stale_events()
         name, tracepoint_id = uprobe_events.create_event(binary, offset, retprobe=retprobe)
         try:
@@ -204,6 +204,17 @@ class Program:
         )
         libbpf.call("bpf_prog_test_run_opts", self.fd, ctypes.byref(opts))
         return TestRun(opts.retval, opts.duration, data_out.raw[: opts.data_size_out])
+
+
+def _function_offset(binary: str, func_name: str) -> int:
+    """Where libbpf would have put a uprobe on `func_name`; ENOENT as libbpf's when undefined."""
+    try:
+        offsets = elf.function_offsets(binary, [func_name])
+    except (elf.ElfError, OSError) as exc:
+        raise BpfError(errno.EINVAL, f"uprobe on {func_name}", str(exc)) from None
+    if func_name not in offsets:
+        raise BpfError(errno.ENOENT, f"uprobe on {func_name}", f"{binary} does not define it")
+    return offsets[func_name]
 
 
 def _tc_hook(ifindex: int, direction: str) -> libbpf.TcHook:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 Getter = str | Callable[[Any], Any]  # a record field, or a function of the record
+Series = tuple[tuple[str, ...], list[float]]  # label values, sample values
 
 
 def value_of(record: Any, getter: Getter) -> Any:
@@ -28,8 +29,8 @@ class Family:
       and go; without it: the record's own (monotonic) value.
     histogram: `value` holds cumulative buckets and `sum_field` their sum; always per identity.
     `expand` turns one record into one sample per (label value, getter) under label `expand_label`.
-    `top_by` keeps only the `top` records ranked by that field as their own series and sums the
-    rest per identity into one series per the labels `rest` leaves (flows: remote_address="other").
+    `series`, given the config's `top_flows`, makes a stateful function from the records to the
+    family's series, for a family the rules above cannot say (flows: the top K and `other`).
     """
 
     name: str
@@ -43,8 +44,7 @@ class Family:
     per_identity: bool = False
     expand_label: str = ""
     expand: tuple[tuple[str, Getter], ...] = ()
-    top_by: str = ""
-    rest: tuple[tuple[str, str], ...] = ()  # label -> value for the series summing what is not top
+    series: Callable[[int], Callable[[list[Any]], list[Series]]] | None = None
     option: str = ""  # a Config flag that must be on (DCGM names)
     doc_note: str = ""  # extra words in docs/metrics.md only
 

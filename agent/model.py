@@ -12,7 +12,6 @@ A field marked HISTOGRAM holds cumulative (le_seconds, count) buckets, written a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import cache
 from typing import Any
 
 from .histogram import buckets_to_json
@@ -24,9 +23,15 @@ Histogram = list[tuple[float, int]]  # cumulative (le_seconds, count); the last 
 Identity = tuple[Any, ...]
 
 
-@cache
+_LAYOUTS: dict[type, tuple[tuple[str, bool, bool], ...]] = {}
+
+
 def _layout(cls: type) -> tuple[tuple[str, bool, bool], ...]:
-    return tuple((f.name, bool(f.metadata.get("joined")), bool(f.metadata.get("histogram"))) for f in fields(cls))
+    """(name, joined, histogram) of each field, computed once per class."""
+    if cls not in _LAYOUTS:
+        _LAYOUTS[cls] = tuple((f.name, bool(f.metadata.get("joined")), bool(f.metadata.get("histogram")))
+                              for f in fields(cls))
+    return _LAYOUTS[cls]
 
 
 def document(value: Any, *, joined: bool = True) -> Any:
@@ -89,7 +94,8 @@ class FlowRecord(Record):
 
 @dataclass
 class InterfaceTotals(Record):
-    """Everything one interface moved in one direction since the probe attached to it."""
+    """Everything one interface moved in one direction since the probe attached to it: wire frames
+    (a GSO/GRO skb counts as its segments, each with its headers; bpf/flows.h)."""
 
     interface: str
     direction: str
@@ -108,15 +114,15 @@ class InterfaceAttachment(Record):
 
     interface: str
     ifindex: int
-    xdp: str | None = None  # "native" | "generic"
-    xdp_error: str = ""
-    tc: str | None = None  # "tcx" | "clsact"
-    tc_error: str = ""
+    ingress: str | None = None  # "tcx" | "clsact" | "xdp"
+    egress: str | None = None  # "tcx" | "clsact"
+    error: str = ""  # why a direction has no program
+    xdp_refused: str = ""  # the interface matched xdp_interfaces, and why ingress is counted at tc instead
 
     def describe(self) -> str:
-        xdp = f"xdp {self.xdp}" if self.xdp else f"no xdp ({self.xdp_error})"
-        tc = self.tc or f"no tc ({self.tc_error})"
-        return f"{self.interface}: {xdp}, {tc}"
+        hooks = ", ".join(f"{d} {getattr(self, d) or 'none'}" for d in ("ingress", "egress"))
+        notes = "; ".join(n for n in (self.error, self.xdp_refused) if n)
+        return f"{self.interface}: {hooks}" + (f" ({notes})" if notes else "")
 
 
 @dataclass
@@ -129,6 +135,7 @@ class FlowsSnapshot(Record):
     insert_failures: int  # monotonic: new flows that found the table full (counted per interface only)
     malformed_frames: int  # monotonic: frames with truncated or inconsistent headers
     attachments: list[InterfaceAttachment]
+    lost_frames: int = 0  # monotonic: frames counted nowhere, not even in interface totals (struct lost_counters)
 
 
 @dataclass
@@ -207,10 +214,27 @@ class SendLatencySnapshot(Record):
 
 
 @dataclass
+class ColdStart(Record):
+    """Where a process started while aiprobe watched spent its CUDA start-up (seconds; null: the
+    step has not happened). Measured from the process's start (its fork; exec follows at once for
+    a spawned program)."""
+
+    to_init_seconds: float | None  # start -> first cuInit
+    init_seconds: float  # in cuInit
+    context_creates: int  # cuCtxCreate*, cuDevicePrimaryCtxRetain
+    context_create_seconds: float
+    module_loads: int  # cuModuleLoad*, cuLibraryLoad*
+    module_load_seconds: float
+    to_first_launch_seconds: float | None  # start -> first kernel or graph launch
+
+
+@dataclass
 class CudaProcess(Record):
     pid: int
     comm: str
     library: str
+    # A thread's current context became a different one (cuCtxSetCurrent, push/pop, create,
+    # destroy, cudaSetDevice): per thread, not the GPU time-slicing between contexts (CudaGpu).
     context_switches: int
     kernel_launches: int
     syncs: int
@@ -221,10 +245,23 @@ class CudaProcess(Record):
     runqueue_delay_p99_seconds: float | None = None
     runqueue_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
     involuntary_preemptions: int = 0
-    gpu_threads: int = 0  # threads ever seen calling into libcuda
+    gpu_threads: int = 0  # threads ever seen calling into libcuda / libcudart
     start_ticks: int = 0
+    graph_launches: int = 0
+    runtime_launches: int = 0  # of kernel and graph launches, those counted at libcudart's entry points
+    counted_at: str = ""  # "runtime", "driver", "runtime+driver": the layers its launches were counted at
+    runtime: str = ""  # "" (none seen), "shared" (a libcudart file) or "static" (linked into the executable)
+    runtime_library: str = ""
+    stream_syncs: int = 0
+    device_syncs: int = 0
+    event_syncs: int = 0
+    stream_sync_seconds_sum: float = 0.0
+    device_sync_seconds_sum: float = 0.0
+    event_sync_seconds_sum: float = 0.0
+    cold_start: ColdStart | None = None  # processes started while aiprobe watched
     context_switches_per_second: float = field(default=0.0, metadata=JOINED)
     kernel_launches_per_second: float = field(default=0.0, metadata=JOINED)
+    graph_launches_per_second: float = field(default=0.0, metadata=JOINED)
     syncs_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
@@ -234,13 +271,43 @@ class CudaProcess(Record):
 
 
 @dataclass
+class CudaContext(Record):
+    """A context that launched work, in its process."""
+
+    pid: int
+    comm: str
+    context: str  # the CUcontext value, "primary:N" (device N's primary context) or "unknown"
+    device: int  # CUDA device ordinal in the process; -1: created before aiprobe watched
+    gpu: str  # the physical GPU (index, or UUID), through the process's CUDA_VISIBLE_DEVICES
+    kernel_launches: int
+    graph_launches: int
+    launches_per_second: float  # kernel + graph launches, since the previous read
+    active: bool  # launched since the previous read
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+
+@dataclass
+class CudaGpu(Record):
+    """A GPU and the contexts that launched work on it since the previous read: two or more busy
+    contexts are time-sliced by the GPU (each switch saves and restores the GPU's state)."""
+
+    gpu: str
+    active_contexts: int
+    contexts: list[str]  # "pid/context"
+    pids: list[int]
+    launches_per_second: float
+
+
+@dataclass
 class AttachedLibrary(Record):
-    """One probed libcuda file: which entry points it exported, or why it could not be probed."""
+    """One probed library file: which entry points it defined, or why it could not be probed."""
 
     path: str
     host_path: str
     symbols: list[str] = field(default_factory=list)
     error: str = ""
+    kind: str = "driver"  # "driver" (libcuda), "runtime" (libcudart) or "static runtime" (an executable)
 
 
 @dataclass
@@ -248,6 +315,8 @@ class CudaSnapshot(Record):
     processes: list[CudaProcess]
     sched_strategy: str | None
     libraries: list[AttachedLibrary]
+    contexts: list[CudaContext] = field(default_factory=list)
+    gpus: list[CudaGpu] = field(default_factory=list)
 
 
 # --- GPUs ---
@@ -275,6 +344,8 @@ class GpuInfo(Record):
     gpm_context_switch_requests: float | None = None
     gpm_context_switch_cycles_per_request: float | None = None
     gpm_context_switch_active_ratio: float | None = None
+    # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
+    cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
 
 
 @dataclass
@@ -306,15 +377,19 @@ class ProbeStatus(Record):
     strategy: str | None = None
     span: str = ""
     reason: str = ""
+    # What each bounded map of the probe could not hold since it started (MapUsage.overflows), where any.
+    overflows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class MapUsage(Record):
-    """How full a bounded BPF map is (exported as aiprobe_bpf_map_entries / _capacity)."""
+    """How full a bounded BPF map is (exported as aiprobe_bpf_map_entries / _capacity), and what it
+    could not hold: entries that failed to insert or were evicted (monotonic; _overflows_total)."""
 
     map: str
     entries: int
     capacity: int
+    overflows: int = 0
 
 
 @dataclass
@@ -360,6 +435,10 @@ class ProcessRow(Record):
     cuda_context_switches_per_second: float | None = None
     cuda_kernel_launches_per_second: float | None = None
     cuda_syncs_per_second: float | None = None
+    cuda_graph_launches_per_second: float | None = None
+    cuda_counted_at: str | None = None  # the layers its launches were counted at ("runtime+driver", ...)
+    # Started while the agent runs: from its start to its first kernel or graph launch.
+    cuda_time_to_first_launch_seconds: float | None = None
     runqueue_delay_p99_seconds: float | None = None
     gpu_utilization_ratio: float | None = None
     gpu_memory_used_bytes: int | None = None
@@ -403,6 +482,13 @@ class Readings:
     events_lost: dict[str, int] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)  # active (pending + firing)
     collectors: dict[str, tuple[float, bool]] = field(default_factory=dict)  # name -> (seconds, success)
+    # The agent's own health (aiprobe.supervisor), cumulative:
+    collector_errors: dict[str, int] = field(default_factory=dict)  # collector -> failed refreshes
+    thread_restarts: dict[str, int] = field(default_factory=dict)  # background thread -> restarts
+    attach_errors: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (probe, target, reason)
+    notifications: dict[str, int] = field(default_factory=dict)  # Alertmanager pushes by result
+    alert_log_errors: int = 0
+    process_labels_folded: int = 0  # the exporter's: process names summed into process="other" so far
 
     def of(self, kind: type[Any]) -> list[Any]:
         """Every record of `kind`, whichever probe returned it (directly or inside its reading)."""

@@ -12,9 +12,13 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+
+from .names import printable
+from .supervisor import SUPERVISOR
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +39,19 @@ class LinkInfo:
     up: bool
     loopback: bool
     ethernet: bool  # frames start with an Ethernet header (what XDP and tc parsers expect)
+    kind: str | None = None  # rtnetlink link kind of a virtual device ("veth", "bridge", ...); None for a NIC
 
 
-def _link_info(msg: dict) -> LinkInfo:
+def _link_info(msg: Any) -> LinkInfo:  # a pyroute2 ifinfmsg
     flags = msg["flags"]
+    linkinfo = msg.get_attr("IFLA_LINKINFO")
     return LinkInfo(
         index=msg["index"],
-        name=msg.get_attr("IFLA_IFNAME") or "",
+        name=printable(msg.get_attr("IFLA_IFNAME") or ""),
         up=bool(flags & IFF_UP),
         loopback=bool(flags & IFF_LOOPBACK),
         ethernet=msg["ifi_type"] in (ARPHRD_ETHER, ARPHRD_LOOPBACK),
+        kind=linkinfo.get_attr("IFLA_INFO_KIND") if linkinfo else None,
     )
 
 
@@ -76,6 +83,7 @@ class LinkWatcher:
         self._socket: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._known: set[int] = set()
+        self._runs = 0
 
     def start(self) -> list[LinkInfo]:
         """Subscribe, then list the current interfaces: subscribing first means no interface falls
@@ -88,12 +96,14 @@ class LinkWatcher:
         return links
 
     def run_in_background(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="aiprobe-link-watcher", daemon=True)
-        self._thread.start()
+        self._thread = SUPERVISOR.start_thread("link_watcher", self._run, self._stop)
 
     def _run(self) -> None:
         assert self._socket is not None
         marshal = MarshalRtnl()
+        if self._runs:  # run again after a failure: events may have been missed meanwhile
+            self._resync()
+        self._runs += 1
         while not self._stop.is_set():
             try:
                 data = self._socket.recv(_RECV_BYTES)
@@ -107,7 +117,7 @@ class LinkWatcher:
             for msg in marshal.parse(data):
                 self._dispatch(msg)
 
-    def _dispatch(self, msg: dict) -> None:
+    def _dispatch(self, msg: Any) -> None:
         event = msg.get("event")
         try:
             if event == "RTM_NEWLINK":

@@ -9,6 +9,7 @@ the probe is simply unavailable (`reason` says why) and everything else keeps ru
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import pynvml
@@ -146,12 +147,12 @@ class NvmlProbe(Probe):
         reasons = gpu.query("clock_event_reasons", lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
         mode = gpu.query("compute_mode", lambda: pynvml.nvmlDeviceGetComputeMode(h))
         pcie = {
-            name: _scaled(gpu.query(name, lambda c=counter: pynvml.nvmlDeviceGetPcieThroughput(h, c)), KIBIBYTE, int)
+            name: _scaled(gpu.query(name, partial(pynvml.nvmlDeviceGetPcieThroughput, h, counter)), KIBIBYTE, int)
             for name, counter in (("pcie_tx", pynvml.NVML_PCIE_UTIL_TX_BYTES),
                                   ("pcie_rx", pynvml.NVML_PCIE_UTIL_RX_BYTES))
         }
         clocks = {
-            name: _scaled(gpu.query(name, lambda c=clock: pynvml.nvmlDeviceGetClockInfo(h, c)), MEGAHERTZ, int)
+            name: _scaled(gpu.query(name, partial(pynvml.nvmlDeviceGetClockInfo, h, clock)), MEGAHERTZ, int)
             for name, clock in (("sm_clock", pynvml.NVML_CLOCK_SM), ("memory_clock", pynvml.NVML_CLOCK_MEM))
         }
         return GpuInfo(
@@ -174,6 +175,7 @@ class NvmlProbe(Probe):
             pcie_rx_bytes_per_second=pcie["pcie_rx"],
             compute_mode=None if mode is None else COMPUTE_MODES.get(mode, str(mode)),
             **self._gpm(gpu),
+            cuda_active_contexts=None,  # joined by the agent from the cuda probe
         )
 
     def _gpm(self, gpu: _Gpu) -> dict[str, float | None]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .features import Feature
 from .loader import Loaded, Strategy
@@ -56,7 +56,8 @@ class Probe:
         """Running (with its strategy and what it measures), or why not."""
         if self.loaded is None:
             return ProbeStatus(False, reason="not started")
-        return ProbeStatus(True, self.loaded.strategy.name, self.loaded.strategy.span)
+        overflows = {usage.map: usage.overflows for usage in self.map_usage() if usage.overflows}
+        return ProbeStatus(True, self.loaded.strategy.name, self.loaded.strategy.span, overflows=overflows)
 
     def map_usage(self) -> list[MapUsage]:
         return []
@@ -69,7 +70,7 @@ class Probe:
         if loaded is not None:
             loaded.obj.close()
 
-    def __enter__(self) -> Probe:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -99,6 +100,8 @@ class ProbeSpec:
     runs_with: str | None = None
     # Cheap host-wide counters that run whatever the config selects.
     always: bool = False
+    # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.
+    read_at_scrape: bool = False
 
     @property
     def subcommand(self) -> str:

@@ -19,29 +19,80 @@ RESOLVED_RETENTION_SECONDS = 15 * 60
 
 @dataclass(frozen=True)
 class RuleSpec:
-    """What a rule means: which way its value crosses the threshold, and a sentence for humans."""
+    """What a rule means: which way its value crosses the threshold, a sentence for humans, and the
+    same rule in PromQL for deploy/prometheus/aiprobe-rules.yml (generated from these definitions and
+    the thresholds of config.DEFAULT_RULES: `python -m aiprobe.rules`).
+
+    `query` is what the agent's value is in PromQL; the rule file compares it with the threshold the
+    same way the engine does, then adds `guard`. In the Prometheus texts, %(threshold)s,
+    %(threshold_percent)s and %(traffic_floor)s stand for the configured values."""
 
     fires_below: bool
     summary: str
+    query: str
+    prometheus_summary: str
+    description: str
+    guard: str = ""
+
+
+def _p99(histogram: str) -> str:
+    return (f"histogram_quantile(0.99,\n  sum by (instance, process, container, le) "
+            f"(rate({histogram}_bucket[1m]))\n)")
 
 
 RULES: dict[str, RuleSpec] = {
     "network_send_stall": RuleSpec(
         False, "tcp_sendmsg p99 {value:.3g}s in {target}: sends block on full socket buffers "
-        "(slow clients, backpressure or congestion)"),
-    "gpu_saturated": RuleSpec(False, "{target} is {value:.0%} busy: the GPU is the bottleneck"),
+        "(slow clients, backpressure or congestion)",
+        _p99("aiprobe_tcp_sendmsg_duration_seconds"),
+        "tcp_sendmsg p99 of {{ $labels.process }} in {{ $labels.container }} is high",
+        "Sends block on full socket buffers: slow clients, backpressure or congestion."),
+    "gpu_saturated": RuleSpec(
+        False, "{target} is {value:.0%} busy: the GPU is the bottleneck",
+        "aiprobe_gpu_utilization_ratio", "GPU {{ $labels.gpu }} is saturated", "The GPU is the bottleneck."),
     "gpu_idle_with_traffic": RuleSpec(
         True, "{target} is only {value:.0%} busy while the endpoint receives traffic: "
-        "the bottleneck is on the host side (CPU, scheduling, batching, network)"),
+        "the bottleneck is on the host side (CPU, scheduling, batching, network)",
+        "aiprobe_gpu_utilization_ratio", "GPU {{ $labels.gpu }} is idle while the endpoint receives traffic",
+        "The bottleneck is on the host side: CPU, scheduling, batching or network.",
+        guard="and on (instance) (sum by (instance) (rate(aiprobe_interface_bytes_total{direction=\"ingress\"}[1m]))"
+              " > %(traffic_floor)s)"),
     "gpu_threads_starved": RuleSpec(
-        False, "GPU-driving threads of {target} wait {value:.3g}s (p99) for a CPU: the GPU is starved by the host"),
+        False, "GPU-driving threads of {target} wait {value:.3g}s (p99) for a CPU: the GPU is starved by the host",
+        _p99("aiprobe_gpu_thread_runqueue_delay_seconds"),
+        "GPU-driving threads of {{ $labels.process }} wait for a CPU",
+        "Run-queue delay p99 of GPU-driving threads is high: the GPU is starved by the host."),
     "cuda_context_switch_storm": RuleSpec(
-        False, "{target} switches CUDA contexts {value:.0f} times/s: context-switch overhead"),
+        False, "{target} switches CUDA contexts {value:.0f} times/s: context-switch overhead",
+        "sum by (instance, process, container) (rate(aiprobe_cuda_context_switches_total[1m]))",
+        "{{ $labels.process }} switches CUDA contexts more than %(threshold)s times/s",
+        "CUDA context-switch overhead."),
+    "gpu_time_sliced": RuleSpec(
+        False, "{target} is time-sliced between {value:.0f} busy CUDA contexts: each switch saves and restores "
+        "the GPU's state (merge the work into one context or process, or use MPS)",
+        "aiprobe_gpu_active_contexts",
+        "GPU {{ $labels.gpu }} is time-sliced between {{ $value }} busy CUDA contexts",
+        "Each switch between contexts saves and restores the GPU's state: merge the work into one context or "
+        "process, or use MPS."),
     "listen_queue_overflow": RuleSpec(
         False, "{value:.3g} connections/s overflow or drop at listen queues: accept backlog too small "
-        "or the server accepts too slowly"),
-    "tcp_retransmits_high": RuleSpec(False, "{value:.1%} of TCP segments are retransmitted: network loss"),
+        "or the server accepts too slowly",
+        # ListenDrops alone: the kernel counts every ListenOverflows in ListenDrops too.
+        "rate(aiprobe_tcp_listen_drops_total[1m])",
+        "Connections overflow or drop at listen queues",
+        "Accept backlog too small, or the server accepts too slowly."),
+    "tcp_retransmits_high": RuleSpec(
+        False, "{value:.1%} of TCP segments are retransmitted: network loss",
+        "rate(aiprobe_tcp_retransmitted_segments_total[5m]) / rate(aiprobe_tcp_sent_segments_total[5m])",
+        "More than %(threshold_percent)s of TCP segments are retransmitted",
+        "Network loss between this host and its peers.",
+        guard="and rate(aiprobe_tcp_sent_segments_total[5m]) > 1"),
 }
+
+
+def alert_name(rule: str) -> str:
+    """`network_send_stall` -> `AiprobeNetworkSendStall`, in Alertmanager and in the rule file."""
+    return "Aiprobe" + "".join(part.title() for part in rule.split("_"))
 
 
 @dataclass(frozen=True)

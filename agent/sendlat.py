@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import btf
 from .histogram import NS_PER_SECOND, log2_buckets, quantile
-from .loader import BpfObject, Strategy, load_first
+from .loader import BpfObject, Loaded, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
@@ -77,7 +77,7 @@ SPEC = ProbeSpec(
 
 # --- decoding map entries ---
 
-def _endpoints(flow: dict) -> dict[str, Any]:
+def _endpoints(flow: dict[str, Any]) -> dict[str, Any]:
     return {
         "local_address": ip_text(flow["local_addr"], flow["family"] == socket.AF_INET6),
         "local_port": flow["local_port"],
@@ -103,14 +103,14 @@ def _process(key: dict[str, Any], value: dict[str, Any], started: int) -> Proces
     )
 
 
-def _flow(key: dict, value: dict) -> FlowSendStats:
+def _flow(key: dict[str, Any], value: dict[str, Any]) -> FlowSendStats:
     return FlowSendStats(
         pid=key["tgid"], **_endpoints(key),
         count=value["count"], bytes=value["bytes"], sum_seconds=value["sum_ns"] / NS_PER_SECOND,
     )
 
 
-def _slow_send(event: dict) -> SlowSend:
+def _slow_send(event: dict[str, Any]) -> SlowSend:
     return SlowSend(
         pid=event["flow"]["tgid"], tid=event["tid"], comm=comm_text(event["comm"]), cgroup_id=event["cgroup_id"],
         **_endpoints(event["flow"]), bytes=event["bytes"], duration_seconds=event["duration_ns"] / NS_PER_SECOND,
@@ -137,7 +137,7 @@ class SendLatencyProbe(Probe):
         self.per_flow = per_flow
         self._strategies = tuple(strategies) if strategies is not None else SPEC.strategies
         self._ring: Any = None
-        self._event_type: type | None = None
+        self._event_type: Any = None  # the ctypes struct of a slow_send_event (from the object's BTF)
         self._pending: list[SlowSend] = []
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
@@ -149,6 +149,8 @@ class SendLatencyProbe(Probe):
         self.loaded = load_first(SPEC.name, OBJECT, self._strategies, configure=self._configure)
         try:
             obj = self.loaded.obj
+            if obj.btf is None:
+                raise RuntimeError(f"{OBJECT}.bpf.o carries no BTF")
             self._event_type = obj.btf.struct_ctype("slow_send_event")
             self._ring = obj.ring_buffer("slow_sends", self._on_slow_send)
         except BaseException:
@@ -165,14 +167,14 @@ class SendLatencyProbe(Probe):
             return
         self._pending.append(_slow_send(btf.decode(self._event_type.from_buffer_copy(data))))
 
-    def _obj(self) -> BpfObject:
+    def _loaded(self) -> Loaded:
         if self.loaded is None:
             raise RuntimeError("SendLatencyProbe is not started")
-        return self.loaded.obj
+        return self.loaded
 
     def poll(self, timeout_ms: int = 0) -> list[SlowSend]:
         """Wait up to timeout_ms for slow sends; returns the new ones (read() returns them too)."""
-        self._obj()
+        self._loaded()
         before = len(self._pending)
         self._ring.poll(timeout_ms)
         return self._pending[before:]
@@ -180,7 +182,8 @@ class SendLatencyProbe(Probe):
     def read(self) -> SendLatencySnapshot:
         """Everything counted since start. Entries of processes that have exited are reported this
         once and then deleted, so the maps (and the cost of reading them) follow live processes."""
-        obj = self._obj()
+        loaded = self._loaded()
+        obj = loaded.obj
         self.poll(0)
         slow_sends, self._pending = self._pending, []
         entries = self._read_and_prune(obj, "procs")
@@ -188,15 +191,15 @@ class SendLatencyProbe(Probe):
         self._starts.keep_only({key["tgid"] for key, _ in entries})
         flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
-            strategy=self.loaded.strategy.name,
-            span=self.loaded.strategy.span,
+            strategy=loaded.strategy.name,
+            span=loaded.strategy.span,
             processes=processes,
             flows=flows,
             slow_sends=slow_sends,
             lost_events=self.events_lost(),
         )
 
-    def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict, dict]]:
+    def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         stats = obj.maps[map_name]
         entries = [(key, btf.decode(key), btf.decode(value)) for key, value in stats.items()]
         self._entries[map_name] = len(entries)
@@ -206,7 +209,7 @@ class SendLatencyProbe(Probe):
     def events_lost(self) -> int:
         if self.loaded is None:
             return self._dropped
-        return self.loaded.obj.maps["counters"].lookup(0).value + self._dropped
+        return int(self.loaded.obj.maps["counters"].lookup(0).value) + self._dropped
 
     def map_usage(self) -> list[MapUsage]:
         """Sizes as of the last read (the per-thread `starts` map is counted now)."""

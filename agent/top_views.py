@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import formatting
 from .formatting import Column, table
@@ -19,20 +20,20 @@ class View:
     sort_key: str  # the default sort column
     descending: bool
     probes: tuple[str, ...]  # probes whose data fills this view: a down one says why in the view
-    rows: Callable[[dict], list[dict]]
+    rows: Callable[[dict[str, Any]], list[dict[str, Any]]]
     identity: tuple[str, ...] = ()  # row fields naming the same row across refreshes (the cursor follows it)
 
-    def row_id(self, row: dict) -> tuple:
+    def row_id(self, row: dict[str, Any]) -> tuple[Any, ...]:
         return tuple(row.get(field) for field in self.identity)
 
     def column_index(self, key: str) -> int:
         return next(i for i, column in enumerate(self.columns) if column.key == key)
 
-    def cells(self, row: dict) -> list[str]:
+    def cells(self, row: dict[str, Any]) -> list[str]:
         return [column.cell(row) for column in self.columns]
 
 
-def _flow_rows(snapshot: dict) -> list[dict]:
+def _flow_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
             **flow,
@@ -44,12 +45,12 @@ def _flow_rows(snapshot: dict) -> list[dict]:
     ]
 
 
-def _evidence(evidence: dict) -> str:
+def _evidence(evidence: dict[str, Any]) -> str:
     """`send_p99=310 ms threshold=50 ms`: each value in its unit, the unit suffix dropped from the name."""
     return " ".join(f"{formatting.without_unit(key)}={formatting.field(key, value)}" for key, value in evidence.items())
 
 
-def _alert_rows(snapshot: dict) -> list[dict]:
+def _alert_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     now = (snapshot.get("host") or {}).get("time")
     return [
         {
@@ -61,7 +62,7 @@ def _alert_rows(snapshot: dict) -> list[dict]:
     ]
 
 
-def _listed(field: str) -> Callable[[dict], list[dict]]:
+def _listed(field: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
     return lambda snapshot: list(snapshot.get(field) or [])
 
 
@@ -77,8 +78,10 @@ VIEWS: dict[str, View] = {
                 Column("SEND p50", "send_p50_seconds", 9),
                 Column("SEND p99", "send_p99_seconds", 9),
                 Column("SEND", "send_bytes_per_second", 10),
-                Column("CTXSW", "cuda_context_switches_per_second", 8),
+                Column("THR CTX", "cuda_context_switches_per_second", 8),  # a thread changing its context
                 Column("LAUNCH", "cuda_kernel_launches_per_second", 8),
+                Column("GRAPHS", "cuda_graph_launches_per_second", 8),
+                Column("1ST LAUNCH", "cuda_time_to_first_launch_seconds", 10),  # cold start, recent processes
                 Column("RUNQ p99", "runqueue_delay_p99_seconds", 9),
                 Column("GPU", "gpu_utilization_ratio", 5),
                 Column("GPU MEM", "gpu_memory_used_bytes", 9),
@@ -118,6 +121,7 @@ VIEWS: dict[str, View] = {
                 Column("SM CLK", "sm_clock_hz", 9),
                 Column("MEM CLK", "memory_clock_hz", 9),
                 Column("THROTTLE", "clock_event_reasons", 20, numeric=False),
+                Column("CUDA CTXS", "cuda_active_contexts", 9),  # 2+: time-sliced between contexts
             ),
             "index", False, ("nvml",), _listed("gpus"),
             identity=("index",),
@@ -139,25 +143,27 @@ VIEWS: dict[str, View] = {
 }
 
 
-def sort_rows(rows: list[dict], key: str, descending: bool) -> list[dict]:
+def sort_rows(rows: list[dict[str, Any]], key: str, descending: bool) -> list[dict[str, Any]]:
     """Rows ordered by raw field values (not their text); rows without the value always go last."""
     present = [row for row in rows if row.get(key) is not None]
     missing = [row for row in rows if row.get(key) is None]
     return sorted(present, key=lambda row: row[key], reverse=descending) + missing
 
 
-def matches(view: View, row: dict, query: str) -> bool:
+def matches(view: View, row: dict[str, Any], query: str) -> bool:
     """A row matches a filter when any of its cells, as shown, contains the query (case-insensitive)."""
     query = query.lower()
     return any(query in cell.lower() for cell in view.cells(row))
 
 
-def visible_rows(view: View, snapshot: dict, sort_key: str, descending: bool, query: str = "") -> list[dict]:
+def visible_rows(
+    view: View, snapshot: dict[str, Any], sort_key: str, descending: bool, query: str = ""
+) -> list[dict[str, Any]]:
     rows = [row for row in view.rows(snapshot) if not query or matches(view, row, query)]
     return sort_rows(rows, sort_key, descending)
 
 
-def header_lines(snapshot: dict) -> list[str]:
+def header_lines(snapshot: dict[str, Any]) -> list[str]:
     """Host, kernel, GPU count and alerts; then the strategy each probe runs (or that it is down)."""
     host = snapshot.get("host") or {}
     alerts = snapshot.get("alerts") or []
@@ -167,14 +173,17 @@ def header_lines(snapshot: dict) -> list[str]:
         f"{name}:{probe.get('strategy') if probe.get('up') else 'DOWN'}"
         for name, probe in (snapshot.get("probes") or {}).items()
     )
+    lost = " ".join(f"{name}.{table}:{count}" for name, probe in (snapshot.get("probes") or {}).items()
+                    for table, count in (probe.get("overflows") or {}).items())
     return [
         f"{host.get('hostname', '?')} · kernel {host.get('kernel', '?')} · {gpus} GPU{'s' if gpus != 1 else ''}"
         f" · alerts: {states.count('firing')} firing, {states.count('pending')} pending",
         f"probes: {probes or 'none'}",
+        *([f"LOST (full BPF tables: entries evicted or never stored): {lost}"] if lost else []),
     ]
 
 
-def probe_notices(view: View, snapshot: dict) -> list[str]:
+def probe_notices(view: View, snapshot: dict[str, Any]) -> list[str]:
     """One line per probe this view needs that is down, with its reason."""
     probes = snapshot.get("probes") or {}
     return [
@@ -184,7 +193,7 @@ def probe_notices(view: View, snapshot: dict) -> list[str]:
     ]
 
 
-def text_report(snapshot: dict) -> str:
+def text_report(snapshot: dict[str, Any]) -> str:
     """One snapshot as plain text, every view a table in its default order (`top --batch`)."""
     lines = header_lines(snapshot)
     for view in VIEWS.values():

@@ -6,7 +6,7 @@ written to tracefs's uprobe_events needs only write access to that file (uid 0 o
 attaching a BPF program to its tracepoint needs CAP_PERFMON: what the DaemonSet grants. The path
 written there is resolved by the kernel in the writer's context, where /proc/PID/root/... of
 another process is refused without CAP_SYS_ADMIN but a descriptor of our own (/proc/self/fd/N) is
-not: callers pass one (see aiprobe.cuda.own_descriptor).
+not: callers pass one (see aiprobe.cuda.own_descriptor). Offsets come from aiprobe.elf.
 
 Event names carry our pid (`aiprobe/p<pid>_<n>`), so events a killed agent left behind are removed
 by the next agent (`remove_stale_events`); each Link removes its own event when closed.
@@ -34,42 +34,6 @@ _SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _PERF_ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7; the kernel accepts any known size
 PERF_EVENT_PARANOID = Path("/proc/sys/kernel/perf_event_paranoid")
 _names = itertools.count()
-
-
-# ---- symbol offsets (what libbpf computes internally for its own uprobes) ----
-
-
-def symbol_offset(path: str, symbol: str) -> int:
-    """The file offset of function `symbol` in ELF64 file `path` (.symtab or .dynsym), for a uprobe.
-    Raises LookupError when the file does not define it."""
-    data = Path(path).read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2:
-        raise LookupError(f"{path} is not a 64-bit ELF file")
-    e = "<" if data[5] == 1 else ">"
-    phoff, shoff = struct.unpack_from(e + "QQ", data, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from(e + "HHHH", data, 0x36)
-    sections = [struct.unpack_from(e + "IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
-        if sh_type not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
-            continue
-        strings = sections[link][4]
-        for at in range(offset, offset + size, entsize):
-            name, info, _, shndx, value, _ = struct.unpack_from(e + "IBBHQQ", data, at)
-            if info & 0xF == 2 and shndx != 0 and _c_string(data, strings + name) == symbol:  # STT_FUNC, defined
-                return _file_offset(data, e, phoff, phentsize, phnum, value)
-    raise LookupError(f"{path} does not define {symbol}")
-
-
-def _c_string(data: bytes, at: int) -> str:
-    return data[at:data.index(b"\0", at)].decode(errors="replace")
-
-
-def _file_offset(data: bytes, e: str, phoff: int, phentsize: int, phnum: int, address: int) -> int:
-    for i in range(phnum):
-        p_type, flags, offset, vaddr, _, filesz, _, _ = struct.unpack_from(e + "IIQQQQQQ", data, phoff + i * phentsize)
-        if p_type == 1 and flags & 1 and vaddr <= address < vaddr + filesz:  # PT_LOAD, executable
-            return address - vaddr + offset
-    raise LookupError(f"address {address:#x} is in no executable segment")
 
 
 # ---- tracefs events ----

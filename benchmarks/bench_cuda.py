@@ -1,14 +1,16 @@
-"""CUDA uprobe overhead: the fake driver calls cuLaunchKernel in a tight loop, timed by its own clock,
-alternating within one run between no probe, an empty uprobe program on the same symbol, and the
-full cuda probe. The empty program separates the kernel's uprobe cost (breakpoint trap, probe
-lookup, running a BPF program at all) from our program's own work (two hash lookups and an atomic
-increment); both are per call, independent of how many processes or libraries are probed.
+"""CUDA uprobe overhead: a fixture program calls one entry point in a tight loop (cuLaunchKernel,
+cuGraphLaunch, the runtime's cudaLaunchKernel), timed by its own clock, alternating within one run
+between no probe, an empty uprobe program on the same symbol, and the full cuda probe. The empty
+program separates the kernel's uprobe cost (breakpoint trap, probe lookup, running a BPF program at
+all) from our program's own work (three hash lookups and atomic increments; for the runtime, also
+the uretprobe that closes the call: a second trap); both are per call, independent of how many
+processes or libraries are probed.
 
 The difference of two trap-dominated timings is within the noise of a shared machine, so our
 program's own time is also taken from the kernel's BPF run-time statistics (BPF_ENABLE_STATS,
 held only while this benchmark runs): run_time_ns / run_cnt of each program, as fdinfo shows them.
-The fake cuLaunchKernel starts with `sub $8,%rsp`, which the kernel single-steps out of line (a
-second trap); a driver whose entry instruction the kernel emulates (push, nop) traps once."""
+The fixtures' entry points start with `push %rbp` (frame pointers), which the kernel emulates:
+one trap per hit, as for most functions of a real library."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import Result
@@ -27,7 +30,7 @@ from aiprobe import libbpf  # noqa: E402
 from aiprobe.cuda import CudaProbe  # noqa: E402
 from aiprobe.loader import BpfObject, Program  # noqa: E402
 from conftest import FIXTURE_BUILD, CBuild  # noqa: E402
-from fixtures.cuda_fake import Driver, build  # noqa: E402
+from fixtures.cuda_fake import DRIVER, RUNTIME_DRIVER, Driver, build  # noqa: E402
 
 CALLS_DETACHED = 5_000_000
 CALLS_ATTACHED = 200_000  # each probed call costs a trap: fewer calls for a similar run time
@@ -54,61 +57,87 @@ def ns_per_run(program: Program) -> float:
     return int(fields["run_time_ns"]) / max(int(fields["run_cnt"]), 1)
 
 
-def _ns_per_call(libdir: Path, calls: int) -> float:
-    return float(Driver(libdir, "bench", calls).go().split()[1])
+@dataclass(frozen=True)
+class Call:
+    """One probed entry point, called in a tight loop by a fixture program's bench mode."""
+
+    symbol: str
+    program: str  # the uprobe of the cuda probe on it (for its run-time statistics)
+    library: str  # file name in the fixture build directory
+    command: tuple[str, ...]  # the program and its bench mode
 
 
-def _empty(libdir: Path) -> tuple[float, float]:
-    """(ns per call, ns per program run) with an empty program on cuLaunchKernel."""
-    driver = Driver(libdir, "bench", CALLS_ATTACHED)
+CALLS = (
+    Call("cuLaunchKernel", "uprobe_launch_kernel", "libcuda.so.1", (str(DRIVER), "bench")),
+    Call("cuGraphLaunch", "uprobe_graph_launch", "libcuda.so.1", (str(DRIVER), "bench-graph")),
+    # Counted at the runtime's entry with a uretprobe that closes the call: two probes per launch.
+    Call("cudaLaunchKernel", "uprobe_runtime_launch_kernel", "libcudart.so.12", (str(RUNTIME_DRIVER), "bench")),
+)
+
+
+def _start(libdir: Path, call: Call, calls: int) -> Driver:
+    return Driver(libdir, calls, program=call.command)
+
+
+def _ns_per_call(libdir: Path, call: Call, calls: int) -> float:
+    return float(_start(libdir, call, calls).go().split()[1])
+
+
+def _empty(libdir: Path, call: Call) -> tuple[float, float]:
+    """(ns per call, ns per program run) with an empty program on the entry point."""
+    driver = _start(libdir, call, CALLS_ATTACHED)
     with BpfObject("cuda", programs=["uprobe_empty"]) as obj:
         obj.load()
         program = obj.programs["uprobe_empty"]
-        program.attach_uprobe(driver.library, "cuLaunchKernel")
+        program.attach_uprobe(str(libdir / call.library), call.symbol)
         return float(driver.go().split()[1]), ns_per_run(program)
 
 
-def _probed(libdir: Path) -> tuple[float, float]:
+def _probed(libdir: Path, call: Call) -> tuple[float, float]:
     """(ns per call, ns per program run) with the cuda probe."""
+    library = str(libdir / call.library)
     with CudaProbe() as probe:
-        driver = Driver(libdir, "bench", CALLS_ATTACHED)
-        while not any(lib.path == driver.library for lib in probe.libraries):
+        driver = _start(libdir, call, CALLS_ATTACHED)
+        while not any(lib.path == library for lib in probe.libraries):
             probe.rescan()
-        return float(driver.go().split()[1]), ns_per_run(probe.loaded.obj.programs["uprobe_launch_kernel"])
+        return float(driver.go().split()[1]), ns_per_run(probe.loaded.obj.programs[call.program])
 
 
-def run() -> list[Result]:
-    FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
-    libdir, _ = build(CBuild(FIXTURE_BUILD))
-    _ns_per_call(libdir, CALLS_DETACHED)  # warm-up: page cache, CPU frequency
+def _measure(libdir: Path, call: Call) -> list[Result]:
+    _ns_per_call(libdir, call, CALLS_DETACHED)  # warm-up: page cache, CPU frequency
     cases = {
-        "detached": lambda: (_ns_per_call(libdir, CALLS_DETACHED), 0.0),
-        "empty uprobe": lambda: _empty(libdir),
-        "cuda probe": lambda: _probed(libdir),
+        "detached": lambda: (_ns_per_call(libdir, call, CALLS_DETACHED), 0.0),
+        "empty uprobe": lambda: _empty(libdir, call),
+        "cuda probe": lambda: _probed(libdir, call),
     }
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
-    with bpf_run_time_stats():
-        for round_ in range(ROUNDS):
-            # Rotate the order so a drift in machine load does not favour one case.
-            for name in list(cases)[round_ % len(cases):] + list(cases)[:round_ % len(cases)]:
-                samples[name].append(cases[name]())
+    for round_ in range(ROUNDS):
+        # Rotate the order so a drift in machine load does not favour one case.
+        for name in list(cases)[round_ % len(cases):] + list(cases)[:round_ % len(cases)]:
+            samples[name].append(cases[name]())
     # The fastest round of each: the one least disturbed by whatever else this shared machine runs.
     (detached, _), (empty, empty_run), (ours, ours_run) = (min(samples[name]) for name in cases)
     trap, added, own = empty - detached, ours - detached, ours_run - empty_run
     detail = f"best of {ROUNDS}; {CALLS_DETACHED:,} calls detached, {CALLS_ATTACHED:,} probed"
+    name = call.symbol
     return [
-        Result("cuda", "cuLaunchKernel detached", detached, "ns/call", detail),
-        Result("cuda", "cuLaunchKernel, empty uprobe", empty, "ns/call", detail),
-        Result("cuda", "cuLaunchKernel, cuda probe", ours, "ns/call", detail),
-        Result("cuda", "added per call: cuda probe vs empty uprobe", added / trap, "x empty",
+        Result("cuda", f"{name} detached", detached, "ns/call", detail),
+        Result("cuda", f"{name}, empty uprobe", empty, "ns/call", detail),
+        Result("cuda", f"{name}, cuda probe", ours, "ns/call", detail),
+        Result("cuda", f"{name}: added per call, cuda probe vs empty uprobe", added / trap, "x empty",
                f"{added:.0f} ns vs {trap:.0f} ns (the uprobe trap alone)"),
-        Result("cuda", "BPF program run: ours vs empty", ours_run / empty_run, "x empty",
-               f"{ours_run:.0f} ns vs {empty_run:.0f} ns (kernel run-time stats)"),
-        Result("cuda", "our program's own time per call", own, "ns/call",
-               f"{own / added * 100:.1f} % of the added cost"),
+        Result("cuda", f"{name}: BPF program run, ours vs empty", ours_run / empty_run, "x empty",
+               f"{ours_run:.0f} ns vs {empty_run:.0f} ns (kernel run-time stats, entry program)"),
         *(
-            Result("cuda", f"cost at {rate // 1000}k launches/s", added * rate / 1e9 * 100, "% of one CPU",
-                   f"of which {own * rate / 1e9 * 100:.3f} % our program")
+            Result("cuda", f"{name}: cost at {rate // 1000}k calls/s", added * rate / 1e9 * 100, "% of one CPU",
+                   f"of which {own * rate / 1e9 * 100:.3f} % our entry program")
             for rate in RATES
         ),
     ]
+
+
+def run() -> list[Result]:
+    FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
+    libdir = build(CBuild(FIXTURE_BUILD)).libdir
+    with bpf_run_time_stats():
+        return [result for call in CALLS for result in _measure(libdir, call)]

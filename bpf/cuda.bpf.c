@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: GPL-2.0
-/* CUDA driver uprobes and the scheduler programs that time GPU-driving threads.
+/* CUDA driver and runtime uprobes and the scheduler programs that time GPU-driving threads.
  *
  * Both halves live in one object because they share maps `threads` (what each live GPU-driving
  * thread is doing) and `processes` (cumulative counts per process): a thread becomes GPU-driving
@@ -30,6 +30,14 @@ struct {
 	__type(value, struct gpu_process);
 } processes SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_GPU_CONTEXTS);
+	__type(key, struct gpu_context_key);
+	__type(value, struct gpu_context);
+} contexts SEC(".maps");
+
+
 /* Initial values of new entries (a gpu_process is too big for the BPF stack). */
 static struct gpu_thread zero_thread;
 static struct gpu_process zero_process;
@@ -53,6 +61,7 @@ static __always_inline struct gpu_process *process_entry(__u32 tgid)
 		return NULL; /* map full: the process stays untracked */
 	task = (struct task_struct *)bpf_get_current_task();
 	BPF_CORE_READ_STR_INTO(&p->comm, task, group_leader, comm);
+	p->start_ns = BPF_CORE_READ(task, group_leader, start_time);
 	return p;
 }
 
@@ -79,17 +88,67 @@ static __always_inline bool current_caller(struct caller *c)
 	return true;
 }
 
-/* The thread's calls now go to `ctx`. Switching to NULL (no context) and back is no switch. */
+/* ---- contexts ---- */
+
+static __always_inline struct gpu_context *context_entry(__u32 tgid, __u64 ctx, __s32 device)
+{
+	struct gpu_context_key key = { .tgid = tgid, .ctx = ctx };
+	struct gpu_context *entry = bpf_map_lookup_elem(&contexts, &key);
+	struct gpu_context fresh = { .device = device };
+
+	if (entry)
+		return entry;
+	bpf_map_update_elem(&contexts, &key, &fresh, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&contexts, &key);
+}
+
+/* `ctx` belongs to `device` (seen at its creation or retain). */
+static __always_inline void context_on_device(__u32 tgid, __u64 ctx, __s32 device, bool primary)
+{
+	struct gpu_context *entry = context_entry(tgid, ctx, device);
+
+	if (entry) {
+		entry->device = device;
+		entry->primary = primary;
+	}
+}
+
+/* One name per context: a known primary context is PRIMARY_CTX_TAG | device. */
+static __always_inline __u64 canonical_context(__u32 tgid, __u64 ctx)
+{
+	struct gpu_context_key key = { .tgid = tgid, .ctx = ctx };
+	struct gpu_context *entry;
+
+	if (!ctx || (ctx & PRIMARY_CTX_TAG))
+		return ctx;
+	entry = bpf_map_lookup_elem(&contexts, &key);
+	return entry && entry->primary ? PRIMARY_CTX_TAG | (__u32)entry->device : ctx;
+}
+
+/* The thread's calls now go to `ctx`. Switching to NULL (no context) and back is no change. */
 static __always_inline void make_current(struct caller *c, __u64 ctx)
 {
 	struct gpu_thread *t = c->thread;
 
+	ctx = canonical_context(t->tgid, ctx);
 	t->current_ctx = ctx;
 	if (!ctx)
 		return;
 	if (t->last_ctx && t->last_ctx != ctx)
-		__sync_fetch_and_add(&c->process->context_switches, 1);
+		__sync_fetch_and_add(&c->process->thread_ctx_changes, 1);
 	t->last_ctx = ctx;
+}
+
+static __always_inline void push_context(struct caller *c, __u64 ctx)
+{
+	struct gpu_thread *t = c->thread;
+	__u32 depth = t->ctx_depth;
+
+	if (depth < CTX_STACK_DEPTH)
+		t->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] = t->current_ctx;
+	if (depth < 0xffff)
+		t->ctx_depth = depth + 1;
+	make_current(c, ctx);
 }
 
 static __always_inline void pop_context(struct caller *c)
@@ -102,8 +161,14 @@ static __always_inline void pop_context(struct caller *c)
 		return;
 	}
 	t->ctx_depth = --depth;
-	/* Below the remembered stack the context is unknown: NULL, so no switch is guessed. */
+	/* Below the remembered stack the context is unknown: NULL, so no change is guessed. */
 	make_current(c, depth < CTX_STACK_DEPTH ? t->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] : 0);
+}
+
+/* Callers whose thread state is needed (context stack, open calls). */
+static __always_inline bool current_thread(struct caller *c)
+{
+	return current_caller(c) && c->thread;
 }
 
 /* CUresult cuCtxSetCurrent(CUcontext ctx): replaces the top of the stack; NULL pops it. */
@@ -112,7 +177,7 @@ int BPF_KPROBE(uprobe_ctx_set_current, void *cuctx)
 {
 	struct caller c;
 
-	if (!current_caller(&c) || !c.thread)
+	if (!current_thread(&c))
 		return 0;
 	if (cuctx)
 		make_current(&c, (__u64)cuctx);
@@ -126,16 +191,9 @@ SEC("uprobe")
 int BPF_KPROBE(uprobe_ctx_push_current, void *cuctx)
 {
 	struct caller c;
-	__u32 depth;
 
-	if (!current_caller(&c) || !c.thread)
-		return 0;
-	depth = c.thread->ctx_depth;
-	if (depth < CTX_STACK_DEPTH)
-		c.thread->ctx_stack[depth & (CTX_STACK_DEPTH - 1)] = c.thread->current_ctx;
-	if (depth < 0xffff)
-		c.thread->ctx_depth = depth + 1;
-	make_current(&c, (__u64)cuctx);
+	if (current_thread(&c))
+		push_context(&c, (__u64)cuctx);
 	return 0;
 }
 
@@ -145,46 +203,336 @@ int BPF_KPROBE(uprobe_ctx_pop_current)
 {
 	struct caller c;
 
-	if (current_caller(&c) && c.thread)
+	if (current_thread(&c))
 		pop_context(&c);
 	return 0;
 }
 
-/* cuLaunchKernel, cuLaunchKernelEx and their _ptsz variants. */
+/* CUresult cuCtxDestroy(CUcontext ctx): destroying the caller's current context pops it. */
 SEC("uprobe")
-int BPF_KPROBE(uprobe_launch_kernel)
+int BPF_KPROBE(uprobe_ctx_destroy, void *cuctx)
 {
 	struct caller c;
 
-	if (current_caller(&c))
-		__sync_fetch_and_add(&c.process->kernel_launches, 1);
+	if (current_thread(&c) && cuctx && (__u64)cuctx == c.thread->current_ctx)
+		pop_context(&c);
 	return 0;
 }
 
-/* cuStreamSynchronize(_ptsz), cuCtxSynchronize: only the outermost call is timed, in case the
- * driver implements one through the other. */
+/* ---- timed driver calls (cold start) ---- */
+
+static __always_inline void call_enter(struct gpu_thread *t, __u32 kind)
+{
+	if (t->call_depth++ == 0) {
+		t->call_kind = kind;
+		t->call_start_ns = bpf_ktime_get_ns();
+	}
+}
+
+/* The thread's timed call returns; true when it was the outermost one. */
+static __always_inline bool call_exit(struct gpu_thread *t)
+{
+	struct gpu_process *p;
+	__u32 kind = t->call_kind;
+
+	if (!t->call_depth || --t->call_depth)
+		return false;
+	p = bpf_map_lookup_elem(&processes, &t->tgid);
+	if (p && t->call_start_ns && kind < TIMED_CALLS) {
+		__sync_fetch_and_add(&p->call_count[kind], 1);
+		__sync_fetch_and_add(&p->call_ns[kind], bpf_ktime_get_ns() - t->call_start_ns);
+	}
+	t->call_start_ns = 0;
+	return true;
+}
+
+/* CUresult cuInit(unsigned int flags) */
 SEC("uprobe")
-int BPF_KPROBE(uprobe_sync_enter)
+int BPF_KPROBE(uprobe_init)
 {
 	struct caller c;
 
-	if (current_caller(&c) && c.thread && c.thread->sync_depth++ == 0)
+	if (!current_thread(&c))
+		return 0;
+	if (!c.process->init_ns)
+		c.process->init_ns = bpf_ktime_get_ns();
+	call_enter(c.thread, CALL_INIT);
+	return 0;
+}
+
+/* cuModuleLoad*, cuLibraryLoad* */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_module_load)
+{
+	struct caller c;
+
+	if (current_thread(&c))
+		call_enter(c.thread, CALL_MODULE_LOAD);
+	return 0;
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(uretprobe_call_exit)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct gpu_thread *t = bpf_map_lookup_elem(&threads, &tid);
+
+	if (t)
+		call_exit(t);
+	return 0;
+}
+
+/* A context is being made: remember where it will be written and for which device. */
+static __always_inline void ctx_made_enter(void *pctx, int device, bool pushed)
+{
+	struct caller c;
+
+	if (!current_thread(&c))
+		return;
+	call_enter(c.thread, CALL_CTX_CREATE);
+	if (c.thread->call_depth == 1) {
+		c.thread->pending_pctx = (__u64)pctx;
+		c.thread->pending_ctx_device = device;
+		c.thread->pending_ctx_pushed = pushed;
+	}
+}
+
+/* CUresult cuCtxCreate(_v2)(CUcontext *pctx, unsigned int flags, CUdevice dev) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_ctx_create_v2, void *pctx, unsigned int flags, int dev)
+{
+	ctx_made_enter(pctx, dev, true);
+	return 0;
+}
+
+/* CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *params, int n, unsigned int flags,
+ * CUdevice dev) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_ctx_create_v3, void *pctx, void *params, int n, unsigned int flags, int dev)
+{
+	ctx_made_enter(pctx, dev, true);
+	return 0;
+}
+
+/* CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags, CUdevice dev) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_ctx_create_v4, void *pctx, void *params, unsigned int flags, int dev)
+{
+	ctx_made_enter(pctx, dev, true);
+	return 0;
+}
+
+/* CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev): not made current. */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_primary_ctx_retain, void *pctx, int dev)
+{
+	ctx_made_enter(pctx, dev, false);
+	return 0;
+}
+
+/* The context now exists (if the call succeeded): its device is known, a created one is current. */
+SEC("uretprobe")
+int BPF_KRETPROBE(uretprobe_ctx_made, long rc)
+{
+	struct caller c;
+	struct gpu_thread *t;
+	__u64 made = 0;
+
+	if (!current_thread(&c) || !call_exit(c.thread))
+		return 0;
+	t = c.thread;
+	if ((int)rc != 0 || !t->pending_pctx ||
+	    bpf_probe_read_user(&made, sizeof(made), (void *)t->pending_pctx) || !made)
+		goto done;
+	context_on_device(t->tgid, made, t->pending_ctx_device, !t->pending_ctx_pushed);
+	if (t->pending_ctx_pushed)
+		push_context(&c, made);
+done:
+	t->pending_pctx = 0;
+	return 0;
+}
+
+/* ---- launches ---- */
+
+/* The context the thread launches into. A runtime thread that never chose a device uses device 0's
+ * primary context, as libcudart does. */
+static __always_inline __u64 launch_context(struct caller *c, bool runtime)
+{
+	if (!c->thread)
+		return 0;
+	if (runtime && !c->thread->current_ctx)
+		make_current(c, PRIMARY_CTX_TAG);
+	return c->thread->current_ctx;
+}
+
+/* One launch, counted once: at the runtime's entry point when the call came through libcudart
+ * (a driver entry point inside it is the same launch), else at the driver's. */
+static __always_inline void count_launch(bool graph, bool runtime)
+{
+	struct gpu_context *context;
+	struct gpu_process *p;
+	struct caller c;
+	__u64 ctx;
+
+	if (!current_caller(&c))
+		return;
+	if (c.thread && c.thread->runtime_depth) { /* inside a runtime call that counted it */
+		if (runtime)
+			c.thread->runtime_depth++; /* its uretprobe pairs with this */
+		return;
+	}
+	p = c.process;
+	__sync_fetch_and_add(graph ? &p->graph_launches : &p->kernel_launches, 1);
+	if (runtime)
+		__sync_fetch_and_add(&p->runtime_launches, 1);
+	if (!p->first_launch_ns)
+		p->first_launch_ns = bpf_ktime_get_ns();
+	ctx = launch_context(&c, runtime);
+	context = context_entry((__u32)(bpf_get_current_pid_tgid() >> 32), ctx,
+				ctx & PRIMARY_CTX_TAG ? (__s32)(ctx & 0xffff) : UNKNOWN_DEVICE);
+	if (context)
+		__sync_fetch_and_add(graph ? &context->graph_launches : &context->kernel_launches, 1);
+	if (runtime && c.thread)
+		c.thread->runtime_depth++;
+}
+
+/* cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel(_ptsz) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_launch_kernel)
+{
+	count_launch(false, false);
+	return 0;
+}
+
+/* cuGraphLaunch(_ptsz) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_graph_launch)
+{
+	count_launch(true, false);
+	return 0;
+}
+
+/* cudaLaunchKernel(_ptsz), cudaLaunchKernelExC(_ptsz), cudaLaunchCooperativeKernel(_ptsz) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_runtime_launch_kernel)
+{
+	count_launch(false, true);
+	return 0;
+}
+
+/* cudaGraphLaunch(_ptsz) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_runtime_graph_launch)
+{
+	count_launch(true, true);
+	return 0;
+}
+
+static __always_inline struct gpu_thread *current_thread_entry(void)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	return bpf_map_lookup_elem(&threads, &tid);
+}
+
+/* A runtime launch (or cudaSetDevice) returns. */
+SEC("uretprobe")
+int BPF_KRETPROBE(uretprobe_runtime_exit)
+{
+	struct gpu_thread *t = current_thread_entry();
+
+	if (t && t->runtime_depth)
+		t->runtime_depth--;
+	return 0;
+}
+
+/* cudaError_t cudaSetDevice(int device): the device's primary context becomes the thread's. */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_runtime_set_device, int device)
+{
+	struct caller c;
+
+	if (!current_thread(&c))
+		return 0;
+	c.thread->pending_device = device;
+	c.thread->runtime_depth++;
+	return 0;
+}
+
+/* Applied on return, so a failed call changes nothing. */
+SEC("uretprobe")
+int BPF_KRETPROBE(uretprobe_runtime_set_device, long rc)
+{
+	struct caller c;
+	__s32 device;
+
+	if (!current_thread(&c))
+		return 0;
+	if (c.thread->runtime_depth)
+		c.thread->runtime_depth--;
+	device = c.thread->pending_device;
+	if ((int)rc != 0 || device < 0)
+		return 0;
+	context_on_device(c.thread->tgid, PRIMARY_CTX_TAG | (__u32)device, device, true);
+	make_current(&c, PRIMARY_CTX_TAG | (__u32)device);
+	return 0;
+}
+
+/* ---- synchronizations: only the outermost call is timed, in case one is implemented through
+ * another (cuCtxSynchronize through cuStreamSynchronize, the runtime's through the driver's) ---- */
+
+static __always_inline void sync_enter(__u32 kind)
+{
+	struct caller c;
+
+	if (current_thread(&c) && c.thread->sync_depth++ == 0) {
+		c.thread->sync_kind = kind;
 		c.thread->sync_start_ns = bpf_ktime_get_ns();
+	}
+}
+
+/* cuStreamSynchronize(_ptsz), cudaStreamSynchronize(_ptsz) */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_sync_stream)
+{
+	sync_enter(SYNC_STREAM);
+	return 0;
+}
+
+/* cuCtxSynchronize, cudaDeviceSynchronize */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_sync_device)
+{
+	sync_enter(SYNC_DEVICE);
+	return 0;
+}
+
+/* cuEventSynchronize, cudaEventSynchronize */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_sync_event)
+{
+	sync_enter(SYNC_EVENT);
 	return 0;
 }
 
 SEC("uretprobe")
 int BPF_KRETPROBE(uretprobe_sync_exit)
 {
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct gpu_thread *t = bpf_map_lookup_elem(&threads, &tid);
+	struct gpu_thread *t = current_thread_entry();
 	struct gpu_process *p;
+	__u32 kind;
+	__u64 ns;
 
 	if (!t || !t->sync_depth || --t->sync_depth)
 		return 0;
 	p = bpf_map_lookup_elem(&processes, &t->tgid);
-	if (p && t->sync_start_ns)
-		hist_add(&p->sync, bpf_ktime_get_ns() - t->sync_start_ns);
+	kind = t->sync_kind;
+	if (p && t->sync_start_ns && kind < SYNC_KINDS) {
+		ns = bpf_ktime_get_ns() - t->sync_start_ns;
+		hist_add(&p->sync, ns);
+		__sync_fetch_and_add(&p->sync_count[kind], 1);
+		__sync_fetch_and_add(&p->sync_ns[kind], ns);
+	}
 	t->sync_start_ns = 0;
 	return 0;
 }

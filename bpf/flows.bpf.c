@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0
-/* Per-flow throughput: XDP counts what arrives, tc counts what leaves. Both share one parser and
- * one flow table; the hot path (a known flow) is one per-CPU hash lookup and plain adds. */
+/* Per-flow throughput at tc: ingress (after GRO) and egress (before GSO) on every watched
+ * interface, counted as the frames that cross the wire (flows.h). XDP is an opt-in ingress hook
+ * for physical NICs (agent/flows.py says why it is not the default). All hooks share one parser and
+ * one flow table; the hot path (a known flow) is one hash lookup and atomic adds. */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
@@ -26,6 +28,7 @@ char LICENSE[] SEC("license") = "GPL";
 #define TCP_FLAG_RST 0x04
 
 #define MAX_VLAN_TAGS 2
+#define VLAN_HLEN 4
 #define MAX_IPV6_EXT_HEADERS 6
 /* Enough linear bytes for two VLAN tags, IPv6 with extension headers and the ports. */
 #define PULL_BYTES 256
@@ -34,6 +37,7 @@ enum parse_result {
 	PARSE_FLOW,
 	PARSE_NOT_IP,
 	PARSE_MALFORMED,
+	TABLE_FULL, /* parsed, but the flow table had no room: why a frame is unattributed */
 };
 
 /* Sized by user space (max_flows) before load. Preallocated, so a new flow is a freelist pop
@@ -59,16 +63,33 @@ struct {
 	__type(value, struct iface_counters);
 } unattributed SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct lost_counters);
+} lost SEC(".maps");
+
 struct header_cursor {
+	void *start;
 	void *pos;
 	void *end;
 };
 
+/* What the counters need beyond the key: TCP flags, and the length of the headers (L2 to the end of
+ * the transport header) that every segment of a GSO/GRO skb carries. */
+struct frame_info {
+	__u32 header_len;
+	__u8 tcp_flags;
+};
+
 /* Ports and TCP flags. A transport header cut short is malformed: no flow gets made-up ports. */
-static __always_inline int parse_ports(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+static __always_inline int parse_ports(struct header_cursor *c, bool egress, struct flow_key *key,
+				       struct frame_info *info)
 {
 	__u16 src, dst;
 
+	info->header_len = c->pos - c->start;
 	if (key->protocol == IPPROTO_TCP) {
 		struct tcphdr *tcp = c->pos;
 
@@ -76,7 +97,8 @@ static __always_inline int parse_ports(struct header_cursor *c, bool egress, str
 			return PARSE_MALFORMED;
 		src = tcp->source;
 		dst = tcp->dest;
-		*tcp_flags = ((__u8 *)tcp)[13];
+		info->tcp_flags = ((__u8 *)tcp)[13];
+		info->header_len += tcp->doff * 4; /* options included: each segment repeats them */
 	} else if (key->protocol == IPPROTO_UDP) {
 		struct udphdr *udp = c->pos;
 
@@ -84,6 +106,7 @@ static __always_inline int parse_ports(struct header_cursor *c, bool egress, str
 			return PARSE_MALFORMED;
 		src = udp->source;
 		dst = udp->dest;
+		info->header_len += sizeof(*udp);
 	} else {
 		return PARSE_FLOW;
 	}
@@ -92,7 +115,7 @@ static __always_inline int parse_ports(struct header_cursor *c, bool egress, str
 	return PARSE_FLOW;
 }
 
-static __always_inline int parse_ipv4(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+static __always_inline int parse_ipv4(struct header_cursor *c, bool egress, struct flow_key *key, struct frame_info *info)
 {
 	struct iphdr *ip = c->pos;
 
@@ -102,13 +125,15 @@ static __always_inline int parse_ipv4(struct header_cursor *c, bool egress, stru
 	key->protocol = ip->protocol;
 	__builtin_memcpy(key->local_addr, egress ? &ip->saddr : &ip->daddr, 4);
 	__builtin_memcpy(key->remote_addr, egress ? &ip->daddr : &ip->saddr, 4);
-	if (ip->frag_off & bpf_htons(IP_OFFSET))
-		return PARSE_FLOW; /* a later fragment: the ports are in the first one */
 	c->pos = (void *)ip + ip->ihl * 4;
-	return parse_ports(c, egress, key, tcp_flags);
+	if (ip->frag_off & bpf_htons(IP_OFFSET)) {
+		info->header_len = c->pos - c->start;
+		return PARSE_FLOW; /* a later fragment: the ports are in the first one */
+	}
+	return parse_ports(c, egress, key, info);
 }
 
-static __always_inline int parse_ipv6(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+static __always_inline int parse_ipv6(struct header_cursor *c, bool egress, struct flow_key *key, struct frame_info *info)
 {
 	struct ipv6hdr *ip6 = c->pos;
 	__u8 next;
@@ -138,11 +163,12 @@ static __always_inline int parse_ipv6(struct header_cursor *c, bool egress, stru
 			if ((void *)(frag + 1) > c->end)
 				return PARSE_MALFORMED;
 			next = frag->nexthdr;
+			c->pos = frag + 1;
 			if (frag->frag_off & bpf_htons(IPV6_FRAG_OFFSET)) {
 				key->protocol = next;
+				info->header_len = c->pos - c->start;
 				return PARSE_FLOW; /* a later fragment: no transport header */
 			}
-			c->pos = frag + 1;
 		} else {
 			/* AH counts its length in 4-byte units minus 2, the others in 8-byte units minus 1. */
 			__u32 len = next == IPPROTO_AH ? (opt->hdrlen + 2) * 4 : (opt->hdrlen + 1) * 8;
@@ -152,10 +178,10 @@ static __always_inline int parse_ipv6(struct header_cursor *c, bool egress, stru
 		}
 	}
 	key->protocol = next;
-	return parse_ports(c, egress, key, tcp_flags);
+	return parse_ports(c, egress, key, info);
 }
 
-static __always_inline int parse_frame(struct header_cursor *c, bool egress, struct flow_key *key, __u8 *tcp_flags)
+static __always_inline int parse_frame(struct header_cursor *c, bool egress, struct flow_key *key, struct frame_info *info)
 {
 	struct ethhdr *eth = c->pos;
 	__u16 proto;
@@ -176,15 +202,20 @@ static __always_inline int parse_frame(struct header_cursor *c, bool egress, str
 		c->pos = vlan + 1;
 	}
 	if (proto == bpf_htons(ETH_P_IP))
-		return parse_ipv4(c, egress, key, tcp_flags);
+		return parse_ipv4(c, egress, key, info);
 	if (proto == bpf_htons(ETH_P_IPV6))
-		return parse_ipv6(c, egress, key, tcp_flags);
+		return parse_ipv6(c, egress, key, info);
 	return PARSE_NOT_IP;
 }
 
+/* What one skb (or XDP frame) puts on the wire: packets and bytes, headers counted per segment. */
+struct wire {
+	__u64 packets;
+	__u64 bytes;
+};
+
 /* Cold path: frames no flow can hold still count toward their interface's totals. */
-static __noinline void count_unattributed(__u32 ifindex, __u32 direction, __u64 len, bool malformed,
-					  bool insert_failed)
+static __noinline void count_unattributed(__u32 ifindex, __u32 direction, struct wire *wire, int why)
 {
 	struct iface_key key = { .ifindex = ifindex, .direction = direction };
 	struct iface_counters *counters = bpf_map_lookup_elem(&unattributed, &key);
@@ -194,13 +225,21 @@ static __noinline void count_unattributed(__u32 ifindex, __u32 direction, __u64 
 
 		bpf_map_update_elem(&unattributed, &key, &first, BPF_NOEXIST);
 		counters = bpf_map_lookup_elem(&unattributed, &key);
-		if (!counters)
+		if (!counters) {
+			__u32 zero = 0;
+			struct lost_counters *lost_here = bpf_map_lookup_elem(&lost, &zero);
+
+			if (lost_here) {
+				lost_here->packets += wire->packets;
+				lost_here->bytes += wire->bytes;
+			}
 			return;
+		}
 	}
-	counters->packets++;
-	counters->bytes += len;
-	counters->malformed += malformed;
-	counters->insert_failures += insert_failed;
+	counters->packets += wire->packets;
+	counters->bytes += wire->bytes;
+	counters->malformed += why == PARSE_MALFORMED;
+	counters->insert_failures += why == TABLE_FULL;
 }
 
 static __always_inline void count_tcp_flags(struct flow_counters *counters, __u8 flags)
@@ -213,13 +252,13 @@ static __always_inline void count_tcp_flags(struct flow_counters *counters, __u8
 		__sync_fetch_and_add(&counters->tcp_rst, 1);
 }
 
-static __always_inline void add_to_flow(struct flow_counters *counters, __u64 len, __u8 tcp_flags, __u64 now,
-					struct __sk_buff *skb)
+static __always_inline void add_to_flow(struct flow_counters *counters, struct wire *wire, __u8 tcp_flags,
+					__u64 now, struct __sk_buff *skb)
 {
-	__sync_fetch_and_add(&counters->packets, 1);
-	__sync_fetch_and_add(&counters->bytes, len);
+	__sync_fetch_and_add(&counters->packets, wire->packets);
+	__sync_fetch_and_add(&counters->bytes, wire->bytes);
 	counters->last_seen_ns = now; /* plain stores: the latest writer wins, which is what "last" means */
-	if (tcp_flags)
+	if (tcp_flags) /* once per skb: segmentation copies SYN/RST to no other segment, FIN to the last */
 		count_tcp_flags(counters, tcp_flags);
 	if (skb && !counters->cgroup_id)
 		counters->cgroup_id = bpf_skb_cgroup_id(skb);
@@ -227,7 +266,8 @@ static __always_inline void add_to_flow(struct flow_counters *counters, __u64 le
 
 /* Parsed flow -> counters. A new flow is inserted zeroed with BPF_NOEXIST and counted like an
  * existing one, so two CPUs that see its first packets at once both count exactly. */
-static __always_inline void count_flow(struct flow_key *key, __u64 len, __u8 tcp_flags, struct __sk_buff *skb)
+static __always_inline void count_flow(struct flow_key *key, struct wire *wire, __u8 tcp_flags,
+				       struct __sk_buff *skb)
 {
 	struct flow_counters *counters = bpf_map_lookup_elem(&flows, key);
 	__u64 now = bpf_ktime_get_coarse_ns();
@@ -238,65 +278,106 @@ static __always_inline void count_flow(struct flow_key *key, __u64 len, __u8 tcp
 		bpf_map_update_elem(&flows, key, &fresh, BPF_NOEXIST);
 		counters = bpf_map_lookup_elem(&flows, key);
 		if (!counters) {
-			count_unattributed(key->ifindex, key->direction, len, false, true);
+			count_unattributed(key->ifindex, key->direction, wire, TABLE_FULL);
 			return;
 		}
 	}
-	add_to_flow(counters, len, tcp_flags, now, skb);
+	add_to_flow(counters, wire, tcp_flags, now, skb);
 }
 
-SEC("xdp")
+/* xdp.frags: the program accepts multi-buffer frames, so the kernel lets it attach where the MTU
+ * exceeds a page (9000, usual on GPU clusters). Headers are in the first buffer; the length is all
+ * buffers'. XDP runs before GRO, so every frame is one wire packet. */
+SEC("xdp.frags")
 int flows_xdp(struct xdp_md *ctx)
 {
-	struct header_cursor c = { (void *)(long)ctx->data, (void *)(long)ctx->data_end };
-	__u64 len = c.end - c.pos;
+	void *data = (void *)(long)ctx->data;
+	struct header_cursor c = { data, data, (void *)(long)ctx->data_end };
+	struct wire wire = { 1, bpf_xdp_get_buff_len(ctx) };
 	struct flow_key key = {};
-	__u8 tcp_flags = 0;
-	int parsed = parse_frame(&c, false, &key, &tcp_flags);
+	struct frame_info info = {};
+	int parsed = parse_frame(&c, false, &key, &info);
 
 	if (parsed == PARSE_FLOW) {
 		key.ifindex = ctx->ingress_ifindex;
 		key.direction = FLOW_INGRESS;
-		count_flow(&key, len, tcp_flags, NULL);
+		count_flow(&key, &wire, info.tcp_flags, NULL);
 	} else {
-		count_unattributed(ctx->ingress_ifindex, FLOW_INGRESS, len, parsed == PARSE_MALFORMED, false);
+		count_unattributed(ctx->ingress_ifindex, FLOW_INGRESS, &wire, parsed);
 	}
 	return XDP_PASS;
 }
 
-static __always_inline int parse_skb(struct __sk_buff *skb, struct flow_key *key, __u8 *tcp_flags)
+static __always_inline int parse_skb(struct __sk_buff *skb, bool egress, struct flow_key *key,
+				     struct frame_info *info)
 {
-	struct header_cursor c = { (void *)(long)skb->data, (void *)(long)skb->data_end };
+	void *data = (void *)(long)skb->data;
+	struct header_cursor c = { data, data, (void *)(long)skb->data_end };
 
-	return parse_frame(&c, true, key, tcp_flags);
+	return parse_frame(&c, egress, key, info);
 }
 
-SEC("tc")
-int flows_tc(struct __sk_buff *skb)
+/* The segments of a GSO/GRO skb: gso_segs where the stack set it, else derived from gso_size (a
+ * virtio/tap "dodgy" GSO skb leaves gso_segs to be computed later); a plain skb is one frame. */
+static __always_inline __u32 skb_segments(struct __sk_buff *skb, __u32 header_len)
 {
+	__u32 gso_size = skb->gso_size, segs = skb->gso_segs;
+
+	if (!gso_size)
+		return 1;
+	if (!segs && skb->len > header_len)
+		segs = (skb->len - header_len + gso_size - 1) / gso_size;
+	return segs ? segs : 1;
+}
+
+/* tc sees skbs with the Ethernet header in both directions (ingress pushes it back for tc). */
+static __always_inline int count_skb(struct __sk_buff *skb, bool egress)
+{
+	__u32 direction = egress ? FLOW_EGRESS : FLOW_INGRESS;
 	struct flow_key key = {};
-	__u8 tcp_flags = 0;
-	int parsed = parse_skb(skb, &key, &tcp_flags);
+	struct frame_info info = {};
+	struct wire wire;
+	__u32 vlan_tag;
+	int parsed = parse_skb(skb, egress, &key, &info);
 
 	/* Headers beyond the linear part are not malformed: pull them in once and look again. */
 	if (parsed == PARSE_MALFORMED && skb->len > skb->data_end - skb->data &&
 	    !bpf_skb_pull_data(skb, skb->len < PULL_BYTES ? skb->len : PULL_BYTES)) {
 		__builtin_memset(&key, 0, sizeof(key));
-		tcp_flags = 0;
-		parsed = parse_skb(skb, &key, &tcp_flags);
+		__builtin_memset(&info, 0, sizeof(info));
+		parsed = parse_skb(skb, egress, &key, &info);
 	}
+	if (parsed != PARSE_FLOW)
+		info.header_len = 0; /* unknown headers: the segments' bytes are the skb's */
+	/* A VLAN tag the stack moved out of the frame (ingress untagging, egress tag offload) is on
+	 * the wire, in every segment. */
+	vlan_tag = skb->vlan_present ? VLAN_HLEN : 0;
+	wire.packets = skb_segments(skb, info.header_len);
+	wire.bytes = skb->len + vlan_tag + (wire.packets - 1) * (info.header_len + vlan_tag);
 	if (parsed == PARSE_FLOW) {
 		key.ifindex = skb->ifindex;
-		key.direction = FLOW_EGRESS;
-		count_flow(&key, skb->len, tcp_flags, skb);
+		key.direction = direction;
+		count_flow(&key, &wire, info.tcp_flags, egress ? skb : NULL);
 	} else {
-		count_unattributed(skb->ifindex, FLOW_EGRESS, skb->len, parsed == PARSE_MALFORMED, false);
+		count_unattributed(skb->ifindex, direction, &wire, parsed);
 	}
 	return TC_ACT_UNSPEC; /* TCX_NEXT / continue: later programs and filters still run */
 }
 
+SEC("tc")
+int flows_ingress(struct __sk_buff *skb)
+{
+	return count_skb(skb, false);
+}
+
+SEC("tc")
+int flows_egress(struct __sk_buff *skb)
+{
+	return count_skb(skb, true);
+}
+
 /* Baselines for benchmarks/bench_flows.py: the same hooks doing nothing. */
-SEC("xdp")
+SEC("xdp.frags")
 int flows_xdp_empty(struct xdp_md *ctx) { return XDP_PASS; }
 
 SEC("tc")

@@ -2,7 +2,7 @@
 #ifndef AIPROBE_FLOWS_H
 #define AIPROBE_FLOWS_H
 
-/* flow_key.direction: the hook that saw the frame (XDP sees ingress, tc sees egress). */
+/* flow_key.direction: ingress is counted at tc ingress (or XDP where opted in), egress at tc egress. */
 enum flow_direction {
 	FLOW_INGRESS = 0,
 	FLOW_EGRESS = 1,
@@ -24,10 +24,15 @@ struct flow_key {
 	__u8 remote_addr[16];
 };
 
-/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse). */
+/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse).
+ * Counts are what crosses the wire: a GSO/GRO skb (one skb, many segments) counts as its gso_segs
+ * packets, and each segment carries its own copy of the headers the parser read (Ethernet, VLAN,
+ * IP, TCP/UDP), so bytes = skb->len + (segments - 1) * header length. Without the FCS, preamble and
+ * inter-frame gap, as every interface counter. Tunnelled GSO (VXLAN, GRE) adds the outer headers
+ * per segment only: the inner ones are not parsed. */
 struct flow_counters {
-	__u64 packets;
-	__u64 bytes; /* L2 frame length as seen at the hook, as the interface counters count it */
+	__u64 packets; /* wire frames (TCP/UDP segments), not skbs */
+	__u64 bytes; /* their L2 frame lengths (Ethernet header included, FCS not) */
 	__u64 first_seen_ns;
 	__u64 last_seen_ns;
 	__u64 cgroup_id; /* egress only: the sending socket's cgroup v2 id, 0 if none */
@@ -44,10 +49,17 @@ struct iface_key {
 };
 
 struct iface_counters {
-	__u64 packets; /* frames in no flow: not IP, malformed, or the flow table was full */
-	__u64 bytes;
+	__u64 packets; /* wire frames in no flow: not IP, malformed, or the flow table was full */
+	__u64 bytes; /* their L2 lengths, as flow_counters.bytes */
 	__u64 malformed; /* truncated or inconsistent headers */
 	__u64 insert_failures; /* a new flow found the flow table full */
+};
+
+/* Frames counted nowhere: the unattributed table itself was full (more interfaces and directions
+ * than it holds). Non-zero means the interface totals are short by these. */
+struct lost_counters {
+	__u64 packets;
+	__u64 bytes;
 };
 
 #endif

@@ -162,7 +162,7 @@ def network_flows() -> dict:
     flow_key = "instance, interface, direction, protocol, local_address, local_port, remote_address, remote_port"
     interface = label_variable("interface", "interface", "aiprobe_interface_bytes_total", TARGET)
     return dashboard("aiprobe-network-flows", "aiprobe / Network flows",
-                     "Per-flow and per-interface throughput from XDP (ingress) and tc (egress).", [
+                     "Per-flow and per-interface throughput (wire packets and bytes) from tc ingress and egress.", [
         Panel("Top flows by throughput", [
             Target(f"topk(20, {rate('aiprobe_flow_bytes_total', selector, flow_key)})", instant=True)],
               kind="table", unit="Bps", width=24,
@@ -204,11 +204,14 @@ def send_latency() -> dict:
 def gpu_cuda() -> dict:
     return dashboard("aiprobe-gpu-cuda", "aiprobe / GPU & CUDA",
                      "CUDA driver activity per process, the scheduling of GPU-driving threads, and NVML.", [
-        Panel("CUDA context switches", [
+        Panel("CUDA context changes by threads", [
             Target(rate("aiprobe_cuda_context_switches_total", WORKLOAD), PROCESS_LEGEND)], unit="ops",
-              description="Times a thread's current CUDA context changed: each switch costs driver time."),
-        Panel("CUDA kernel launches", [
-            Target(rate("aiprobe_cuda_kernel_launches_total", WORKLOAD), PROCESS_LEGEND)], unit="ops"),
+              description="Times a thread changed its current CUDA context (driver time on the host). Not the "
+                          "GPU time-slicing between busy contexts: that is aiprobe_gpu_active_contexts."),
+        Panel("CUDA kernel and graph launches", [
+            Target(rate("aiprobe_cuda_kernel_launches_total", WORKLOAD), "kernels " + PROCESS_LEGEND),
+            Target(rate("aiprobe_cuda_graph_launches_total", WORKLOAD), "graphs " + PROCESS_LEGEND)], unit="ops",
+              description="Each call once, whether made through libcudart or libcuda."),
         Panel("Synchronize duration p50 / p99", [
             Target(quantile(0.5, "aiprobe_cuda_sync_duration_seconds"), "p50 " + PROCESS_LEGEND),
             Target(quantile(0.99, "aiprobe_cuda_sync_duration_seconds"), "p99 " + PROCESS_LEGEND)], unit="s",

@@ -8,6 +8,7 @@ a firing alert whose agent died expires there on its own (`endsAt` runs a few re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -16,9 +17,11 @@ import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 
 from aiprobe.model import Alert
+from aiprobe.rules import alert_name
+from aiprobe.supervisor import SUPERVISOR
 
 log = logging.getLogger("aiprobe.alerts")
 
@@ -33,20 +36,30 @@ class JsonLinesSink:
     def __init__(self, target: str = "-") -> None:
         self._file: IO[str] = sys.stdout if target == "-" else open(target, "a", buffering=1)  # noqa: SIM115
         self._owned = target != "-"
+        self._target = target
+        self.failures = 0  # transitions lost to a full disk, a vanished file system, a closed stdout
 
     def write(self, transitions: list[Alert], now: float) -> None:
-        for alert in transitions:
-            self._file.write(json.dumps({"time": _iso(now), **alert.to_dict()}, default=str) + "\n")
-        self._file.flush()
+        text = "".join(json.dumps({"time": _iso(now), **alert.to_dict()}, default=str) + "\n" for alert in transitions)
+        try:
+            self._file.write(text)
+            self._file.flush()
+        except (OSError, ValueError) as exc:  # the log is a copy of what the metrics and Alertmanager say
+            self.failures += len(transitions)
+            SUPERVISOR.alert_log_errors += len(transitions)
+            if self.failures == len(transitions):  # the first loss is news; the count says the rest
+                log.warning("alert log %s: %s; transitions are counted in aiprobe_alert_log_errors_total",
+                            self._target, getattr(exc, "strerror", None) or exc)
 
     def close(self) -> None:
         if self._owned:
-            self._file.close()
+            with contextlib.suppress(OSError):  # what a full disk kept is lost either way
+                self._file.close()
 
 
-def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict:
+def alertmanager_payload(alert: Alert, *, instance: str, now: float, expires_after: float) -> dict[str, Any]:
     labels = {
-        "alertname": "Aiprobe" + "".join(part.title() for part in alert.rule.split("_")),
+        "alertname": alert_name(alert.rule),
         "rule": alert.rule,
         "severity": alert.severity,
         "target": alert.target,
@@ -75,8 +88,8 @@ class AlertmanagerPusher:
         self._stop = threading.Event()
         self.delivered = 0
         self.failures = 0
-        self._thread = threading.Thread(target=self._run, name="aiprobe-alertmanager", daemon=True)
-        self._thread.start()
+        self._last_error = ""
+        self._thread = SUPERVISOR.start_thread("alertmanager", self._run, self._stop)
 
     def update(self, firing_and_resolved: list[Alert], *, changed: bool) -> None:
         with self._lock:
@@ -106,10 +119,17 @@ class AlertmanagerPusher:
             with urllib.request.urlopen(request, timeout=self._timeout) as response:
                 response.read()
             self.delivered += 1
-        except (urllib.error.URLError, OSError) as exc:
+            SUPERVISOR.notifications["success"] += 1
+            if self._last_error:
+                log.info("alertmanager %s: delivered again", self._endpoint)
+                self._last_error = ""
+        except Exception as exc:  # refused, timed out, HTTP errors, a URL http.client rejects: never the thread
             # Kept and sent again on the next round: Alertmanager may be restarting.
             self.failures += 1
-            log.warning("alertmanager %s unreachable (%s); will retry", self._endpoint, exc)
+            SUPERVISOR.notifications["failure"] += 1
+            if str(exc) != self._last_error:  # each new failure once; the metric counts them all
+                self._last_error = str(exc)
+                log.warning("alertmanager %s: %s; will retry", self._endpoint, exc)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,9 +1,10 @@
 """Prometheus exposition: the metric families that probes declare as tables over model records
-(`SPEC.metrics`, aiprobe.metrics.Family), plus the agent's own, rebuilt once per refresh so a
-scrape only serializes.
+(`SPEC.metrics`, aiprobe.metrics.Family), plus the agent's own, rendered at each scrape from the
+agent's readings (the counters of probes that are cheap to read, read then).
 
 Labels stay bounded: processes are labelled by name and container (never pid), flows only for the
-top K by rate with the rest summed per interface and direction into `remote_address="other"`.
+top K by rate with the rest summed per interface and direction into `remote_address="other"`
+(aiprobe.flows.TopFlows).
 Counters stay monotonic while their sources (processes, flows) come and go: the delta engine
 (aiprobe.deltas) adds each record's increase, by record identity, to its label set.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,10 +33,15 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 Samples = list[tuple[Sequence[str], float]]
+OTHER_PROCESS = "other"
+MAX_FOLDED_REMEMBERED = 10_000
+
+
+BUILD_LABELS = ("kernel", "libbpf", "version")
 
 
 def _build_info(build: dict[str, str], _r: Readings) -> Samples:
-    return [(list(build.values()), 1)]
+    return [([build[label] for label in BUILD_LABELS], 1)]
 
 
 def _probe_up(_build: dict[str, str], r: Readings) -> Samples:
@@ -57,27 +64,52 @@ def _bottlenecks(_build: dict[str, str], r: Readings) -> Samples:
 # The agent's own families: (description, samples from the build info and one refresh's readings).
 AGENT_FAMILIES: tuple[tuple[AgentFamily, Callable[[dict[str, str], Readings], Samples]], ...] = (
     (AgentFamily("aiprobe_build_info", "gauge", "aiprobe version, kernel and libbpf; always 1.",
-                 ("kernel", "libbpf", "version")), _build_info),
+                 BUILD_LABELS), _build_info),
     (AgentFamily("aiprobe_probe_up", "gauge", "1 when the probe runs, with the strategy it runs.",
                  ("probe", "strategy"), doc_note="`strategy` is `none` when it cannot."), _probe_up),
     (AgentFamily("aiprobe_bpf_map_entries", "gauge", "Entries in a bounded BPF map.", ("map", "probe")),
      _map_usage("entries")),
     (AgentFamily("aiprobe_bpf_map_capacity", "gauge", "Capacity (max_entries) of a bounded BPF map.",
                  ("map", "probe")), _map_usage("capacity")),
+    (AgentFamily("aiprobe_bpf_map_overflows_total", "counter",
+                 "Entries a bounded BPF map could not hold: failed inserts and evictions (what was lost).",
+                 ("map", "probe")), _map_usage("overflows")),
     (AgentFamily("aiprobe_events_lost_total", "counter", "Events a probe could not deliver (ring buffer full).",
                  ("probe",)), lambda _build, r: [([probe], count) for probe, count in r.events_lost.items()]),
     (AgentFamily("aiprobe_collector_duration_seconds", "gauge", "Time the last refresh of a collector took.",
                  ("collector",)), _collectors(0)),
     (AgentFamily("aiprobe_collector_success", "gauge", "1 when the last refresh of a collector succeeded.",
                  ("collector",)), _collectors(1)),
+    (AgentFamily("aiprobe_collector_errors_total", "counter", "Refreshes in which a collector failed.",
+                 ("collector",)), lambda _build, r: [([name], n) for name, n in r.collector_errors.items()]),
+    (AgentFamily("aiprobe_thread_restarts_total", "counter",
+                 "Times a background thread (cuda_scan, link_watcher, alertmanager, http) was run again after "
+                 "it failed.", ("thread",)), lambda _build, r: [([name], n) for name, n in r.thread_restarts.items()]),
+    (AgentFamily("aiprobe_attach_errors_total", "counter",
+                 "Failed attempts to attach a probe to a target (an interface, a library); each is retried "
+                 "with back-off.", ("probe", "reason", "target"),
+                 doc_note="`reason`: busy (another program holds the hook), unsupported, permission, gone, "
+                 "resources, other."),
+     lambda _build, r: [([probe, reason, target], n) for (probe, target, reason), n in r.attach_errors.items()]),
+    (AgentFamily("aiprobe_alertmanager_notifications_total", "counter",
+                 "Pushes of the current alerts to Alertmanager, by result (success, failure).", ("result",)),
+     lambda _build, r: [([result], n) for result, n in r.notifications.items()]),
+    (AgentFamily("aiprobe_alert_log_errors_total", "counter",
+                 "Alert transitions that could not be written to alert_log (a full disk, a vanished file).", ()),
+     lambda _build, r: [([], r.alert_log_errors)]),
+    (AgentFamily("aiprobe_process_labels_folded_total", "counter",
+                 "Process names summed into process=\"other\" because max_process_labels names were in use.", ()),
+     lambda _build, r: [([], r.process_labels_folded)]),
 )
+
 RULE_FAMILIES = (
     (AgentFamily("aiprobe_bottleneck_active", "gauge", "1 while a bottleneck rule fires for a target.",
                  ("rule", "severity", "target"), doc_note="See docs/config.md for the rules."), _bottlenecks),
 )
 
 
-def _metric(name: str, kind: str, help_text: str, labels: list[str]) -> Metric:
+def _metric(name: str, kind: str, help_text: str, labels: list[str]) -> Any:
+    """A Counter-, Gauge- or HistogramMetricFamily (each with its own add_metric)."""
     if kind == "histogram":
         return HistogramMetricFamily(name, help_text, labels=labels)
     if kind == "counter":
@@ -108,18 +140,63 @@ def _prometheus_buckets(bounds: Sequence[float], counts: Sequence[float]) -> lis
     return buckets
 
 
+class ProcessLabels:
+    """At most `limit` distinct `process` label values at a time, first come first served; names
+    beyond are folded into process="other" (each counted once while it keeps coming). A name not
+    seen for `idle_seconds` frees its place, as its series leave /metrics then too."""
+
+    def __init__(self, limit: int, idle_seconds: float) -> None:
+        self._limit = limit
+        self._idle = idle_seconds
+        self._admitted: dict[str, float] = {}  # name -> last seen (monotonic)
+        self._folded: dict[str, float] = {}
+        self.folded_total = 0
+        self._now = time.monotonic()
+
+    def label(self, name: str) -> str:
+        if name in self._admitted or len(self._admitted) < self._limit:
+            self._admitted[name] = self._now
+            return name
+        if name not in self._folded:
+            self.folded_total += 1
+        self._folded[name] = self._now
+        return OTHER_PROCESS
+
+    def end_round(self) -> None:
+        self._now = time.monotonic()
+        for seen in (self._admitted, self._folded):
+            for name in [name for name, at in seen.items() if self._now - at > self._idle]:
+                del seen[name]
+        while len(self._folded) > MAX_FOLDED_REMEMBERED:  # under endless churn: forget the oldest
+            del self._folded[next(iter(self._folded))]
+
+
 class _FamilyView:
     """One Family rendered from one refresh's records, keeping what its counters need across refreshes."""
 
-    def __init__(self, family: Family) -> None:
+    def __init__(self, family: Family, processes: ProcessLabels, idle_seconds: float, top: int) -> None:
         self.family = family
-        self.totals = Totals()
+        self.totals: Totals[tuple[str, ...]] = Totals(idle_seconds)
         self.bounds: list[float] = []  # histogram bucket bounds (fixed per probe)
+        self.series = family.series(top) if family.series is not None else None
+        self._processes = processes
+        self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
 
-    def render(self, records: list[Any], top: int) -> Metric:
+    def _label_values(self, record: Any) -> tuple[str, ...]:
+        values = self.family.label_values(record)
+        if self._process_index is None:
+            return values
+        i = self._process_index
+        return (*values[:i], self._processes.label(values[i]), *values[i + 1:])
+
+    def render(self, records: list[Any]) -> Metric:
         family = self.family
-        sums = self._per_identity(records, top) if family.per_identity or family.top_by or \
-            family.kind == "histogram" else self._summed(records)
+        if self.series is not None:
+            sums = self.series(records)
+        elif family.per_identity or family.kind == "histogram":
+            sums = self._per_identity(records)
+        else:
+            sums = self._summed(records)
         metric = _metric(family.name, family.kind, family.help, family.label_names)
         for labels, values in sums:
             if family.kind == "histogram":
@@ -129,7 +206,8 @@ class _FamilyView:
                     metric.add_metric([*labels, extra], value)
             else:
                 metric.add_metric(list(labels), values[0])
-        return metric
+        rendered: Metric = metric
+        return rendered
 
     def _summed(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""
@@ -138,61 +216,61 @@ class _FamilyView:
             values = _values(self.family, record)
             if values is None:
                 continue
-            current = sums.setdefault(self.family.label_values(record), [0.0] * len(values))
+            current = sums.setdefault(self._label_values(record), [0.0] * len(values))
             for i, value in enumerate(values):
                 current[i] += value
         return list(sums.items())
 
-    def _per_identity(self, records: list[Any], top: int) -> list[tuple[tuple[str, ...], list[float]]]:
-        """Counters and histograms through the delta engine; with `top_by`, the top records keep their
-        own values and the rest go to their label set's `rest` series."""
+    def _per_identity(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
+        """Counters and histograms through the delta engine."""
         family = self.family
-        own: list[tuple[tuple[str, ...], list[float]]] = []
-        if family.top_by:
-            records = sorted(records, key=lambda r: getattr(r, family.top_by), reverse=True)
-        for rank, record in enumerate(records):
+        for record in records:
             values = _values(family, record)
             if values is None:
                 continue
             if family.kind == "histogram":
                 self.bounds = [le for le, _ in value_of(record, family.value)]
-            if family.top_by and rank < top:
-                self.totals.deltas.increase(record.identity(), values)  # known, should it leave the top
-                own.append((family.label_values(record), values))
-                continue
-            self.totals.add(self._rest_labels(record), record.identity(), values)
+            self.totals.add(self._label_values(record), record.identity(), values)
         self.totals.end_round()
-        return own + [(labels, values) for labels, values in self.totals.sums.items()]
-
-    def _rest_labels(self, record: Any) -> tuple[str, ...]:
-        if not self.family.top_by:
-            return self.family.label_values(record)
-        rest = dict(self.family.rest)
-        return tuple(rest[label] if label in rest else str(value_of(record, getter))
-                     for label, getter in self.family.labels)
+        return list(self.totals.sums.items())
 
 
 class AgentCollector(Collector):
-    """prometheus_client collector serving the families built by the last `update()`."""
+    """prometheus_client collector. With a `source`, every scrape renders what it returns then, as
+    node_exporter reads at scrape time: a counter is never a refresh behind the scrape, so a 1 s
+    scrape never sees a flat step from refresh/scrape aliasing. Without one, it serves the families
+    of the last `update()`."""
 
-    def __init__(self, config: Config, *, build_info: dict[str, str]) -> None:
+    def __init__(self, config: Config, *, build_info: dict[str, str],
+                 source: Callable[[], Readings] | None = None) -> None:
         self._config = config
         self._build_info = build_info
-        self._lock = threading.Lock()
+        self._source = source
+        self._lock = threading.Lock()  # one render at a time, in the order of the readings
         self._families: list[Metric] = []
-        self._views = [_FamilyView(family) for spec in specs() for family in spec.metrics
+        self._rendered: Readings | None = None
+        self.processes = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
+        self._views = [_FamilyView(family, self.processes, config.idle_series_seconds, config.top_flows)
+                       for spec in specs() for family in spec.metrics
                        if not family.option or getattr(config, family.option)]
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
+            readings = self._source() if self._source is not None else None
+            if readings is not None and readings is not self._rendered:
+                self._families, self._rendered = self._render(readings), readings
             return list(self._families)
 
     def update(self, readings: Readings) -> None:
-        families = self._agent_families(AGENT_FAMILIES, readings)
-        families += [view.render(readings.of(view.family.record), self._config.top_flows) for view in self._views]
-        families += self._agent_families(RULE_FAMILIES, readings)
         with self._lock:
-            self._families = families
+            self._families = self._render(readings)
+
+    def _render(self, readings: Readings) -> list[Metric]:
+        families = [view.render(readings.of(view.family.record)) for view in self._views]
+        self.processes.end_round()
+        readings.process_labels_folded = self.processes.folded_total
+        families = self._agent_families(AGENT_FAMILIES, readings) + families
+        return families + self._agent_families(RULE_FAMILIES, readings)
 
     def _agent_families(self, table: Iterable[tuple[AgentFamily, Callable[[dict[str, str], Readings], Samples]]],
                         readings: Readings) -> list[Metric]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -19,9 +20,13 @@ from conftest import free_port, wait_until
 AIPROBE = str(Path(sys.executable).parent / "aiprobe")
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None,
+             context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    if context is None and url.startswith("https:"):
+        context = ssl._create_unverified_context()  # readiness only; tests that verify pass their own
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -62,17 +67,23 @@ class Server:
 
 
 class Agent(Server):
-    def __init__(self, workdir: Path, config: str = "", env: dict | None = None,
+    def __init__(self, workdir: Path, config: str = "", env: dict | None = None, *, https: bool = False,
+                 args: tuple[str, ...] = (), listen_host: str = "127.0.0.1", alert_log: str | None = None,
                  prefix: Sequence[str] = ()) -> None:
-        """`prefix` runs the agent through a wrapper (setpriv: reduced capabilities)."""
+        """`listen_host`: where it listens (e.g. `[::]`); the test reaches it on 127.0.0.1 anyway.
+        `prefix` runs the agent through a wrapper (setpriv: reduced capabilities)."""
         port = free_port()
         self.config_path = workdir / f"aiprobe-{port}.toml"
-        self.config_path.write_text(f'listen = "127.0.0.1:{port}"\nalert_log = "{workdir}/alerts-{port}.jsonl"\n'
-                                    + config)
-        self.alert_log = workdir / f"alerts-{port}.jsonl"
+        self.alert_log = Path(alert_log or workdir / f"alerts-{port}.jsonl")
+        self.config_path.write_text(f'listen = "{listen_host}:{port}"\nalert_log = "{self.alert_log}"\n' + config)
         self.target = f"127.0.0.1:{port}"
-        super().__init__([*prefix, AIPROBE, "agent", "--config", str(self.config_path)], f"http://{self.target}",
-                         "/healthz", workdir / f"agent-{port}.log", env=env)
+        super().__init__([*prefix, AIPROBE, "agent", "--config", str(self.config_path), *args],
+                         f"{'https' if https else 'http'}://{self.target}", "/healthz",
+                         workdir / f"agent-{port}.log", env=env)
+
+    @property
+    def port(self) -> int:
+        return int(self.target.rsplit(":", 1)[1])
 
     def metrics(self) -> str:
         return http_get(self.url + "/metrics")[1].decode()
@@ -83,9 +94,11 @@ class Agent(Server):
 
 class Prometheus(Server):
     def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = (),
-                 target_labels: dict[str, str] | None = None, relabel_configs: list[dict] = ()) -> None:
+                 target_labels: dict[str, str] | None = None, relabel_configs: list[dict] = (),
+                 scrape_options: dict[str, Any] | None = None) -> None:
         """`target_labels` and `relabel_configs` stand in for what service discovery and its
-        relabeling (e.g. a ServiceMonitor's) give a target."""
+        relabeling (e.g. a ServiceMonitor's) give a target; `scrape_options` adds scrape config keys
+        (scheme, tls_config, basic_auth)."""
         port = free_port()
         config = workdir / "prometheus.yml"
         config.write_text(json.dumps({
@@ -93,7 +106,7 @@ class Prometheus(Server):
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": "aiprobe",
                                 "static_configs": [{"targets": targets, "labels": target_labels or {}}],
-                                "relabel_configs": list(relabel_configs)}],
+                                "relabel_configs": list(relabel_configs), **(scrape_options or {})}],
         }))
         super().__init__(
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",

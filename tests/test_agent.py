@@ -4,6 +4,7 @@ pushing to a real Alertmanager, on traffic the test makes over a veth pair and l
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from aiprobe import __version__
 from conftest import VethPair, programs_on, wait_until
 from servers import Agent, Alertmanager, Prometheus, http_get
 
@@ -69,6 +71,8 @@ def test_prometheus_scrapes_the_agent(tmp_path: Path, veth: VethPair) -> None:
             assert set(wanted) - set(series) == set(), f"no series in Prometheus for {set(wanted) - set(series)}"
             up = prom.query('up{job="aiprobe"}')
             assert up and up[0]["value"][1] == "1"
+            (build,) = series["aiprobe_build_info"]
+            assert (build["metric"]["kernel"], build["metric"]["version"]) == (os.uname().release, __version__)
             check = subprocess.run(["promtool", "check", "metrics"], input=agent.metrics(), capture_output=True,
                                    text=True)
             assert check.returncode == 0, check.stdout + check.stderr
@@ -92,9 +96,7 @@ def test_ten_thousand_flows_stay_within_top_k_series(tmp_path: Path, veth: VethP
         def flow_series() -> list[str]:
             return [line for line in agent.metrics().splitlines() if line.startswith("aiprobe_flow_bytes_total{")]
 
-        assert wait_until(lambda: any('remote_address="other"' in line for line in flow_series()), timeout=15)
-        snapshot_flows = agent.snapshot()["flows"]
-        assert len(snapshot_flows) > top_k
+        assert wait_until(lambda: len(agent.snapshot()["flows"]) > top_k, timeout=15)
         series = flow_series()
         # top K flows, plus one "other" series per interface and direction
         assert len(series) <= top_k + 2, len(series)
@@ -112,7 +114,7 @@ def test_ten_thousand_flows_stay_within_top_k_series(tmp_path: Path, veth: VethP
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_within_5s_with_status_0_and_detaches(tmp_path: Path, veth: VethPair, sig: int) -> None:
     with Agent(tmp_path, agent_config(veth)) as agent:
-        assert programs_on(veth.host) == {"flows_xdp", "flows_tc"}
+        assert programs_on(veth.host) == {"flows_ingress", "flows_egress"}
         started = time.monotonic()
         agent.process.send_signal(sig)
         assert agent.process.wait(timeout=5) == 0

@@ -75,3 +75,11 @@ def test_unknown_option_is_one_line_error(aiprobe_cli: list[str]) -> None:
     result = subprocess.run([*aiprobe_cli, "check", "--bogus"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
+
+
+def test_a_network_feature_never_tried_is_missing_not_a_crash() -> None:
+    """The netns probe thread may fail before trying anything (no veth support): check goes on."""
+    from aiprobe.features import Feature, _any
+
+    combined = _any({"tcx": Feature(False, "EPERM")}, "tcx", "tc_clsact")
+    assert not combined.available and "tc_clsact: not tried" in combined.detail

@@ -69,7 +69,8 @@ def test_probe_names_exist_in_its_object(spec) -> None:
 
 
 def test_the_scan_sees_lookups() -> None:
-    assert names_looked_up("flows") == {"maps": {"flows", "unattributed"}, "programs": {"flows_xdp", "flows_tc"}}
+    assert names_looked_up("flows") == {"maps": {"flows", "unattributed", "lost"},
+                                        "programs": {"flows_xdp", "flows_ingress", "flows_egress"}}
     assert {"procs", "flows", "starts", "counters", "slow_sends"} <= names_looked_up("sendlat")["maps"]
 
 

@@ -3,11 +3,15 @@ driver program (tests/fixtures/cuda_*.c) that make a known sequence of driver ca
 
 from __future__ import annotations
 
+import ctypes.util
 import itertools
 import json
 import os
 import queue
+import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -16,19 +20,36 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.config import RuleConfig
 from aiprobe.cuda import (
     CLOCK_TICKS,
+    DRIVER,
+    RUNTIME,
+    STATIC_RUNTIME,
     CudaProbe,
     LibraryScanner,
-    MappedLibrary,
-    mapped_libcuda,
+    gpus_of,
+    mapped_cuda_libraries,
     process_record,
 )
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.daemon import time_slicing_signals
+from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import log2_buckets
+from aiprobe.model import CudaSnapshot
+from aiprobe.names import printable
+from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
-from conftest import fd_id, link_ids
-from fixtures.cuda_fake import Driver, LateLoader, build
+from conftest import ROOT, fd_id, link_ids
+from fixtures.cuda_fake import (
+    RUNTIME_DRIVER,
+    STATIC_RUNTIME_DRIVER,
+    Driver,
+    FakeCuda,
+    LateLoader,
+    build,
+    counters,
+)
 
 ALTERNATIONS, LAUNCHES, SYNCS = 1000, 500, 100
 SYNC_US = 2500  # lands in log2 bucket [2^21, 2^22) ns = [2.10, 4.19) ms
@@ -36,8 +57,8 @@ SYNC_BUCKET_LE = 2**22 / 1e9
 
 
 @pytest.fixture(scope="module")
-def cuda_libs(cbuild) -> tuple[Path, Path]:
-    """Two copies (two inodes) of the fake libcuda.so.1; the driver program sits next to the first."""
+def cuda_libs(cbuild) -> FakeCuda:
+    """The fake CUDA stack: libcuda.so.1 (two copies: two inodes), libcudart.so.12, the programs."""
     return build(cbuild)
 
 
@@ -100,10 +121,10 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
 
     try:
         expect("watching for processes")
-        driver = Driver(cuda_libs[0], ALTERNATIONS, LAUNCHES, SYNCS, sync_us=SYNC_US)
+        driver = Driver(cuda_libs.libdir, ALTERNATIONS, LAUNCHES, SYNCS, sync_us=SYNC_US)
         drivers.append(driver)
-        expect(f"probing {driver.library}")
-        assert driver.go().startswith("done")
+        expect(f"probing driver {driver.library}")
+        truth = counters(driver.go())
         cli.send_signal(signal.SIGINT)
         out, _ = cli.communicate(timeout=30)
     finally:
@@ -115,8 +136,14 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
     [process] = [p for p in report["processes"] if p["pid"] == driver.pid]
     assert process["comm"] == "cuda_driver"
     assert process["library"] == driver.library
+    # Every change the fake driver counted itself: the alternations, and the two made by creating
+    # contexts (a created context is pushed over the current one) and making the first current.
+    assert truth["ctx_changes"] == ALTERNATIONS + 2
     assert (process["context_switches"], process["kernel_launches"], process["syncs"]) == \
-        (ALTERNATIONS, LAUNCHES, SYNCS)
+        (truth["ctx_changes"], LAUNCHES, SYNCS)
+    assert [process[f"{kind}_syncs"] for kind in ("stream", "device", "event")] == \
+        [truth[f"{kind}_syncs"] for kind in ("stream", "device", "event")]
+    assert (process["graph_launches"], process["runtime_launches"], process["counted_at"]) == (0, 0, "driver")
     assert process["gpu_threads"] == 1
     # Every sync slept SYNC_US: none is shorter, nearly all land in its log2 bucket.
     buckets = _bucket_counts(process["sync_histogram"])
@@ -129,18 +156,18 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
 @pytest.mark.bpf
 def test_two_copies_of_the_library_are_probed_and_counted_separately(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2) as probe:
-        first = Driver(cuda_libs[0], 10, 20, 3)
+        first = Driver(cuda_libs.libdir, 10, 20, 3)
         drivers.append(first)
-        second = Driver(cuda_libs[1], 30, 40, 5)
+        second = Driver(cuda_libs.copy_dir, 30, 40, 5)
         drivers.append(second)
         _wait_attached(probe, first.library, second.library)
-        first.go()
-        second.go()
+        truths = [counters(first.go()), counters(second.go())]
         by_pid = {p.pid: p for p in probe.read().processes}
         libraries = probe.libraries
     assert len({lib.host_path for lib in libraries if lib.path in (first.library, second.library)}) == 2
-    for driver, counts in ((first, (10, 20, 3)), (second, (30, 40, 5))):
+    for driver, truth, counts in ((first, truths[0], (12, 20, 3)), (second, truths[1], (32, 40, 5))):
         process = by_pid[driver.pid]
+        assert truth["ctx_changes"] == counts[0]
         assert (process.context_switches, process.kernel_launches, process.syncs) == counts
         assert process.library == driver.library
 
@@ -151,7 +178,7 @@ def test_each_scheduler_strategy_times_wakeups_of_gpu_threads(cuda_libs, drivers
     [strategy] = [s for s in CUDA_STRATEGIES if s.name == f"uprobe+{sched.name}"]
     with CudaProbe(rescan_interval=0.2, strategies=[strategy]) as probe:
         assert probe.sched_strategy == sched.name
-        driver = Driver(cuda_libs[0], 0, 0, 20, sync_us=500)
+        driver = Driver(cuda_libs.libdir, 0, 0, 20, sync_us=500)
         drivers.append(driver)
         _wait_attached(probe, driver.library)
         driver.go()
@@ -179,14 +206,14 @@ def _runqueue_delay(probe: CudaProbe, cpu: int, libdir: Path, drivers: list[Driv
 def test_cpu_hog_next_to_a_gpu_thread_raises_its_runqueue_delay(cuda_libs, drivers) -> None:
     cpu = max(os.sched_getaffinity(0))
     with CudaProbe(rescan_interval=0.2) as probe:
-        alone, _ = _runqueue_delay(probe, cpu, cuda_libs[0], drivers)
+        alone, _ = _runqueue_delay(probe, cpu, cuda_libs.libdir, drivers)
         # Two busy loops on the same CPU leave the launch loop a third of it at most, so it waits
         # about twice as long as it runs, whatever else the machine is doing.
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
         try:
             for hog in hogs:
                 os.sched_setaffinity(hog.pid, {cpu})
-            contended, preemptions = _runqueue_delay(probe, cpu, cuda_libs[0], drivers)
+            contended, preemptions = _runqueue_delay(probe, cpu, cuda_libs.libdir, drivers)
         finally:
             for hog in hogs:
                 hog.kill()
@@ -200,7 +227,7 @@ def test_cpu_hog_next_to_a_gpu_thread_raises_its_runqueue_delay(cuda_libs, drive
 def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> None:
     probe = CudaProbe(rescan_interval=0.2)
     probe.start()
-    driver = Driver(cuda_libs[0], 2, 2, 2)
+    driver = Driver(cuda_libs.libdir, 2, 2, 2)
     drivers.append(driver)
     _wait_attached(probe, driver.library)
     ours = {link.fd for link in probe.loaded.obj.links}
@@ -211,6 +238,298 @@ def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> Non
     assert not [t for t in threading.enumerate() if t.name == "aiprobe-cuda-scan"]
     assert _wait_for(lambda: not ids & link_ids())
     driver.go()
+
+
+# ---- every path, exact against the fake driver's own counts ----
+
+
+def _run(probe: CudaProbe, drivers: list[Driver], driver: Driver, *libraries: str) -> tuple[dict, CudaSnapshot]:
+    """Let an attached program run; (the fake driver's counts, a snapshot read after it exited)."""
+    drivers.append(driver)
+    _wait_attached(probe, driver.library, *libraries)
+    truth = counters(driver.go())
+    return truth, probe.read()
+
+
+def _process(snapshot: CudaSnapshot, pid: int):
+    [process] = [p for p in snapshot.processes if p.pid == pid]
+    return process
+
+
+def _syncs(process) -> dict[str, int]:
+    return {f"{kind}_syncs": getattr(process, f"{kind}_syncs") for kind in ("stream", "device", "event")}
+
+
+GRAPH_NODES, GRAPH_REPLAYS = 7, 40
+
+
+@pytest.mark.bpf
+def test_graph_launches_are_their_own_counter(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "graphs", GRAPH_NODES, GRAPH_REPLAYS)
+        truth, snapshot = _run(probe, drivers, driver)
+    process = _process(snapshot, driver.pid)
+    assert (truth["kernel_launches"], truth["graph_launches"]) == (GRAPH_NODES, GRAPH_REPLAYS)
+    # The launches made while capturing are calls too (the graph's nodes); each replay is one graph launch.
+    assert (process.kernel_launches, process.graph_launches) == (GRAPH_NODES, GRAPH_REPLAYS)
+    assert process.counted_at == "driver"
+
+
+ROUNDS = 5
+
+
+@pytest.mark.bpf
+def test_implicit_context_changes_are_counted_exactly(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "contexts", ROUNDS)
+        truth, snapshot = _run(probe, drivers, driver)
+    process = _process(snapshot, driver.pid)
+    # Per round: create (pushed), destroy of the current (popped), the retained primary context
+    # made current, push, pop, cuCtxSetCurrent; plus the two of making contexts a and b.
+    assert truth["ctx_changes"] == 2 + 6 * ROUNDS
+    assert process.context_switches == truth["ctx_changes"]
+    assert process.kernel_launches == truth["kernel_launches"] == 2 * ROUNDS
+    by_device = {}
+    for context in snapshot.contexts:
+        if context.pid == driver.pid:
+            by_device[context.device] = by_device.get(context.device, 0) + context.kernel_launches
+    # One launch per round in a fresh context on device 1, one in device 0's primary context.
+    assert by_device == {1: ROUNDS, 0: ROUNDS}
+    assert sum(c.context == "primary:0" for c in snapshot.contexts if c.pid == driver.pid) == 1
+
+
+RT_LAUNCHES, RT_NODES, RT_REPLAYS, RT_SYNCS, RT_DRIVER_LAUNCHES = 60, 5, 10, 8, 7
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("proc_address", ["internal", "exported"])
+@pytest.mark.parametrize("linked", ["shared", "static"])
+def test_runtime_calls_are_counted_once_whichever_layers_fire(cuda_libs, drivers, proc_address, linked) -> None:
+    """The fake libcudart reaches the driver only through cuGetProcAddress pointers: internal
+    functions, which no driver probe sees, or (exported) the probed entry points themselves."""
+    program = RUNTIME_DRIVER if linked == "shared" else STATIC_RUNTIME_DRIVER
+    runtime = str(cuda_libs.libdir / "libcudart.so.12") if linked == "shared" else str(program)
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, RT_LAUNCHES, RT_NODES, RT_REPLAYS, RT_SYNCS, RT_DRIVER_LAUNCHES,
+                        program=(str(program),), env={"FAKE_CUDA_PROC_ADDRESS": proc_address})
+        truth, snapshot = _run(probe, drivers, driver, runtime)
+        kinds = {lib.path: lib.kind for lib in probe.libraries}
+    process = _process(snapshot, driver.pid)
+    assert kinds[runtime] == (RUNTIME if linked == "shared" else STATIC_RUNTIME)
+    assert (process.runtime, process.runtime_library) == (linked, runtime)
+    runtime_kernels = RT_LAUNCHES + RT_NODES + 1  # + the one on device 1
+    assert (truth["kernel_launches"], truth["graph_launches"]) == (runtime_kernels + RT_DRIVER_LAUNCHES, RT_REPLAYS)
+    assert (process.kernel_launches, process.graph_launches) == (truth["kernel_launches"], truth["graph_launches"])
+    assert process.runtime_launches == runtime_kernels + RT_REPLAYS
+    assert process.counted_at == "runtime+driver"
+    # Device 0's primary context -> device 1's (cudaSetDevice) -> back: the driver saw 2 as well.
+    assert process.context_switches == truth["ctx_changes"] == 2
+    assert process.syncs == RT_SYNCS
+    assert _syncs(process) == {kind: truth[kind] for kind in ("stream_syncs", "device_syncs", "event_syncs")}
+    launches = {c.context: c.kernel_launches + c.graph_launches for c in snapshot.contexts if c.pid == driver.pid}
+    assert launches == {"primary:0": runtime_kernels - 1 + RT_DRIVER_LAUNCHES + RT_REPLAYS, "primary:1": 1}
+
+
+def _ours(snapshot: CudaSnapshot, pid: int) -> CudaSnapshot:
+    """The snapshot as if `pid` were the only CUDA process (other test suites may run fake drivers
+    on the same fake GPU meanwhile)."""
+    contexts = [c for c in snapshot.contexts if c.pid == pid]
+    return CudaSnapshot([p for p in snapshot.processes if p.pid == pid], snapshot.sched_strategy, [], contexts,
+                        gpus_of(contexts))
+
+
+@pytest.mark.bpf
+def test_two_threads_on_two_contexts_share_one_gpu_and_the_rule_fires_and_resolves(cuda_libs, drivers) -> None:
+    engine = RuleEngine({"gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=0.5)})
+    transitions: list[str] = []
+    readings: list[CudaSnapshot] = []
+
+    def read(probe: CudaProbe) -> CudaSnapshot:
+        snapshot = _ours(probe.read(), driver.pid)
+        readings.append(snapshot)
+        alerts = engine.evaluate(time_slicing_signals(snapshot.gpus, snapshot.contexts, []), time.monotonic())
+        transitions.extend(alert.state for alert in alerts)
+        return snapshot
+
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "shared")
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        driver.say("go")
+        driver.expect("launching")
+        deadline = time.monotonic() + 15
+        while "firing" not in transitions and time.monotonic() < deadline:
+            read(probe)
+            time.sleep(0.3)
+        driver.say("stop")
+        truth = counters(driver.finish())
+        while "resolved" not in transitions and time.monotonic() < deadline + 10:
+            read(probe)  # nothing launched since the previous read: no active context
+            time.sleep(0.3)
+    busy = [s for s in readings if s.gpus]
+    assert busy, "never saw the GPU busy"
+    [gpu] = busy[-1].gpus
+    assert (gpu.gpu, gpu.active_contexts, gpu.pids) == ("0", 2, [driver.pid])
+    assert gpu.launches_per_second > 0
+    assert transitions == ["pending", "firing", "resolved"]
+    [alert] = engine.resolved
+    assert (alert.target, alert.value) == ("gpu0", 2)
+    assert {c["pid"] for c in alert.evidence["contexts"]} == {driver.pid}
+    assert all(c["launches_per_second"] > 0 for c in alert.evidence["contexts"])
+    # No thread changed its current context while launching: the per-thread counter says so.
+    [final] = [p for s in readings for p in s.processes][-1:]
+    assert final.context_switches == truth["ctx_changes"] == 2
+    assert final.kernel_launches == truth["kernel_launches"]
+
+
+COLD = {"before_init_ms": 1000, "init_ms": 200, "ctx_ms": 150, "module_ms": 60, "modules": 3, "before_launch_ms": 100}
+
+
+@pytest.mark.bpf
+def test_cold_start_phases_of_a_process_started_while_watching(cuda_libs, drivers) -> None:
+    env = {"FAKE_CUDA_INIT_MS": str(COLD["init_ms"]), "FAKE_CUDA_CTX_MS": str(COLD["ctx_ms"]),
+           "FAKE_CUDA_MODULE_MS": str(COLD["module_ms"])}
+    with CudaProbe(rescan_interval=0.1) as probe:
+        driver = Driver(cuda_libs.libdir, "coldstart", COLD["before_init_ms"], COLD["before_launch_ms"],
+                        COLD["modules"], handshake=False, env=env)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)  # well before its cuInit
+        truth = counters(driver.finish())
+        cold = _process(probe.read(), driver.pid).cold_start
+    assert (truth["inits"], truth["ctx_creates"], truth["module_loads"]) == (1, 1, COLD["modules"])
+    assert (cold.context_creates, cold.module_loads) == (1, COLD["modules"])
+    to_init = COLD["before_init_ms"]
+    first_launch = to_init + COLD["init_ms"] + COLD["ctx_ms"] + COLD["modules"] * COLD["module_ms"] + \
+        COLD["before_launch_ms"]
+    for measured, expected_ms in ((cold.to_init_seconds, to_init), (cold.init_seconds, COLD["init_ms"]),
+                                  (cold.context_create_seconds, COLD["ctx_ms"]),
+                                  (cold.module_load_seconds, COLD["modules"] * COLD["module_ms"]),
+                                  (cold.to_first_launch_seconds, first_launch)):
+        assert measured == pytest.approx(expected_ms / 1000, rel=0.10), (measured, expected_ms)
+
+
+@pytest.mark.bpf
+def test_a_process_started_before_the_probe_has_no_cold_start(cuda_libs, drivers) -> None:
+    driver = Driver(cuda_libs.libdir, 2, 6, 1)
+    drivers.append(driver)
+    time.sleep(0.05)
+    with CudaProbe(rescan_interval=0.2) as probe:
+        _, snapshot = _run(probe, drivers, driver)
+    assert _process(snapshot, driver.pid).cold_start is None
+
+
+@pytest.mark.bpf
+def test_a_process_whose_start_up_was_missed_has_no_cold_start(cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        loader = LateLoader(cuda_libs.copy_dir, 10)
+        drivers.append(loader)
+        loader.load()  # cuInit and a context, before the probe can have attached to this library
+        assert _wait_for(lambda: loader.library in {lib.path for lib in probe.libraries}, timeout=5)
+        loader.go()
+        process = _process(probe.read(), loader.pid)
+    assert (process.kernel_launches, process.cold_start) == (10, None)
+
+
+# ---- hostile libraries ----
+
+MAPPER = """
+import mmap, sys
+files = [open(path, "rb") for path in sys.argv[1:]]
+maps = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in files]
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.bpf
+def test_files_named_libcuda_that_are_not_the_driver_are_read_safely_and_not_probed(cuda_libs, drivers,
+                                                                                   tmp_path) -> None:
+    odd = tmp_path / "a dir \x1b[31m with\tcontrol characters"
+    paths = {"text": odd / "text" / "libcuda.so.1", "runtime": odd / "runtime" / "libcuda.so.1",
+             "truncated": odd / "truncated" / "libcuda.so.1"}
+    for path in paths.values():
+        path.parent.mkdir(parents=True)
+    paths["text"].write_text("not a library\n" * 100)
+    shutil.copy(cuda_libs.libdir / "libcudart.so.12", paths["runtime"])  # an ELF file without cuInit
+    paths["truncated"].write_bytes((cuda_libs.libdir / "libcuda.so.1").read_bytes()[:3000])
+    with CudaProbe(rescan_interval=0.2) as probe:
+        mapper = Driver(cuda_libs.libdir, program=(sys.executable, "-c", MAPPER, *map(str, paths.values())))
+        drivers.append(mapper)
+        # Paths are data from another process: records carry them with control characters escaped.
+        shown = {name: printable(str(path)) for name, path in paths.items()}
+        assert _wait_for(lambda: len({lib.path for lib in probe.libraries} & set(shown.values())) == 3)
+        by_path = {lib.path: lib for lib in probe.libraries}
+        # The agent goes on probing real drivers.
+        driver = Driver(cuda_libs.libdir, 0, 12, 0)
+        truth, snapshot = _run(probe, drivers, driver)
+    assert _process(snapshot, driver.pid).kernel_launches == truth["kernel_launches"] == 12
+    errors = {name: by_path[path].error for name, path in shown.items()}
+    assert errors == {"text": "not an ELF file", "runtime": "no cuInit",
+                      "truncated": "section headers lies outside the file"}
+    assert not any(by_path[path].symbols for path in shown.values())
+    mapper.kill()
+
+
+def _patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    return data[:offset] + struct.pack(fmt, value) + data[offset + struct.calcsize(fmt):]
+
+
+def test_elf_reader_checks_headers_and_bounds_before_reading(cuda_libs, tmp_path) -> None:
+    library = (cuda_libs.libdir / "libcuda.so.1").read_bytes()
+    shoff = struct.unpack_from("<Q", library, 0x28)[0]
+    cases = {
+        b"": "shorter than an ELF header",
+        b"#!/bin/sh\n" * 10: "not an ELF file",
+        _patched(library, 4, "<B", 1): "not a 64-bit little-endian ELF file",
+        _patched(library, 0x10, "<H", 1): "neither a shared object nor an executable",
+        _patched(library, 0x3C, "<H", 60000): "unexpected section header table",
+        _patched(library, 0x28, "<Q", len(library)): "section headers lies outside the file",
+        _patched(library, 0x38, "<H", 1000): "unexpected program header table",
+    }
+    # Every symbol table claims more bytes than the file has.
+    huge_tables = library
+    for index in range(struct.unpack_from("<H", library, 0x3C)[0]):
+        header = shoff + index * 64
+        if struct.unpack_from("<I", library, header + 4)[0] in (2, 11):
+            huge_tables = _patched(huge_tables, header + 32, "<Q", 24 * 10**5)
+    cases[huge_tables] = "symbol table lies outside the file"
+    for index, (data, reason) in enumerate(cases.items()):
+        path = tmp_path / f"case{index}"
+        path.write_bytes(data)
+        with pytest.raises(ElfError, match=re.escape(reason)):
+            function_offsets(str(path), ["cuInit"])
+    offsets = function_offsets(str(cuda_libs.libdir / "libcuda.so.1"), ["cuInit", "cuLaunchKernel", "nothing"])
+    assert set(offsets) == {"cuInit", "cuLaunchKernel"}
+
+
+# ---- benchmarks/gpu_check.py ----
+
+
+def _gpu_check(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="this host has a CUDA driver")
+def test_gpu_check_says_clearly_when_there_is_no_gpu() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    result = _gpu_check(env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == \
+        "gpu_check: no NVIDIA driver here (libcuda.so.1 not found): nothing to check on this host"
+    assert result.stdout == ""
+
+
+@pytest.mark.bpf
+def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs) -> None:
+    """The real-GPU check's own logic, end to end, with the fake libcuda standing in for the GPU."""
+    result = _gpu_check({**os.environ, "LD_LIBRARY_PATH": str(cuda_libs.libdir)},
+                        "--launches", "300", "--nodes", "5", "--replays", "40")
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = dict(line.split()[:3:2] for line in result.stdout.splitlines() if line.split()[:1] in (
+        ["kernel_launches"], ["graph_launches"], ["context_switches"]))
+    assert table == {"kernel_launches": "305", "graph_launches": "40", "context_switches": "2"}
+    assert "all counts match" in result.stdout
 
 
 # ---- bounded maps, exact and monotonic counts ----
@@ -229,7 +548,7 @@ def _counters(process) -> tuple[int, ...]:
 def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2, max_threads=MAX_THREADS) as probe:
         assert probe.loaded.obj.maps["threads"].max_entries == MAX_THREADS
-        driver = Driver(cuda_libs[0], "threads", WAVES, WIDTH, THREAD_LAUNCHES, sync_us=3000)
+        driver = Driver(cuda_libs.libdir, "threads", WAVES, WIDTH, THREAD_LAUNCHES, sync_us=3000)
         drivers.append(driver)
         _wait_attached(probe, driver.library)
         runner = threading.Thread(target=driver.go)
@@ -244,7 +563,8 @@ def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_lib
         entries = probe.loaded.obj.maps["processes"].lookup(driver.pid), _thread_entries(probe, driver.pid)
     threads = WAVES * WIDTH
     # The last read that reported the process had its final values.
-    assert readings[-1][:4] == (threads, threads * THREAD_LAUNCHES, threads, threads + 1)  # + the main thread
+    # Each thread changes a -> b once; the main thread twice (creating b over a, then making a current).
+    assert readings[-1][:4] == (threads + 2, threads * THREAD_LAUNCHES, threads, threads + 1)  # + the main thread
     assert entries == (None, 0)
     assert len(readings) >= 3
     for earlier, later in itertools.pairwise(readings):
@@ -254,7 +574,7 @@ def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_lib
 @pytest.mark.bpf
 def test_a_library_dlopened_later_is_found(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2) as probe:
-        loader = LateLoader(cuda_libs[1], 300)
+        loader = LateLoader(cuda_libs.copy_dir, 300)
         drivers.append(loader)
         time.sleep(1.0)  # scanned several times without libcuda
         assert loader.library not in {lib.path for lib in probe.libraries}
@@ -314,11 +634,14 @@ def test_process_entry_becomes_a_record() -> None:
     slots = [0] * 36
     slots[10], slots[20] = 2, 2
     hist = {"slots": slots, "count": 4, "sum_ns": 2 * 2**10 + 2 * 2**20}
-    entry = {"comm": b"python\0\0", "gpu_threads": 2, "context_switches": 7, "kernel_launches": 2,
-             "involuntary_preemptions": 0, "sync": hist, "runqueue": hist}
+    entry = {"comm": b"python\0\0", "gpu_threads": 2, "thread_ctx_changes": 7, "kernel_launches": 2,
+             "graph_launches": 3, "runtime_launches": 4, "involuntary_preemptions": 0, "sync": hist,
+             "runqueue": hist, "sync_count": [1, 2, 1], "sync_ns": [10**9, 2, 3]}
     process = process_record(9, entry, "/lib/libcuda.so.1")
     assert (process.comm, process.context_switches, process.kernel_launches, process.gpu_threads) == \
         ("python", 7, 2, 2)
+    assert (process.graph_launches, process.counted_at, process.stream_sync_seconds_sum) == (3, "runtime+driver", 1.0)
+    assert (process.stream_syncs, process.device_syncs, process.event_syncs) == (1, 2, 1)
     assert process.syncs == 4
     assert process.sync_histogram[10] == (2**11 / 1e9, 2)
     assert process.sync_histogram[20] == (2**21 / 1e9, 4)
@@ -327,23 +650,44 @@ def test_process_entry_becomes_a_record() -> None:
     assert log2_buckets([1, 0, 2])[-1] == (float("inf"), 3)
 
 
-def test_maps_parsing_finds_libcuda_and_ignores_cudart(tmp_path) -> None:
-    library = tmp_path / "libcuda.so.535.104.05"
-    library.write_bytes(b"")
-    st = library.stat()
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+def _maps_line(path: Path, address: str) -> str:
+    st = path.stat()
+    return f"{address} r-xp 00000000 {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} {path}\n"
+
+
+def test_maps_parsing_finds_the_driver_and_runtimes_wherever_they_are(tmp_path) -> None:
+    files = {
+        "driver": tmp_path / "usr/lib/libcuda.so.535.104.05",
+        "wheel": tmp_path / "site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+        "torch": tmp_path / "site-packages/torch/lib/libcudart-9335f6a2.so.12",
+        "other": tmp_path / "usr/lib/libcudnn.so.9",
+    }
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
     maps = tmp_path / "77" / "maps"
     maps.parent.mkdir()
-    maps.write_text(
-        f"7f0000000000-7f0000001000 r-xp 00000000 {dev} 1 /usr/lib/libcudart.so.12\n"
-        f"7f0000002000-7f0000003000 r-xp 00000000 {dev} {st.st_ino} {library}\n"
-    )
-    found = mapped_libcuda(77, tmp_path)
-    assert found == MappedLibrary(77, str(library), st.st_dev, st.st_ino, "7f0000002000-7f0000003000")
+    lines = (_maps_line(path, f"7f00000{i}0000-7f00000{i}1000") for i, path in enumerate(files.values()))
+    maps.write_text("".join(lines))
+    found = {lib.path: lib.kind for lib in mapped_cuda_libraries(77, tmp_path)}
+    assert found == {str(files["driver"]): DRIVER, str(files["wheel"]): RUNTIME, str(files["torch"]): RUNTIME}
+    [driver] = [lib for lib in mapped_cuda_libraries(77, tmp_path) if lib.kind == DRIVER]
+    assert driver.key == (files["driver"].stat().st_dev, files["driver"].stat().st_ino)
     # The process's root does not lead to that inode here: the path through it, unless the mapping
     # itself may be followed (CAP_SYS_ADMIN; here: it exists).
-    assert found.host_path(tmp_path) == f"{tmp_path}/77/root{library}"
+    assert driver.host_path(tmp_path) == f"{tmp_path}/77/root{files['driver']}"
     (tmp_path / "77" / "map_files").mkdir()
-    (tmp_path / "77" / "map_files" / "7f0000002000-7f0000003000").write_bytes(b"")
-    assert found.host_path(tmp_path) == f"{tmp_path}/77/map_files/7f0000002000-7f0000003000"
-    assert mapped_libcuda(78, tmp_path) is None
+    (tmp_path / "77" / "map_files" / driver.address).write_bytes(b"")
+    assert driver.host_path(tmp_path) == f"{tmp_path}/77/map_files/{driver.address}"
+    assert mapped_cuda_libraries(78, tmp_path) == []
+
+
+def test_an_executable_mapping_libcuda_without_libcudart_is_a_static_runtime_candidate(tmp_path) -> None:
+    exe, driver = tmp_path / "server", tmp_path / "libcuda.so.1"
+    for path in (exe, driver):
+        path.write_bytes(b"")
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "exe").symlink_to(exe)
+    (tmp_path / "5" / "maps").write_text(_maps_line(exe, "5600-5700") + _maps_line(driver, "7f00-7f10"))
+    assert {(lib.path, lib.kind) for lib in mapped_cuda_libraries(5, tmp_path)} == \
+        {(str(exe), STATIC_RUNTIME), (str(driver), DRIVER)}

@@ -33,6 +33,19 @@ def test_totals_stay_monotonic_while_sources_come_and_go() -> None:
     assert totals.sums["app"] == [10 + 4 + 2 + 1]
 
 
+def test_totals_drop_label_sets_idle_longer_than_asked() -> None:
+    now = [0.0]
+    totals = Totals(idle_seconds=10, clock=lambda: now[0])
+    totals.add("short-lived", ("pid", 1), [3.0])
+    totals.add("daemon", ("pid", 2), [5.0])
+    totals.end_round()
+    for now[0] in (5.0, 10.0, 11.0):
+        totals.add("daemon", ("pid", 2), [6.0])
+        totals.end_round()
+    assert set(totals.sums) == {"daemon"}
+    assert totals.sums["daemon"] == [6.0]
+
+
 def test_rates_per_second_between_rounds() -> None:
     rates = Rates()
     assert rates.rate("a", [100.0], now=10.0) == [0.0]

@@ -138,3 +138,25 @@ def test_test_run_executes_program_on_a_frame() -> None:
         result = obj.programs["probe_xdp"].test_run(frame, repeat=10)
         assert result.retval == 2  # XDP_PASS
         assert _count(obj) == 10
+
+
+def test_libbpf_errors_quote_their_own_threads_log() -> None:
+    """libbpf's log is per thread: threads failing at once each quote the log of their own call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiprobe import libbpf
+
+    def fail(index: int) -> str:
+        messages = []
+        for _ in range(20):
+            try:
+                libbpf.new_ptr("bpf_object__open_file", f"/nonexistent/aiprobe-thread-{index}.o".encode(), None)
+            except BpfError as exc:
+                messages.append(exc.libbpf_log)
+        return "\n".join(messages)
+
+    with ThreadPoolExecutor(4) as pool:
+        logs = list(pool.map(fail, range(4)))
+    for index, text in enumerate(logs):
+        others = [f"aiprobe-thread-{other}.o" for other in range(4) if other != index]
+        assert f"aiprobe-thread-{index}.o" in text and not any(name in text for name in others), text[:500]

@@ -12,6 +12,9 @@ from aiprobe.exporters.prometheus import AgentCollector, doc_tables
 from aiprobe.histogram import log2_buckets
 from aiprobe.model import (
     Alert,
+    ColdStart,
+    CudaContext,
+    CudaGpu,
     CudaProcess,
     CudaSnapshot,
     FlowRecord,
@@ -41,8 +44,10 @@ def every_kind_of_reading() -> Readings:
             "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, []),
             "sendlat": SendLatencySnapshot("tracepoint", "", [
                 ProcessSendLatency(1, "x", 0, 1, 5, 0.1, 0.1, 0.1, HISTOGRAM)]),
-            "cuda": CudaSnapshot([CudaProcess(1, "x", "lib", 1, 1, 1, 0.1, 0.1, HISTOGRAM, 0.1, 0.1, HISTOGRAM, 1)],
-                                 "tp_btf", []),
+            "cuda": CudaSnapshot([CudaProcess(1, "x", "lib", 1, 1, 1, 0.1, 0.1, HISTOGRAM, 0.1, 0.1, HISTOGRAM, 1,
+                                              cold_start=ColdStart(0.1, 0.1, 1, 0.1, 1, 0.1, 0.2))],
+                                 "tp_btf", [], [CudaContext(1, "x", "0x1", 0, "0", 1, 0, 1.0, True)],
+                                 [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
             "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
             "netstat": TcpCounters(0, 0, 0, 0),
         },
@@ -51,6 +56,10 @@ def every_kind_of_reading() -> Readings:
         events_lost={"sendlat": 0},
         alerts=[Alert("gpu_saturated", "info", "gpu0", "firing", 1.0, {}, 0.0, 0.0)],
         collectors={"flows": (0.1, True)},
+        collector_errors={"flows": 1},
+        thread_restarts={"cuda_scan": 1},
+        attach_errors={("flows", "eth0", "busy"): 1},
+        notifications={"failure": 1},
     )
 
 

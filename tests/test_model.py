@@ -55,7 +55,7 @@ def test_snapshot_document_has_every_section_and_empty_tcp_without_counters() ->
     document = snapshot.to_dict()
     assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts"]
     assert document["tcp"] == {}
-    assert document["probes"]["flows"] == {"up": True, "strategy": "xdp+tcx", "span": "", "reason": ""}
+    assert document["probes"]["flows"] == {"up": True, "strategy": "xdp+tcx", "span": "", "reason": "", "overflows": {}}
 
 
 def test_readings_find_records_inside_each_probes_reading() -> None:

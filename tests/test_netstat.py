@@ -31,7 +31,7 @@ def test_counters_from_captured_files(tmp_path: Path) -> None:
     probe = NetstatProbe(tmp_path)
     with probe:
         assert probe.status().to_dict() == {"up": True, "strategy": "procfs", "span": probe.status().span,
-                                            "reason": ""}
+                                            "reason": "", "overflows": {}}
         assert probe.read().to_dict() == {"listen_overflows": 7, "listen_drops": 9, "retransmitted_segments": 12,
                                           "sent_segments": 1000}
 

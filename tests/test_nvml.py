@@ -102,7 +102,8 @@ def test_without_nvml_probe_is_unavailable_and_reads_empty() -> None:
         probe.start()
     assert not probe.available
     assert "libnvidia-ml.so.1 not found" in probe.reason
-    assert probe.status().to_dict() == {"up": False, "strategy": None, "span": "", "reason": probe.reason}
+    assert probe.status().to_dict() == {"up": False, "strategy": None, "span": "", "reason": probe.reason,
+                                        "overflows": {}}
     assert probe.read().to_dict() == {"available": False, "reason": probe.reason, "gpus": [], "processes": []}
     probe.close()
     probe.close()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
 from aiprobe.config import DEFAULT_RULES, RuleConfig
-from aiprobe.rules import RuleEngine, Signal
+from aiprobe.exporters.rules_file import render
+from aiprobe.rules import RULES, RuleEngine, Signal, alert_name
+
+RULES_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "aiprobe-rules.yml"
 
 
 def engine(**rule: float) -> RuleEngine:
@@ -60,3 +66,27 @@ def test_rules_that_fire_below_and_disabled_rules() -> None:
         ("gpu_idle_with_traffic", "pending"), ("gpu_idle_with_traffic", "firing")]
     assert engine_.evaluate([Signal("gpu_idle_with_traffic", "gpu0", 0.2)], now=1) == []
     assert [a.state for a in engine_.evaluate([Signal("gpu_idle_with_traffic", "gpu0", 0.3)], now=2)] == ["resolved"]
+
+
+def test_shipped_rule_file_is_generated_from_the_engines_rules() -> None:
+    assert RULES_FILE.read_text() == render(), "regenerate: .venv/bin/python deploy/prometheus/generate_rules.py"
+
+
+def test_rule_file_thresholds_for_and_severity_are_the_engines() -> None:
+    (group, _) = yaml.safe_load(render())["groups"]
+    by_rule = {rule["labels"]["rule"]: rule for rule in group["rules"]}
+    assert set(by_rule) == set(RULES) == set(DEFAULT_RULES)
+    for name, config in DEFAULT_RULES.items():
+        rule = by_rule[name]
+        assert rule["alert"] == alert_name(name)
+        assert rule["labels"]["severity"] == config.severity
+        comparison = rule["expr"].splitlines()[-1 if not RULES[name].guard else -2]
+        assert comparison.endswith(f"{'<' if RULES[name].fires_below else '>'} {config.threshold:g}"), comparison
+        assert rule.get("for", "0s") in (f"{config.for_seconds:g}s", f"{config.for_seconds / 60:g}m")
+
+
+def test_a_changed_threshold_changes_the_rule_file() -> None:
+    rules = dict(DEFAULT_RULES, gpu_saturated=RuleConfig(threshold=0.9, for_seconds=120, severity="warning"))
+    rule = next(r for r in yaml.safe_load(render(rules))["groups"][0]["rules"] if r["alert"] == "AiprobeGpuSaturated")
+    assert (rule["expr"].strip(), rule["for"], rule["labels"]["severity"]) == \
+        ("aiprobe_gpu_utilization_ratio > 0.9", "2m", "warning")

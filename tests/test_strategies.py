@@ -23,9 +23,9 @@ from fixtures.sendlat_peer import build, sender_cmd, sink
 # What each probe must pick, by kernel series (major, minor). Debian 12's kernels are what
 # `make test-kernels` boots; 6.18 is CI's own host (no kprobes, fentry refused).
 EXPECTED = {
-    (6, 1): {"sendlat": "fentry", "flows": "xdp+clsact", "sched": "tp_btf"},  # no TCX before 6.6
-    (6, 12): {"sendlat": "fentry", "flows": "xdp+tcx", "sched": "tp_btf"},
-    (6, 18): {"sendlat": "tracepoint", "flows": "xdp+tcx", "sched": "tp_btf"},
+    (6, 1): {"sendlat": "fentry", "flows": "clsact", "sched": "tp_btf"},  # no TCX before 6.6
+    (6, 12): {"sendlat": "fentry", "flows": "tcx", "sched": "tp_btf"},
+    (6, 18): {"sendlat": "tracepoint", "flows": "tcx", "sched": "tp_btf"},
 }
 FORCEABLE = [(name, strategy.name) for name in ("flows", "sendlat", "sched") for strategy in spec(name).strategies]
 # How a kernel says it lacks a hook: no such BTF type or tracepoint (ESRCH, ENOENT), or a program

@@ -14,7 +14,8 @@ from aiprobe.probes import specs
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Keys about the agent as a whole rather than one probe.
 AGENT_KEYS = {"listen", "interval_seconds", "probes", "traffic_floor_bytes_per_second", "alertmanager_url",
-              "alert_log", "rules", "strategies"}
+              "alert_log", "rules", "web_config_file", "snapshot_api", "max_process_labels", "idle_series_seconds",
+              "strategies"}
 
 
 def imports(path: Path) -> set[str]:
@@ -51,3 +52,13 @@ def test_every_config_key_is_the_agents_or_one_probes() -> None:
     claimed = [key for spec in specs() for key in spec.config_keys]
     assert len(claimed) == len(set(claimed)), "a key claimed by two probes"
     assert {f.name for f in fields(Config)} == AGENT_KEYS | set(claimed)
+
+
+def test_metric_tables_name_fields_their_records_have() -> None:
+    for spec in specs():
+        for family in spec.metrics:
+            names = {f.name for f in fields(family.record)}
+            getters = [family.value, family.sum_field,
+                       *(g for _, g in family.labels), *(g for _, g in family.expand)]
+            wrong = [g for g in getters if isinstance(g, str) and g and g not in names]
+            assert wrong == [], f"{family.name}: {family.record.__name__} has no field {wrong}"

@@ -185,9 +185,9 @@ def test_sort_keys_order_by_raw_values_and_keep_missing_last() -> None:
         assert comms(app) == ["tritonserver", "vllm", "python3"]  # send bytes/s, biggest first
         await pilot.press("s")
         assert comms(app) == ["python3", "vllm", "tritonserver"]
-        await pilot.press("greater_than_sign")  # CTXSW: tritonserver has none, so it stays last
+        await pilot.press("greater_than_sign")  # THR CTX: tritonserver has none, so it stays last
         assert comms(app) == ["python3", "vllm", "tritonserver"]
-        assert "sort CTXSW ▼" in screen_lines(app)[2]
+        assert "sort THR CTX ▼" in screen_lines(app)[2]
         await pilot.press("s")
         assert comms(app) == ["vllm", "python3", "tritonserver"]
         for _ in range(6):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import VethPair, bpftool_json, free_port, link_ids, prog_ids, wait_until
+from conftest import VethPair, free_port, link_ids, prog_ids, programs_on, wait_until
 from servers import Agent
 
 SINK = """
@@ -108,8 +108,8 @@ def held_bpf_ids(pid: int) -> dict[str, set[int]]:
     return held
 
 
-def xdp_programs_on(dev: str) -> list[int]:
-    return [prog["id"] for entry in bpftool_json("net", "show", "dev", dev) for prog in entry.get("xdp", [])]
+def flows_programs_on(dev: str) -> set[str]:
+    return programs_on(dev) & {"flows_ingress", "flows_egress", "flows_xdp"}
 
 
 class Tmux:
@@ -210,14 +210,14 @@ def test_top_in_tmux_shows_flow_and_q_leaves_clean_terminal_and_no_bpf(
     assert "in-process probes" in tmux.screen()
     held: dict[str, set[int]] = {}
     assert wait_until(lambda: held.update(held_bpf_ids(top.pid)) or held["link_id"], timeout=10)
-    assert xdp_programs_on(veth.host), "top attached no XDP program to the test veth"
+    assert flows_programs_on(veth.host), "top attached no flows program to the test veth"
 
     screen = show_flow(tmux, peer)
     assert "flows:DOWN" not in screen
     assert_terminal_clean(tmux, quit_top(tmux))
     assert not held["link_id"] & link_ids(), "links top created survive it"
     assert not held["prog_id"] & prog_ids(), "programs top loaded survive it"
-    assert xdp_programs_on(veth.host) == []
+    assert flows_programs_on(veth.host) == set()
 
 
 @pytest.mark.bpf
@@ -236,7 +236,7 @@ def test_batch_json_emits_two_snapshots_with_the_flow(
     for snapshot in snapshots:
         assert snapshot["probes"]["flows"]["up"], snapshot["probes"]["flows"]
         assert has_flow(snapshot, peer, port), snapshot["flows"]
-    assert xdp_programs_on(veth.host) == []
+    assert flows_programs_on(veth.host) == set()
 
 
 @pytest.mark.bpf
@@ -248,7 +248,7 @@ def test_top_reads_a_running_agent_without_loading_probes(
     with Agent(tmp_path, config=f'interfaces = ["{veth.host}"]\n') as agent:
         assert wait_until(lambda: has_flow(agent.snapshot(), peer, port), timeout=20)
         agent_progs = held_bpf_ids(agent.process.pid)["prog_id"]
-        on_veth = xdp_programs_on(veth.host)
+        on_veth = flows_programs_on(veth.host)
         assert agent_progs and on_veth
 
         top = run_top_in(tmux, [*aiprobe_cli, "top", "--connect", agent.url, "--interval", "0.5"])
@@ -256,7 +256,7 @@ def test_top_reads_a_running_agent_without_loading_probes(
         assert f"agent {agent.url}" in tmux.screen()
         assert held_bpf_ids(top.pid) == {"prog_id": set(), "link_id": set()}, "top loaded BPF itself"
         assert held_bpf_ids(agent.process.pid)["prog_id"] == agent_progs
-        assert xdp_programs_on(veth.host) == on_veth
+        assert flows_programs_on(veth.host) == on_veth
         quit_top(tmux)
 
         # told nothing (no agent on the address tried), top finds a running agent rather than load probes;
@@ -291,4 +291,4 @@ def test_top_killed_by_signal_restores_terminal_and_detaches(
     assert "top-exit=0" in screen, screen
     assert_terminal_clean(tmux, screen)
     assert not held["link_id"] & link_ids() and not held["prog_id"] & prog_ids()
-    assert xdp_programs_on(veth.host) == []
+    assert flows_programs_on(veth.host) == set()

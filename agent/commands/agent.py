@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from ..cli import require_privileges, ticks
 from ..config import Config, ConfigError, load, probe_names
 from ..daemon import Agent
 from ..model import Alert
+from ..names import endpoint
 from ..system import kernel_release
 
 log = logging.getLogger("aiprobe.agent")
@@ -34,30 +36,44 @@ class ConfigProblem(click.ClickException):
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (docs/config.md).")
+@click.option("--config", "config_path", metavar="PATH", help="TOML config (docs/config.md).")
 @click.option("--listen", help="HOST:PORT to serve /metrics, /healthz, /api/v1/snapshot (default 0.0.0.0:9645).")
 @click.option("--interfaces", help="Comma-separated globs of interfaces to watch (default: all up, except lo).")
 @click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(probe_names())}).")
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL to push alerts to.")
+@click.option("--web.config.file", "web_config_file", metavar="PATH",
+              help="TLS and basic auth, in the Prometheus exporter-toolkit web config format.")
 @click.option("--dcgm-compatible", "dcgm", is_flag=True, default=None,
               help="Also export DCGM-exporter metric names for existing GPU dashboards.")
 def command(config_path: str | None, listen: str | None, interfaces: str | None, probes: str | None,
-            alertmanager_url: str | None, dcgm: bool | None) -> None:
+            alertmanager_url: str | None, web_config_file: str | None, dcgm: bool | None) -> None:
     """Run every available probe and serve Prometheus metrics, health and the snapshot API."""
     try:
         config = load(config_path, listen=listen, interfaces=_csv(interfaces), probes=_csv(probes),
-                      alertmanager_url=alertmanager_url, dcgm_compatible_metrics=dcgm)
+                      alertmanager_url=alertmanager_url, web_config_file=web_config_file,
+                      dcgm_compatible_metrics=dcgm)
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
     require_privileges()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="aiprobe: %(message)s")
+    _raise_open_files_limit()
     run_agent(config, ticks)
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit of open files up to the hard one (as Prometheus does): clients, probes, the
+    CUDA scan and netlink share it, and the usual soft 1024 is within reach of any local user."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[float]]) -> None:
     from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
     from aiprobe.exporters.http import AgentHTTPServer
     from aiprobe.exporters.prometheus import AgentCollector, registry_for
+    from aiprobe.exporters.webconfig import load_web_config
 
     sink = JsonLinesSink(config.alert_log)
     pusher = (AlertmanagerPusher(config.alertmanager_url, instance=socket.gethostname())
@@ -70,9 +86,14 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
 
     agent = Agent(config, on_transitions=on_transitions)
     collector = AgentCollector(config, build_info={"version": __version__, "kernel": kernel_release(),
-                                                   "libbpf": libbpf.version()})
+                                                   "libbpf": libbpf.version()}, source=agent.scrape_readings)
     try:
-        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy)
+        web = load_web_config(config.web_config_file) if config.web_config_file else None
+    except ConfigError as exc:
+        raise ConfigProblem(str(exc)) from None
+    try:
+        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy,
+                                 web=web, snapshot_remote=config.snapshot_api == "network")
     except OSError as exc:
         raise ConfigProblem(f"listen {config.listen}: {exc.strerror}") from None
     try:
@@ -80,12 +101,11 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
         for name, status in agent.status.items():
             log.info("probe %s: %s", name, status.strategy if status.up else f"unavailable ({status.reason})")
         agent.refresh()
-        collector.update(agent.readings)
         server.start()
-        log.info("serving http://%s:%d/metrics (pid %d)", config.listen_address[0], server.port, os.getpid())
+        log.info("serving %s://%s/metrics (pid %d)", "https" if server.tls else "http",
+                 endpoint(config.listen_address[0], server.port), os.getpid())
         for _ in ticks(None, config.interval_seconds):
             agent.refresh()
-            collector.update(agent.readings)
             if pusher is not None:
                 pusher.update(agent.alerts, changed=False)  # keeps resends current
     finally:

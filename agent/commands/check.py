@@ -9,6 +9,7 @@ import click
 from .. import __version__, libbpf
 from ..cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
 from ..features import probe_features
+from ..flows import foreign_xdp_holders
 from ..probes import ProbePlan, plan, specs
 from ..system import kernel_release, prepare_mounts
 
@@ -27,6 +28,10 @@ def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
     click.echo("\nMounts:")
     for name, mount in report["mounts"].items():
         click.echo(f"  {name:<12} {mount['path']}: {mount['detail']}")
+    if report["xdp_held_by_others"]:
+        click.echo("\nXDP hooks held by other programs (flows attaches there once they leave):")
+        for held in report["xdp_held_by_others"]:
+            click.echo(f"  {held}")
     click.echo("\nProbes:")
     for probe in plans:
         if probe.available:
@@ -35,6 +40,13 @@ def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
                 click.echo(f"  {'':<12} skipped {name}: {_short(why)}")
         else:
             click.echo(f"  {probe.probe:<12} {'unavailable':<12} {_short(probe.reason)}")
+
+
+def _xdp_held_by_others() -> list[str]:
+    try:
+        return foreign_xdp_holders()
+    except Exception as exc:  # netlink refused: say so in the list, check goes on
+        return [f"cannot list interfaces: {exc}"]
 
 
 @click.command()
@@ -52,6 +64,7 @@ def command(as_json: bool) -> None:
         "features": {name: f.as_dict() for name, f in features.items()},
         "mounts": {name: vars(m) for name, m in prepare_mounts().items()},
         "probes": {p.probe: p.as_dict() for p in plans},
+        "xdp_held_by_others": _xdp_held_by_others(),
     }
     if as_json:
         emit_json(report)

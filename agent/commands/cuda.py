@@ -1,28 +1,64 @@
-"""`aiprobe cuda`: CUDA calls and run-queue delay per process, as a table (or JSON) at exit."""
+"""`aiprobe cuda`: CUDA calls and run-queue delay per process, contexts and the GPUs they share, cold
+start; as tables (or JSON) at exit."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import click
 
 from .. import sched
 from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, strategy_option, ticks
 from ..cuda import LIBRARY_PREFIX, CudaProbe, strategies_with_scheduler
-from ..formatting import record_table
+from ..formatting import Column, columns_for, table
 from ..model import AttachedLibrary, CudaSnapshot
+from ..names import printable
 
-FIELDS = ("pid", "comm", "context_switches", "kernel_launches", "syncs", "sync_seconds_sum", "sync_p99_seconds",
-          "runqueue_delay_p99_seconds", "involuntary_preemptions", "library")
+FIELDS = ("pid", "comm", "kernel_launches", "graph_launches", "counted_at", "runtime", "context_switches", "syncs",
+          "sync_seconds_sum", "sync_p99_seconds", "runqueue_delay_p99_seconds", "involuntary_preemptions", "library")
+# The per-thread counter, titled for what it counts (not GPU time-slicing: see the GPU table).
+TITLES = {"context_switches": "THREAD CTX CHANGES"}
+CONTEXT_FIELDS = ("gpu", "pid", "comm", "context", "device", "kernel_launches", "graph_launches",
+                  "launches_per_second")
+COLD_START_FIELDS = ("pid", "comm", "to_init_seconds", "init_seconds", "context_create_seconds", "module_loads",
+                     "module_load_seconds", "to_first_launch_seconds")
+
+
+def _titled(columns: tuple[Column, ...]) -> tuple[Column, ...]:
+    return tuple(dataclasses.replace(c, title=TITLES[c.key], width=max(c.width, len(TITLES[c.key])))
+                 if c.key in TITLES else c for c in columns)
+
+
+def _table(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[str]:
+    return table(_titled(columns_for(keys, rows)), rows)
 
 
 def print_table(snapshot: CudaSnapshot) -> None:
     click.echo(f"scheduler side: {snapshot.sched_strategy or 'unavailable'}")
-    for line in record_table((process.to_dict() for process in snapshot.processes), FIELDS):
+    processes = [process.to_dict() for process in snapshot.processes]
+    for row in processes:
+        row["library"] = printable(row["library"])
+    for line in _table(processes, FIELDS):
         click.echo(line)
+    cold = [{"pid": p.pid, "comm": p.comm, **p.cold_start.to_dict()} for p in snapshot.processes if p.cold_start]
+    if cold:
+        click.echo("\ncold start of processes started while watching (seconds):")
+        for line in _table(cold, COLD_START_FIELDS):
+            click.echo(line)
+    if snapshot.contexts:
+        click.echo("\ncontexts that launched work:")
+        for line in _table([context.to_dict() for context in snapshot.contexts], CONTEXT_FIELDS):
+            click.echo(line)
+    for gpu in snapshot.gpus:
+        click.echo(f"gpu {gpu.gpu}: {gpu.active_contexts} active context(s) of pid(s) "
+                   f"{', '.join(map(str, gpu.pids))} in the last interval")
 
 
 def _announce(library: AttachedLibrary) -> None:
     outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
-    click.echo(f"aiprobe cuda: probing {library.path} via {library.host_path} ({outcome})", err=True)
+    click.echo(f"aiprobe cuda: probing {library.kind} {printable(library.path)} via "
+               f"{printable(library.host_path)} ({outcome})", err=True)
 
 
 @click.command()
@@ -31,10 +67,10 @@ def _announce(library: AttachedLibrary) -> None:
 @json_option
 @friendly_errors
 def command(duration: float | None, strategy: str | None, as_json: bool) -> None:
-    """CUDA context switches, kernel launches, syncs and run-queue delay per process."""
+    """CUDA launches, graph launches, syncs, context changes, cold start and run-queue delay per process."""
     require_privileges()
     with CudaProbe(on_attach=_announce, strategies=strategies_with_scheduler(strategy)) as probe:
-        click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* "
+        click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* or libcudart* "
                    f"(scheduler side: {probe.sched_strategy or 'unavailable'})", err=True)
         for _ in ticks(duration, 1.0):
             pass

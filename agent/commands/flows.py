@@ -31,6 +31,7 @@ def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
     lines.append(
         f"{len(snapshot.flows)} flows · evictions {snapshot.evictions} · insert failures {snapshot.insert_failures}"
         f" · malformed frames {snapshot.malformed_frames}"
+        + (f" · LOST frames {snapshot.lost_frames}" if snapshot.lost_frames else "")
     )
     return "\n".join(lines)
 
@@ -49,16 +50,19 @@ def _announce(probe: FlowsProbe) -> None:
 @click.option("--interfaces", callback=_globs, metavar="GLOBS",
               help="Interfaces to watch, comma-separated globs (default: every interface but loopback).")
 @click.option("--exclude", callback=_globs, metavar="GLOBS", help="Interfaces to leave alone, comma-separated globs.")
+@click.option("--xdp-interfaces", "xdp_interfaces", callback=_globs, metavar="GLOBS",
+              help="Count ingress with native XDP on these physical NICs instead of tc (cheaper per frame; "
+                   "attaching resets the receive queues on many drivers). Refused on virtual devices.")
 @duration_option
 @interval_option
 @strategy_option(SPEC)
 @json_option
 @friendly_errors
-def command(interfaces: list[str], exclude: list[str], duration: float | None, interval: float,
-            strategy: str | None, as_json: bool) -> None:
-    """Bytes and packets per network flow, per direction, live (XDP ingress, tc egress)."""
+def command(interfaces: list[str], exclude: list[str], xdp_interfaces: list[str], duration: float | None,
+            interval: float, strategy: str | None, as_json: bool) -> None:
+    """Wire packets and bytes per network flow, per direction, live (tc ingress and egress)."""
     require_privileges()
-    with FlowsProbe(interfaces, exclude, strategy=strategy) as probe:
+    with FlowsProbe(interfaces, exclude, strategy=strategy, xdp_interfaces=xdp_interfaces) as probe:
         _announce(probe)
         clear = "\033[H\033[J" if sys.stdout.isatty() else ""
         for _ in ticks(duration, interval):

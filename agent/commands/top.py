@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import click
 from rich.text import Text
@@ -21,7 +23,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
 from ..cli import AiprobeError, friendly_errors, interval_option, ticks
-from ..top_source import DEFAULT_URL, SnapshotError, SnapshotSource, normalize_url, open_source
+from ..top_source import DEFAULT_URL, Credentials, SnapshotError, SnapshotSource, normalize_url, open_source
 from ..top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
 
 # Signals that end top like `q` does: terminal restored first, then the probes closed.
@@ -87,19 +89,19 @@ class TopApp(App[None]):
         Binding("q,ctrl+c", "quit", "quit", key_display="q"),
     ]
 
-    def __init__(self, fetch: Callable[[], dict], source: str, interval: float) -> None:
+    def __init__(self, fetch: Callable[[], dict[str, Any]], source: str, interval: float) -> None:
         super().__init__()
         self.fetch = fetch
         self.source = source
         self.interval = interval
-        self.snapshot: dict = {}
+        self.snapshot: dict[str, Any] = {}
         self.view: View = VIEWS["processes"]
         self.states = {name: ViewState(view.sort_key, view.descending) for name, view in VIEWS.items()}
         self.paused = False
         self.error = ""
         self.updated: float | None = None
         self._fetching = False
-        self._row_ids: list[tuple] = []  # identities of the rows on screen, in order
+        self._row_ids: list[tuple[Any, ...]] = []  # identities of the rows on screen, in order
 
     @property
     def state(self) -> ViewState:
@@ -186,8 +188,8 @@ class TopApp(App[None]):
                 for column, cell in zip(view.columns, view.cells(row), strict=True)
             ))
         if rows:
-            row = self._row_ids.index(selected) if selected in self._row_ids else min(cursor, len(rows) - 1)
-            table.move_cursor(row=row, animate=False, scroll=False)
+            index = self._row_ids.index(selected) if selected in self._row_ids else min(cursor, len(rows) - 1)
+            table.move_cursor(row=index, animate=False, scroll=False)
         # clear() scrolls home; a refresh must not undo the user's scrolling
         self.call_after_refresh(table.scroll_to, *scroll, animate=False)
 
@@ -246,7 +248,8 @@ class TopApp(App[None]):
         self.render_all()
 
     def action_help(self) -> None:
-        keys = [(binding.key_display or binding.key, binding.description) for binding in self.BINDINGS]
+        keys = [(binding.key_display or binding.key, binding.description) for binding in self.BINDINGS
+                if isinstance(binding, Binding)]
         self.push_screen(HelpScreen(keys))
 
 
@@ -289,13 +292,18 @@ def _globs(value: str | None) -> list[str] | None:
 @click.option("--iterations", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --batch: stop after N snapshots (default: until Ctrl-C).")
 @click.option("--json", "as_json", is_flag=True, help="With --batch: one JSON snapshot per line.")
+@click.option("--cacert", type=click.Path(exists=True, dir_okay=False), metavar="PATH",
+              help="CA certificate that signed an https agent's certificate (default: the system's CAs).")
+@click.option("--user", metavar="USER", help="Basic auth user; the password comes from $AIPROBE_PASSWORD.")
 @friendly_errors
 def command(connect: str, interval: float, interfaces: str | None, batch: bool, iterations: int | None,
-            as_json: bool) -> None:
+            as_json: bool, cacert: str | None, user: str | None) -> None:
     """Processes, flows, GPUs and bottleneck alerts on one screen (keys like htop; ? for help)."""
     if not batch and (iterations or as_json):
         raise click.UsageError("--iterations and --json need --batch")
-    source = open_source(connect, _globs(interfaces), interval)
+    # The password stays off the command line, which every user on the host can read.
+    credentials = Credentials(cacert, user, os.environ.get("AIPROBE_PASSWORD", ""))
+    source = open_source(connect, _globs(interfaces), interval, credentials)
     try:
         if batch:
             run_batch(source, interval, iterations, as_json)

@@ -1,0 +1,217 @@
+"""Built-in rules end to end through a real agent: each fires from real traffic (or the fake NVML's
+GPUs) and resolves when it stops, and its evidence matches the kernel's own counters.
+
+- gpu_idle_with_traffic reads the interfaces' ingress rate from the snapshot (it could never fire
+  while the interface rows had no rate);
+- listen_queue_overflow counts TcpExt ListenDrops alone (the kernel counts every ListenOverflows
+  in ListenDrops too: their sum counted each overflow twice);
+- tcp_retransmits_high from real losses on a veth.
+
+network_send_stall is tested in test_agent.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURE_BUILD, VethPair, wait_until
+from servers import Agent
+
+pytestmark = pytest.mark.bpf
+
+UDP_FLOOD = """
+import socket, sys, time
+host, seconds = sys.argv[1], float(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for _ in range(20):
+        s.sendto(bytes(1000), (host, 9))
+    time.sleep(0.01)  # about 2 MB/s: far above the 10 kB/s traffic floor
+"""
+
+
+def _flood(veth: VethPair, seconds: float) -> subprocess.Popen:
+    return subprocess.Popen(veth.ns_cmd([sys.executable, "-c", UDP_FLOOD, veth.host_ip4, str(seconds)]))
+
+
+def _states(agent: Agent, rule: str, target: str) -> list[str]:
+    if not agent.alert_log.exists():
+        return []
+    events = [json.loads(line) for line in agent.alert_log.read_text().splitlines()]
+    return [e["state"] for e in events if (e["rule"], e["target"]) == (rule, target)]
+
+
+def _transitions(agent: Agent, rule: str) -> list[dict]:
+    if not agent.alert_log.exists():
+        return []
+    return [e for line in agent.alert_log.read_text().splitlines() if (e := json.loads(line))["rule"] == rule]
+
+
+@pytest.fixture(scope="module")
+def fake_nvml(cbuild) -> dict[str, str]:
+    cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
+    return {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD)}
+
+
+def test_gpu_idle_with_traffic_fires_on_ingress_traffic_and_resolves_when_it_stops(
+    tmp_path: Path, veth: VethPair, fake_nvml: dict[str, str]
+) -> None:
+    """The fake's GPU 1 runs at 3% (idle), GPU 0 at 87% (busy): traffic into the veth makes GPU 1,
+    and only GPU 1, an idle GPU while the endpoint has traffic."""
+    config = (f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows", "nvml"]\n'
+              "[rules.gpu_idle_with_traffic]\nfor_seconds = 0\n")
+    with Agent(tmp_path, config, env=fake_nvml) as agent:
+        flood = _flood(veth, seconds=4)
+        try:
+            assert wait_until(lambda: "firing" in _states(agent, "gpu_idle_with_traffic", "gpu1"), timeout=15)
+            ingress = [i for i in agent.snapshot()["interfaces"] if i["direction"] == "ingress"]
+            assert ingress and ingress[0]["bytes_per_second"] > 10_000
+        finally:
+            assert flood.wait(20) == 0
+        assert wait_until(lambda: "resolved" in _states(agent, "gpu_idle_with_traffic", "gpu1"), timeout=15)
+    assert _states(agent, "gpu_idle_with_traffic", "gpu1") == ["pending", "firing", "resolved"]
+    assert _states(agent, "gpu_idle_with_traffic", "gpu0") == []
+    (fired,) = [e for e in _transitions(agent, "gpu_idle_with_traffic") if e["state"] == "firing"]
+    assert fired["evidence"]["utilization_ratio"] == pytest.approx(0.03)
+    assert fired["evidence"]["ingress_bytes_per_second"] > 10_000
+
+
+def _listen_drops() -> int:
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    for names, values in zip(lines[::2], lines[1::2], strict=True):
+        if names.startswith("TcpExt:"):
+            return int(dict(zip(names.split(), values.split(), strict=True))["ListenDrops"])
+    raise AssertionError("no TcpExt in /proc/net/netstat")
+
+
+def test_listen_queue_overflow_fires_from_listen_drops_alone_and_resolves(tmp_path: Path) -> None:
+    """A listener that never accepts, with a backlog of 1: connection attempts beyond it are dropped
+    (ListenOverflows and ListenDrops both count each), and the clients' SYN retransmissions keep
+    dropping until they give up."""
+    config = 'probes = ["flows"]\ninterfaces = ["lo"]\nexclude = []\n'
+    with Agent(tmp_path, config) as agent, socket.create_server(("127.0.0.1", 0), backlog=1) as server:
+        assert wait_until(lambda: agent.snapshot().get("tcp"), timeout=10)
+        before = _listen_drops()
+        clients = []
+        try:
+            for _ in range(40):
+                client = socket.socket()
+                client.setblocking(False)
+                client.connect_ex(server.getsockname())
+                clients.append(client)
+            assert wait_until(lambda: "firing" in _states(agent, "listen_queue_overflow", "host"), timeout=15)
+            assert _listen_drops() - before >= 30
+        finally:
+            for client in clients:
+                client.close()
+        # The clients are gone: no more drops, and the rule resolves at its clear threshold (0/s).
+        assert wait_until(lambda: "resolved" in _states(agent, "listen_queue_overflow", "host"), timeout=30)
+    fired = next(e for e in _transitions(agent, "listen_queue_overflow") if e["state"] == "firing")
+    evidence = fired["evidence"]
+    assert evidence["listen_drops"] >= before + 1 and evidence["per_second"] > 1
+    # The rate is ListenDrops' alone: over a refresh interval (1 s) at most what the kernel counted
+    # since the test began (10% for the interval's jitter), where the sum with ListenOverflows was twice that.
+    assert evidence["per_second"] <= 1.1 * (evidence["listen_drops"] - before)
+
+
+def test_snapshot_interface_rows_carry_their_rate(tmp_path: Path, veth: VethPair) -> None:
+    """The snapshot's interface rows carry their rate (the rules read it)."""
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n'
+    with Agent(tmp_path, config) as agent:
+        flood = _flood(veth, seconds=3)
+        try:
+            def ingress_rate() -> float:
+                rows = [i for i in agent.snapshot().get("interfaces", []) if i["direction"] == "ingress"]
+                return rows[0]["bytes_per_second"] if rows else 0.0
+
+            assert wait_until(lambda: ingress_rate() > 100_000, timeout=10)
+        finally:
+            flood.wait(20)
+        time.sleep(2.5)
+        assert ingress_rate() < 10_000
+
+
+# --- tcp_retransmits_high: segments lost on the wire, retransmitted by the kernel ---
+
+
+DROPPER = """
+import ctypes, socket, sys
+from aiprobe.libbpf import BPF_TCX_INGRESS, call
+
+
+class Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("regs", ctypes.c_uint8), ("off", ctypes.c_int16), ("imm", ctypes.c_int32)]
+
+
+one_in = int(sys.argv[2])
+insns = (Insn * 7)(
+    Insn(0x85, 0, 0, 7),  # r0 = bpf_get_prandom_u32()
+    Insn(0x57, 0, 0, one_in - 1),  # r0 &= one_in - 1
+    Insn(0x55, 0, 2, 0),  # if r0 != 0 goto pass
+    Insn(0xB7, 0, 0, 2),  # r0 = TC_ACT_SHOT
+    Insn(0x95, 0, 0, 0),  # exit
+    Insn(0xB7, 0, 0, 0),  # pass: r0 = TC_ACT_OK
+    Insn(0x95, 0, 0, 0),  # exit
+)
+prog = call("bpf_prog_load", 3, b"aipt_drop", b"GPL", insns, len(insns), None)  # BPF_PROG_TYPE_SCHED_CLS
+link = call("bpf_link_create", prog, socket.if_nametoindex(sys.argv[1]), BPF_TCX_INGRESS, None)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes it; the link goes with this process
+"""
+
+
+@contextlib.contextmanager
+def dropping_ingress(veth: VethPair, one_in: int) -> Iterator[None]:
+    """Drops one frame in `one_in` at random as the peer receives it (this kernel has neither netem
+    nor gact): losses on the wire, which the sender must retransmit."""
+    dropper = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", DROPPER, veth.peer, str(one_in)]),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert dropper.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        dropper.stdin.close()
+        dropper.wait(10)
+
+
+TCP_SINK = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 5001))
+print("ready", flush=True)
+conn, _ = server.accept()
+while conn.recv(1 << 20):
+    pass
+"""
+
+
+def test_tcp_retransmits_high_fires_on_real_losses_and_resolves(tmp_path: Path, veth: VethPair) -> None:
+    """One frame in 16 that the host sends is lost before the peer gets it: the host retransmits
+    (the root namespace's RetransSegs / OutSegs, which the rule reads)."""
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n' \
+             "[rules.tcp_retransmits_high]\nfor_seconds = 0\n"
+    sink = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", TCP_SINK, veth.peer_ip4]), stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        with Agent(tmp_path, config) as agent, dropping_ingress(veth, 16), \
+                socket.create_connection((veth.peer_ip4, 5001), timeout=10) as conn:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and "firing" not in _states(agent, "tcp_retransmits_high", "host"):
+                conn.sendall(bytes(1 << 20))
+            assert "firing" in _states(agent, "tcp_retransmits_high", "host")
+            conn.close()
+            assert wait_until(lambda: "resolved" in _states(agent, "tcp_retransmits_high", "host"), timeout=20)
+    finally:
+        sink.kill()
+    fired = next(e for e in _transitions(agent, "tcp_retransmits_high") if e["state"] == "firing")
+    assert fired["evidence"]["retransmit_ratio"] > 0.02 and fired["evidence"]["segments_sent"] >= 100
