@@ -483,6 +483,7 @@ class BpfObject:
         """Detach every link, free ring buffers, then unload programs and maps."""
         while self._owned:
             self._owned.pop().close()
+        uprobe_events.remove_pending()
         ptr, self._ptr = self._ptr, None
         if ptr:
             libbpf.lib().bpf_object__close(ptr)

@@ -34,6 +34,7 @@ _SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _PERF_ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7; the kernel accepts any known size
 PERF_EVENT_PARANOID = Path("/proc/sys/kernel/perf_event_paranoid")
 _names = itertools.count()
+_pending: set[str] = set()  # events still held by the kernel when their link closed
 
 
 # ---- tracefs events ----
@@ -63,18 +64,26 @@ def create_event(path: str, offset: int, *, retprobe: bool) -> tuple[str, int]:
         raise
 
 
-def remove_event(name: str, wait: float = 2.0) -> None:
-    """Remove the event; while the kernel still releases a perf event on it (EBUSY just after the
-    link's close), retry for up to `wait` seconds. Gone already is fine."""
+def remove_event(name: str) -> None:
+    """Remove the event. One the kernel still holds (EBUSY: the perf event on it is being released,
+    a grace period after its link closed) is left to remove_pending(). Gone already is fine."""
+    try:
+        _write(f"-:{GROUP}/{name}")
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            _pending.add(name)
+
+
+def remove_pending(wait: float = 2.0) -> None:
+    """Remove the events remove_event() had to leave, retrying for up to `wait` seconds: called once
+    all links are closed, so the kernel's grace periods overlap instead of adding up."""
     deadline = time.monotonic() + wait
-    while True:
-        try:
-            _write(f"-:{GROUP}/{name}")
-            return
-        except OSError as exc:
-            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                return
-        time.sleep(0.01)
+    while _pending and time.monotonic() < deadline:
+        for name in list(_pending):
+            _pending.discard(name)
+            remove_event(name)
+        if _pending:
+            time.sleep(0.01)
 
 
 def remove_stale_events() -> None:

@@ -81,7 +81,7 @@ def documented_perf_paranoia() -> Iterator[None]:
 def test_agent_with_only_the_daemonsets_capabilities_runs_and_counts_every_probe(
         tmp_path: Path, veth: VethPair, cbuild) -> None:
     capabilities = manifest_capabilities()
-    cuda_libdir, _ = build_cuda(cbuild)
+    cuda_libdir = build_cuda(cbuild).libdir
     peer = build_peer(cbuild)
     cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
     env = {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_NVML_PIDS": str(os.getpid())}
