@@ -22,12 +22,17 @@ from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes
 
 if TYPE_CHECKING:
-    pass
+    from .config import Config
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
 MAX_PENDING_SLOW_SENDS = 65536
 _STATS_MAPS = ("procs", "flows", "starts")
+
+def _from_config(config: Config) -> SendLatencyProbe:
+    return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
+                            strategies=strategies_named(SPEC, config.strategies.get("sendlat")))
+
 
 SPEC = ProbeSpec(
     name="sendlat",
@@ -61,9 +66,7 @@ SPEC = ProbeSpec(
     ),
     bpf_object=OBJECT,
     order=20,
-    factory=lambda config, _running: SendLatencyProbe(
-        threshold_ms=config.slow_send_threshold_ms, per_flow=False,
-        strategies=strategies_named(SPEC, config.strategies.get("sendlat"))),
+    factory=lambda config, _running: _from_config(config),
     config_keys=("slow_send_threshold_ms",),
     command="aiprobe.commands.sendlat:command",
     metrics=(

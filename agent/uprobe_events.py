@@ -100,7 +100,7 @@ def open_tracepoint(tracepoint_id: int) -> int:
     tracefs probes: a BPF program attached to it runs on every CPU."""
     attr = struct.pack("IIQQ", PERF_TYPE_TRACEPOINT, _PERF_ATTR_SIZE, tracepoint_id, 1).ljust(_PERF_ATTR_SIZE, b"\0")
     libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(_SYS_PERF_EVENT_OPEN[os.uname().machine], attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC)
+    fd = int(libc.syscall(_SYS_PERF_EVENT_OPEN[os.uname().machine], attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC))
     if fd < 0:
         err = ctypes.get_errno()
         raise libbpf.BpfError(err, f"perf_event_open of tracepoint {GROUP}:{tracepoint_id}", _paranoia_hint(err))
