@@ -63,6 +63,8 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
     "gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=30, severity="warning"),
     # listen-queue drops per second (TcpExt ListenDrops, which counts every overflow too)
     "listen_queue_overflow": RuleConfig(threshold=1.0, clear=0.0, for_seconds=0, severity="critical"),
+    # stalls (gaps between writes above stream_stall_threshold_ms) of one process's responses in the window
+    "token_streams_stalling": RuleConfig(threshold=0.0, clear=0.0, for_seconds=0, severity="warning"),
     # retransmitted / sent TCP segments
     "tcp_retransmits_high": RuleConfig(threshold=0.02, clear=0.01, for_seconds=30, severity="warning"),
 }
@@ -82,6 +84,8 @@ class Config:
     top_flows: int = 100
     flow_idle_seconds: float = 30.0
     slow_send_threshold_ms: float = 10.0
+    stream_stall_threshold_ms: float = 250.0
+    sendlat_cpu_budget: float = 0.01  # of one CPU, for sendlat's programs; past it, 1 send in N is timed
     dcgm_compatible_metrics: bool = False
     traffic_floor_bytes_per_second: float = DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND
     alertmanager_url: str | None = None
@@ -117,6 +121,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "top_flows": (1, 100_000),
     "flow_idle_seconds": (1.0, 86_400.0),
     "slow_send_threshold_ms": (0.001, 60_000.0),
+    "stream_stall_threshold_ms": (1.0, 600_000.0),
+    "sendlat_cpu_budget": (0.0, 64.0),
     "traffic_floor_bytes_per_second": (0.0, 1e12),
     "max_process_labels": (1, 100_000),
     "idle_series_seconds": (1.0, 7 * 86_400.0),

@@ -44,7 +44,7 @@ from typing import Any
 
 from . import elf, sched
 from .btf import decode
-from .histogram import NS_PER_SECOND, log2_buckets, quantile
+from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .libbpf import BpfError
 from .loader import BpfObject, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
@@ -437,7 +437,7 @@ def cold_start(entry: dict[str, Any]) -> ColdStart:
 def process_record(pid: int, entry: dict[str, Any], library: str, started: int = 0) -> CudaProcess:
     """One process from its entry in map `processes`."""
     sync, runqueue = entry["sync"], entry["runqueue"]
-    sync_buckets, runqueue_buckets = log2_buckets(sync["slots"]), log2_buckets(runqueue["slots"])
+    sync_buckets, runqueue_buckets = kernel_buckets(sync["slots"]), kernel_buckets(runqueue["slots"])
     by_kind = dict(zip(SYNC_KINDS, zip(entry["sync_count"], entry["sync_ns"], strict=True), strict=True))
     return CudaProcess(
         pid=pid,
@@ -448,10 +448,10 @@ def process_record(pid: int, entry: dict[str, Any], library: str, started: int =
         syncs=sync["count"],
         sync_seconds_sum=sync["sum_ns"] / NS_PER_SECOND,
         sync_p99_seconds=quantile(sync_buckets, 0.99),
-        sync_histogram=sync_buckets,
+        sync_histogram=exported_buckets(sync_buckets),
         runqueue_delay_seconds_sum=runqueue["sum_ns"] / NS_PER_SECOND,
         runqueue_delay_p99_seconds=quantile(runqueue_buckets, 0.99),
-        runqueue_histogram=runqueue_buckets,
+        runqueue_histogram=exported_buckets(runqueue_buckets),
         involuntary_preemptions=entry["involuntary_preemptions"],
         gpu_threads=entry["gpu_threads"],
         graph_launches=entry["graph_launches"],

@@ -39,12 +39,15 @@ from .model import (
     ProcessSendLatency,
     Readings,
     Snapshot,
+    StreamEndpoint,
+    StreamStall,
     TcpCounters,
     TcpSummary,
 )
 from .names import process_name
 from .probes import Probe, ProbeSpec, selected
 from .rules import RuleEngine, Signal
+from .streams import CAUSES as STALL_CAUSES
 from .supervisor import SUPERVISOR
 from .system import kernel_release
 
@@ -246,6 +249,9 @@ class Agent:
             workload = self._workload(send.cgroup_id, send.pid)
             send.container, send.pod_uid = workload.container, workload.pod_uid
             live_pids.add(send.pid)
+        for stream in [*r.of(StreamEndpoint), *r.of(StreamStall)]:
+            stream.container = self._workload(stream.cgroup_id, stream.pid).container
+            live_pids.add(stream.pid)
         for proc in [*r.of(CudaProcess), *r.of(CudaContext), *r.of(GpuProcess)]:
             workload = self._workload_of_pid(proc.pid)
             proc.container, proc.pod_uid = workload.container, workload.pod_uid
@@ -262,6 +268,8 @@ class Agent:
             counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs, cuda.graph_launches]
             (cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second,
              cuda.graph_launches_per_second) = self._rates.rate(("cuda", cuda.identity()), counters, now)
+        for stream in r.of(StreamEndpoint):
+            (stream.streams_per_second,) = self._rates.rate(("streams", stream.identity()), [stream.streams], now)
         for side in r.of(InterfaceTotals):
             side.bytes_per_second, side.packets_per_second = \
                 self._rates.rate(("interface", side.identity()), [side.bytes, side.packets], now)
@@ -277,13 +285,9 @@ class Agent:
     def _signals(self, r: Readings, now: float) -> list[Signal]:
         signals: list[Signal] = []
         for proc in r.of(ProcessSendLatency):
-            recent = self._recent("send", proc.identity(), proc.histogram, now)
-            sends = recent[-1][1] if recent else 0
-            p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
-            if p99 is not None:
-                signals.append(Signal("network_send_stall", _target(proc), p99, {
-                    "send_p99_seconds": round(p99, 6), "sends": int(sends), "window_seconds": SIGNAL_WINDOW_SECONDS,
-                    "pid": proc.pid, "threshold_seconds": self.config.rules["network_send_stall"].threshold}))
+            stall = self._send_stall(proc, now)
+            if stall is not None:
+                signals.append(stall)
         for cuda in r.of(CudaProcess):
             switches = cuda.context_switches_per_second
             signals.append(Signal("cuda_context_switch_storm", _target(cuda), switches, {
@@ -297,7 +301,47 @@ class Agent:
         signals += self._gpu_signals(r)
         signals += time_slicing_signals(r.of(CudaGpu), r.of(CudaContext), r.of(GpuInfo))
         signals += self._tcp_signals(r, now)
+        signals += self._stream_signals(r, now)
         return signals
+
+    def _stream_signals(self, r: Readings, now: float) -> list[Signal]:
+        """Stalls of each process's responses in the window, their causes as evidence."""
+        by_target: dict[str, dict[str, Any]] = {}
+        for endpoint in r.of(StreamEndpoint):
+            recent = self._windows.recent(("stalls", endpoint.identity()), [float(endpoint.stalls.get(c, 0))
+                                                                            for c in STALL_CAUSES], now)
+            seen = by_target.setdefault(_target(endpoint), {"pid": endpoint.pid, "ports": set(), "causes": {}})
+            for cause, count in zip(STALL_CAUSES, recent, strict=True):
+                if count:
+                    seen["causes"][cause] = seen["causes"].get(cause, 0) + int(count)
+                    seen["ports"].add(f"{endpoint.port}/{endpoint.protocol}")
+        signals = []
+        for target, seen in by_target.items():
+            causes = seen["causes"]
+            signals.append(Signal("token_streams_stalling", target, float(sum(causes.values())), {
+                "cause": max(causes, key=causes.get) if causes else "", "stalls_by_cause": causes,
+                "endpoints": sorted(seen["ports"]), "pid": seen["pid"], "window_seconds": SIGNAL_WINDOW_SECONDS,
+                "threshold_seconds": self.config.stream_stall_threshold_ms / 1e3}))
+        return signals
+
+    def _send_stall(self, proc: ProcessSendLatency, now: float) -> Signal | None:
+        """The worse of two p99s over the window: how long sends blocked, and how long sockets stayed
+        unwritable (asynchronous servers never block in a send: their stalls show only there)."""
+        recent = self._recent("send", proc.identity(), proc.histogram, now)
+        # Most processes never find a socket full: no window kept for them.
+        waits = self._recent("unwritable", proc.identity(), proc.unwritable_histogram, now) \
+            if proc.unwritable_count else []
+        sends = recent[-1][1] if recent else 0
+        send_p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
+        unwritable_p99 = quantile(waits, 0.99)
+        worst = max((p99 for p99 in (send_p99, unwritable_p99) if p99 is not None), default=None)
+        if worst is None:
+            return None
+        return Signal("network_send_stall", _target(proc), worst, {
+            "send_p99_seconds": None if send_p99 is None else round(send_p99, 6), "sends": int(sends),
+            "unwritable_p99_seconds": None if unwritable_p99 is None else round(unwritable_p99, 6),
+            "unwritable_periods": int(waits[-1][1]) if waits else 0, "window_seconds": SIGNAL_WINDOW_SECONDS,
+            "pid": proc.pid, "threshold_seconds": self.config.rules["network_send_stall"].threshold})
 
     def _gpu_signals(self, r: Readings) -> list[Signal]:
         signals = []
@@ -346,6 +390,7 @@ class Agent:
                 **vars(tcp), retransmit_ratio=tcp.retransmitted_segments / tcp.sent_segments
                 if tcp.sent_segments else 0.0),
             alerts=self._rules.active + self._rules.resolved,
+            streams=sorted(r.of(StreamEndpoint), key=lambda e: e.streams_per_second, reverse=True),
         )
 
     @staticmethod
@@ -360,6 +405,7 @@ class Agent:
             entry.send_count, entry.send_bytes = send.count, send.bytes
             entry.send_bytes_per_second = send.bytes_per_second
             entry.send_p50_seconds, entry.send_p99_seconds = send.p50_seconds, send.p99_seconds
+            entry.send_errors, entry.send_unwritable_p99_seconds = dict(send.errors), send.unwritable_p99_seconds
         for cuda in r.of(CudaProcess):
             entry = row(cuda.pid, cuda.comm, cuda.container, cuda.pod_uid)
             entry.cuda_context_switches_per_second = cuda.context_switches_per_second
@@ -400,7 +446,7 @@ def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos
     return signals
 
 
-def _target(proc: ProcessSendLatency | CudaProcess) -> str:
+def _target(proc: ProcessSendLatency | CudaProcess | StreamEndpoint) -> str:
     return f"{proc.comm or proc.pid}@{proc.container}"
 
 

@@ -170,20 +170,20 @@ def table(columns: Iterable[Column], rows: Iterable[dict[str, Any]]) -> list[str
     return lines
 
 
-def log2_histogram(buckets: list[tuple[float, int]], unit: str = "nsecs") -> list[str]:
-    """bcc-style text of cumulative log2 nanosecond buckets: one line per slot from the first used
-    to the last used, with a bar of stars."""
-    counts = [cumulative - below for (_, cumulative), (_, below) in zip(buckets, [(0.0, 0), *buckets[:-1]],
-                                                                        strict=True)]
+def bucket_histogram(buckets: list[tuple[float, int]], unit: str = "usecs", scale: float = 1e6) -> list[str]:
+    """bcc-style text of cumulative (le_seconds, count) buckets: one line per bucket from the first
+    used to the last used, with its bounds in `unit` (seconds times `scale`) and a bar of stars."""
+    bounds = [0.0, *(le for le, _ in buckets)]
+    counts = [cumulative - below for (_, cumulative), below in zip(buckets, [0, *(c for _, c in buckets[:-1])],
+                                                                   strict=True)]
     used = [i for i, count in enumerate(counts) if count]
     if not used:
         return []
     widest = max(counts)
-    lines = [f"{unit:>24} : {'count':<8} distribution"]
-    for slot in range(used[0], used[-1] + 1):
-        stars = "*" * round(40 * counts[slot] / widest)
-        upper = "inf" if slot == len(counts) - 1 else str(2 ** (slot + 1) - 1)
-        lines.append(f"{2 ** slot:>11} -> {upper:<10} : {counts[slot]:<8} |{stars:<40}|")
+    lines = [f"{unit:>25} : {'count':<8} distribution"]
+    for i in range(used[0], used[-1] + 1):
+        stars = "*" * round(40 * counts[i] / widest)
+        lines.append(f"{bounds[i] * scale:>11.1f} -> {bounds[i + 1] * scale:<11.1f} : {counts[i]:<8} |{stars:<40}|")
     return lines
 
 

@@ -1,8 +1,9 @@
-"""Cumulative histograms as (le_seconds, count) buckets: from the kernel's log2 slots, to documents,
+"""Cumulative histograms as (le_seconds, count) buckets: from the kernel's log-linear slots, to documents,
 and their quantiles. (Windows of recent changes: aiprobe.deltas.Window.)"""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,16 +12,46 @@ Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, c
 NS_PER_SECOND = 1e9
 
 
-def log2_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
-    """Cumulative (le_seconds, count) buckets from the log2 nanosecond slots of `struct hist`
-    (bpf/common.h): slot i holds [2^i, 2^(i+1)) ns, the last is open-ended (le = +Inf). Always every
-    slot, so the exporter and the alert windows see fixed bounds."""
-    buckets, total = [], 0
-    for index, count in enumerate(slots):
-        total += count
-        upper = math.inf if index == len(slots) - 1 else 2 ** (index + 1) / NS_PER_SECOND
-        buckets.append((upper, total))
-    return buckets
+# The kernel's log-linear histogram (`struct hist`, bpf/common.h): durations in units of 2^-14 ms;
+# slot i < 32 holds units [i, i + 1), slot 16 * s + m (16 <= m < 32) holds [m * 2^s, (m + 1) * 2^s),
+# the last slot everything above. Every m * 2^k ms with m < 32 is an edge.
+HIST_SUB = 16
+HIST_SLOTS = 433
+UNITS_PER_MS = 2 ** 14
+
+
+def _slot_upper_units(index: int) -> int:
+    if index < 2 * HIST_SUB:
+        return index + 1
+    shift, mantissa = divmod(index, HIST_SUB)
+    return (mantissa + HIST_SUB + 1) << (shift - 1)
+
+
+def _units_to_seconds(units: int) -> float:
+    return units / UNITS_PER_MS / 1000  # two exact-as-possible divisions: 50 ms reads 0.05
+
+
+# The `le` bounds exported (Prometheus, JSON): 3 per power of two, 7.8 us to 32.8 s. Each is a kernel
+# edge (so its count is exact), among them the shipped rules' thresholds 2, 5, 20 and 50 ms.
+_EXPORTED_UNITS = tuple(sorted({m << s for s in range(3, 25) for m in (16, 20, 25)} | {16 << 25}))
+_SLOT_BY_UPPER = {_slot_upper_units(i): i for i in range(HIST_SLOTS - 1)}
+EXPORTED_BOUNDS = tuple(_units_to_seconds(u) for u in _EXPORTED_UNITS)
+
+
+_UPPER_BOUNDS = (*(_units_to_seconds(_slot_upper_units(i)) for i in range(HIST_SLOTS - 1)), math.inf)
+
+
+def kernel_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
+    """Cumulative (le_seconds, count) of every slot of a `struct hist`, the last one +Inf: full
+    resolution, for quantiles. (Also takes a prefix of the slots, as tests write them.)"""
+    return list(zip((*_UPPER_BOUNDS[:len(slots) - 1], math.inf), itertools.accumulate(slots), strict=True))
+
+
+def exported_buckets(fine: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
+    exact counts, since each bound is a kernel edge."""
+    picked = [(le, fine[_SLOT_BY_UPPER[units]][1]) for le, units in zip(EXPORTED_BOUNDS, _EXPORTED_UNITS, strict=True)]
+    return [*picked, (math.inf, fine[-1][1])]
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:
@@ -29,8 +60,8 @@ def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:
 
 
 def quantile(buckets: Buckets, q: float) -> float | None:
-    """The q-quantile, interpolated inside its bucket as Prometheus' histogram_quantile does
-    (log2 buckets: a bucket's lower bound is half its upper bound). None without observations."""
+    """The q-quantile, interpolated linearly inside its bucket as Prometheus' histogram_quantile
+    does (the first bucket starts at 0). None without observations."""
     total = buckets[-1][1] if buckets else 0
     if total <= 0:
         return None
@@ -40,7 +71,7 @@ def quantile(buckets: Buckets, q: float) -> float | None:
         if count >= rank:
             if math.isinf(le):
                 return previous_le
-            lower = previous_le if previous_le else le / 2
+            lower = previous_le
             in_bucket = count - previous_count
             fraction = (rank - previous_count) / in_bucket if in_bucket else 1.0
             return lower + (le - lower) * fraction

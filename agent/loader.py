@@ -315,6 +315,12 @@ class Map:
         rc = libbpf.lib().bpf_map_update_elem(self.fd, ctypes.byref(self._key(key)), ctypes.byref(value), flags)
         libbpf.check_rc(rc, f"update in map {self.name}")
 
+    def push(self, value: Any) -> None:
+        """Add a value to a queue or stack map (they have no keys)."""
+        value = value if isinstance(value, self.value_type) else self.value_type(value)
+        rc = libbpf.lib().bpf_map_update_elem(self.fd, None, ctypes.byref(value), 0)
+        libbpf.check_rc(rc, f"push to map {self.name}")
+
     def delete(self, key: Any) -> bool:
         rc = libbpf.lib().bpf_map_delete_elem(self.fd, ctypes.byref(self._key(key)))
         if rc == -errno.ENOENT:

@@ -41,12 +41,15 @@ def _p99(histogram: str) -> str:
 
 
 RULES: dict[str, RuleSpec] = {
+    # Blocking senders wait in the send; asynchronous servers (uvicorn, vLLM's API server) never do:
+    # their sockets stay unwritable instead. The agent takes the larger of the two p99s.
     "network_send_stall": RuleSpec(
-        False, "tcp_sendmsg p99 {value:.3g}s in {target}: sends block on full socket buffers "
+        False, "sends block or sockets stay unwritable {value:.3g}s (p99) in {target}: full socket buffers "
         "(slow clients, backpressure or congestion)",
         _p99("aiprobe_tcp_sendmsg_duration_seconds"),
-        "tcp_sendmsg p99 of {{ $labels.process }} in {{ $labels.container }} is high",
-        "Sends block on full socket buffers: slow clients, backpressure or congestion."),
+        "sends of {{ $labels.process }} in {{ $labels.container }} block or stay unwritable",
+        "Full socket buffers: slow clients, backpressure or congestion.",
+        guard="or\n" + _p99("aiprobe_tcp_socket_unwritable_seconds") + " > %(threshold)s"),
     "gpu_saturated": RuleSpec(
         False, "{target} is {value:.0%} busy: the GPU is the bottleneck",
         "aiprobe_gpu_utilization_ratio", "GPU {{ $labels.gpu }} is saturated", "The GPU is the bottleneck."),
@@ -87,6 +90,14 @@ RULES: dict[str, RuleSpec] = {
         "More than %(threshold_percent)s of TCP segments are retransmitted",
         "Network loss between this host and its peers.",
         guard="and rate(aiprobe_tcp_sent_segments_total[5m]) > 1"),
+    "token_streams_stalling": RuleSpec(
+        False, "token streams of {target} stalled {value:.0f} times in the last 10 s (the evidence names the "
+        "cause: network, cpu, gpu or server)",
+        "sum by (instance, process, container, cause) (increase(aiprobe_stream_stalls_total[1m]))",
+        "token streams of {{ $labels.process }} stall (cause: {{ $labels.cause }})",
+        "Gaps between writes of streamed responses above stream_stall_threshold_ms. The cause label says "
+        "why: network (the socket was full), cpu (the writer waited for a CPU), server (the application "
+        "was slow to produce)."),
 }
 
 

@@ -1,25 +1,30 @@
 """TCP send latency: how long each send to a TCP socket takes (bpf/sendlat.bpf.c).
 
-The kernel aggregates: a log2 histogram per (process, cgroup), counters per flow, and only sends
-slower than a threshold leave it one by one, through a ring buffer. `SendLatencyProbe.read()`
+The kernel aggregates: per (process, cgroup) exact counts of successful and failed sends and
+log-linear histograms (16 buckets per power of two) of send time and of how long sockets stayed
+unwritable; counters per flow; only sends slower than a threshold leave it one by one, through a
+ring buffer. `SendLatencyProbe.read()`
 turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` prints them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import btf
-from .histogram import NS_PER_SECOND, log2_buckets, quantile
+from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Loaded, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
-from .model import FlowSendStats, MapUsage, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
 from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes
+from .streams import RECEIVE_SIDE  # the stream logic shares sendlat's programs (bpf/streams.h)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -27,10 +32,18 @@ if TYPE_CHECKING:
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
 MAX_PENDING_SLOW_SENDS = 65536
-_STATS_MAPS = ("procs", "flows", "starts")
+_STATS_MAPS = ("procs", "flows")
+# Failed sends by error: the order of enum send_error (bpf/sendlat.h).
+SEND_ERRORS = ("EAGAIN", "EPIPE", "ECONNRESET", "EINTR", "ETIMEDOUT", "ENOTCONN", "other")
+NO_WAITS = exported_buckets(kernel_buckets([0] * HIST_SLOTS))
+
+def _error_count(name: str) -> Any:
+    return lambda record: record.errors.get(name, 0)
+
 
 def _from_config(config: Config) -> SendLatencyProbe:
     return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
+                            cpu_budget=config.sendlat_cpu_budget or None,
                             strategies=strategies_named(SPEC, config.strategies.get("sendlat")))
 
 
@@ -39,7 +52,8 @@ SPEC = ProbeSpec(
     description="tcp_sendmsg latency per process, container and flow",
     strategies=(
         Strategy(
-            "fentry", programs=("sendlat_fentry", "sendlat_fexit"), features=("fentry", "ringbuf"),
+            "fentry", programs=("sendlat_fentry", "sendlat_fexit", *RECEIVE_SIDE["fentry"]),
+            features=("fentry", "ringbuf"),
             span="tcp_sendmsg entry to return (fentry/fexit)",
         ),
         Strategy(
@@ -49,16 +63,17 @@ SPEC = ProbeSpec(
         # Only TCP sends pay for these two tracepoints; the span starts with the socket locked.
         Strategy(
             "tracepoint",
-            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end", "sendlat_thread_exit"),
+            programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end", *RECEIVE_SIDE["tracepoint"]),
             features=("tp_btf", "tcp_send_tp", "ringbuf"),
             span="first copy into the socket (tcp:tcp_sendmsg_locked) to the return of the TCP socket's sendmsg "
-                 "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts sends that copy "
-                 "at least one byte, by user threads, on sockets without kTLS or another upper-layer protocol",
+                 "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts every TCP sendmsg of "
+                 "user threads, times those that reach the copy loop on sockets without kTLS or another "
+                 "upper-layer protocol",
         ),
         # Every syscall on the host pays for raw sys_enter: for kernels without tcp:tcp_sendmsg_locked.
         Strategy(
             "syscall",
-            programs=("sendlat_sys_enter", "sendlat_sock_send_length", "sendlat_thread_exit"),
+            programs=("sendlat_sys_enter", "sendlat_sock_send_length", *RECEIVE_SIDE["syscall"]),
             features=("tp_btf", "ringbuf"),
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",
@@ -67,15 +82,85 @@ SPEC = ProbeSpec(
     bpf_object=OBJECT,
     order=20,
     factory=lambda config, _running: _from_config(config),
-    config_keys=("slow_send_threshold_ms",),
+    config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
     command="aiprobe.commands.sendlat:command",
     metrics=(
-        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes passed to tcp_sendmsg.", ProcessSendLatency,
+        Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes sent by successful TCP sends.", ProcessSendLatency,
                "bytes", PROCESS_LABELS, per_identity=True),
-        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram", "Duration of tcp_sendmsg calls (log2 buckets).",
-               ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds", per_identity=True),
+        Family("aiprobe_tcp_sends_total", "counter", "Successful TCP sends (that returned bytes).",
+               ProcessSendLatency, "count", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_tcp_send_errors_total", "counter",
+               "Failed TCP sends, by error; EAGAIN (also EWOULDBLOCK) is back-pressure on a non-blocking socket.",
+               ProcessSendLatency, labels=PROCESS_LABELS, per_identity=True, expand_label="error",
+               expand=tuple((name, _error_count(name)) for name in SEND_ERRORS)),
+        Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram",
+               "Duration of successful TCP sends (log-linear buckets; 1 in aiprobe_tcp_send_timing_sample_every "
+               "timed).", ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds",
+               per_identity=True),
+        Family("aiprobe_tcp_sends_timed_total", "counter",
+               "Successful TCP sends that were timed (all, or 1 in aiprobe_tcp_send_timing_sample_every per "
+               "thread while the CPU budget is exceeded).", ProcessSendLatency, "timed", PROCESS_LABELS,
+               per_identity=True),
+        Family("aiprobe_tcp_send_timing_sample_every", "gauge",
+               "1 send in this many per thread is timed now (1: all); the CPU budget sets it.",
+               SendLatencySnapshot, "sample_every"),
+        Family("aiprobe_tcp_sends_uncounted_total", "counter",
+               "TCP sends not counted: their process found the per-process table full.",
+               SendLatencySnapshot, "uncounted_sends"),
+        Family("aiprobe_tcp_socket_unwritable_seconds", "histogram",
+               "How long sockets stayed unwritable: from a send that found the buffer full (EAGAIN, or a short "
+               "non-blocking send) to the next successful send on the socket.", ProcessSendLatency,
+               "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True),
     ),
 )
+
+
+# --- self-limiting overhead ---
+
+# What the default strategy's programs add per send, timed and untimed, from `make bench` on the dev
+# box (added CPU time per send, empty programs' share included; rounded up). The budget multiplies
+# them by the send rate: an estimate that costs nothing to make, not a measurement.
+TIMED_SEND_COST_NS = 600
+UNTIMED_SEND_COST_NS = 400
+MAX_SAMPLE_EVERY = 1024
+# Timing returns to finer sampling only once that would use at most this share of the budget.
+BUDGET_HYSTERESIS = 0.7
+
+
+class TimingBudget:
+    """Keeps the estimated CPU time of sendlat's programs within `cpu_budget` (a fraction of one
+    CPU): past it, 1 send in N is timed (N a power of two, at most MAX_SAMPLE_EVERY); counts and
+    bytes stay exact. N falls again as the send rate does."""
+
+    def __init__(self, cpu_budget: float) -> None:
+        if cpu_budget <= 0:
+            raise ValueError("cpu_budget must be positive")
+        self.cpu_budget = cpu_budget
+        self._last: dict[tuple[int, int], int] = {}  # (pid, cgroup) -> sends and failures at the last read
+        self._last_time: float | None = None
+
+    @staticmethod
+    def cpu_share(sends_per_second: float, every: int) -> float:
+        """Estimated CPU of the programs (fraction of one CPU) at this rate, timing 1 send in `every`."""
+        per_send_ns = UNTIMED_SEND_COST_NS + (TIMED_SEND_COST_NS - UNTIMED_SEND_COST_NS) / every
+        return sends_per_second * per_send_ns / NS_PER_SECOND
+
+    def sends_per_second(self, processes: Sequence[ProcessSendLatency], now: float) -> float:
+        totals = {(p.pid, p.cgroup_id): p.count + sum(p.errors.values()) for p in processes}
+        new = sum(max(0, total - self._last.get(key, 0)) for key, total in totals.items())
+        elapsed = now - self._last_time if self._last_time is not None else 0.0
+        self._last, self._last_time = totals, now
+        return new / elapsed if elapsed > 0 else 0.0
+
+    def every(self, sends_per_second: float, current: int) -> int:
+        """1-in-N for the coming interval: the finest N within budget (the coarsest there is when
+        none is); coarser at once, finer only with room to spare."""
+        wanted = 1
+        while wanted < MAX_SAMPLE_EVERY and self.cpu_share(sends_per_second, wanted) > self.cpu_budget:
+            wanted *= 2
+        if wanted >= current or self.cpu_share(sends_per_second, wanted) <= BUDGET_HYSTERESIS * self.cpu_budget:
+            return wanted
+        return current
 
 
 # --- decoding map entries ---
@@ -89,20 +174,29 @@ def _endpoints(flow: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _process(key: dict[str, Any], value: dict[str, Any], started: int) -> ProcessSendLatency:
-    latency = value["latency"]
-    buckets = log2_buckets(latency["slots"])
+def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> ProcessSendLatency:
+    """One process from its `procs` and `unwritable` entries (BTF ctypes structs, read field by
+    field: decoding 433 slots item by item costs a millisecond a process)."""
+    latency = value.latency
+    fine = kernel_buckets(latency.slots[:])
+    waited = kernel_buckets(waits.slots[:]) if waits is not None else []
     return ProcessSendLatency(
         pid=key["tgid"],
-        comm=comm_text(value["comm"]),
+        comm=comm_text(bytes(value.comm)),
         cgroup_id=key["cgroup_id"],
-        count=latency["count"],
-        bytes=value["bytes"],
-        sum_seconds=latency["sum_ns"] / NS_PER_SECOND,
-        p50_seconds=quantile(buckets, 0.5),
-        p99_seconds=quantile(buckets, 0.99),
-        histogram=buckets,
+        count=latency.count + value.untimed_sends,
+        bytes=value.bytes,
+        sum_seconds=latency.sum_ns / NS_PER_SECOND,
+        p50_seconds=quantile(fine, 0.5),
+        p99_seconds=quantile(fine, 0.99),
+        histogram=exported_buckets(fine),
         start_ticks=started,
+        timed=latency.count,
+        errors={name: count for name, count in zip(SEND_ERRORS, value.errors[:], strict=True) if count},
+        unwritable_count=waits.count if waits is not None else 0,
+        unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
+        unwritable_p99_seconds=quantile(waited, 0.99),
+        unwritable_histogram=exported_buckets(waited) if waits is not None else NO_WAITS,
     )
 
 
@@ -128,10 +222,11 @@ class SendLatencyProbe(Probe):
 
     def __init__(
         self, threshold_ms: float = 10.0, pid: int | None = None, strategies: Sequence[Strategy] | None = None,
-        per_flow: bool = True,
+        per_flow: bool = True, cpu_budget: float | None = None,
     ) -> None:
         """`per_flow=False` skips the per-flow counters (in the kernel too): the agent takes flows
-        from the flows probe, and reading thousands of connections each second is not free."""
+        from the flows probe, and reading thousands of connections each second is not free.
+        `cpu_budget` (a fraction of one CPU) makes each read() adapt timing to the send rate."""
         super().__init__()
         if threshold_ms < 0:
             raise ValueError("threshold_ms must not be negative")
@@ -145,6 +240,8 @@ class SendLatencyProbe(Probe):
         self._dropped = 0
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
         self._starts = StartTimes()
+        self.sample_every = 1
+        self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -170,6 +267,21 @@ class SendLatencyProbe(Probe):
             return
         self._pending.append(_slow_send(btf.decode(self._event_type.from_buffer_copy(data))))
 
+    def set_sample_every(self, every: int) -> None:
+        """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
+        if every < 1:
+            raise ValueError("sample_every must be at least 1")
+        obj = self._loaded().obj
+        data = next(m for name, m in obj.maps.items() if name.endswith(".data"))
+        if obj.btf is None:
+            raise RuntimeError(f"{OBJECT}.bpf.o has no BTF")
+        offset, _ = obj.btf.datasec_vars(".data")["sample_every"]
+        # `sample_every` is the section's only variable: nothing else writes it concurrently.
+        section = data.lookup(0)
+        ctypes.c_uint32.from_buffer(section, offset).value = every
+        data.update(0, section)
+        self.sample_every = every
+
     def _loaded(self) -> Loaded:
         if self.loaded is None:
             raise RuntimeError("SendLatencyProbe is not started")
@@ -189,9 +301,13 @@ class SendLatencyProbe(Probe):
         obj = loaded.obj
         self.poll(0)
         slow_sends, self._pending = self._pending, []
-        entries = self._read_and_prune(obj, "procs")
-        processes = [_process(key, value, self._starts.of(key["tgid"])) for key, value in entries]
-        self._starts.keep_only({key["tgid"] for key, _ in entries})
+        processes = self._read_processes(obj)
+        self._starts.keep_only({p.pid for p in processes})
+        if self._budget is not None:
+            rate = self._budget.sends_per_second(processes, time.monotonic())
+            every = self._budget.every(rate, self.sample_every)
+            if every != self.sample_every:
+                self.set_sample_every(every)
         flows = [_flow(key, value) for key, value in self._read_and_prune(obj, "flows")] if self.per_flow else []
         return SendLatencySnapshot(
             strategy=loaded.strategy.name,
@@ -200,7 +316,29 @@ class SendLatencyProbe(Probe):
             flows=flows,
             slow_sends=slow_sends,
             lost_events=self.events_lost(),
+            uncounted_sends=obj.maps["counters"].lookup(1).value,
+            sample_every=self.sample_every,
         )
+
+    def _read_processes(self, obj: BpfObject) -> list[ProcessSendLatency]:
+        """Every process's entry; those of exited processes are then freed for reuse."""
+        index_of, procs, unwritable = obj.maps["proc_slots"], obj.maps["procs"], obj.maps["unwritable"]
+        processes, exited = [], []
+        for raw_key, index in index_of.items():
+            key, stats, waits = btf.decode(raw_key), procs.lookup(index), unwritable.lookup(index)
+            if stats is None:
+                continue
+            processes.append(_process(key, stats, waits, self._starts.of(key["tgid"])))
+            if not os.path.exists(f"/proc/{key['tgid']}"):
+                exited.append((raw_key, index))
+        self._entries["procs"] = len(processes)
+        for raw_key, index in exited:
+            # No thread of the process is left to use the index: zero it, then hand it back.
+            index_of.delete(raw_key)
+            procs.update(index, procs.value_type())
+            unwritable.delete(index)
+            obj.maps["free_procs"].push(index)
+        return processes
 
     def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         stats = obj.maps[map_name]
@@ -214,13 +352,20 @@ class SendLatencyProbe(Probe):
             return self._dropped
         return int(self.loaded.obj.maps["counters"].lookup(0).value) + self._dropped
 
+    def status(self) -> ProbeStatus:
+        """As every probe's, and while over its CPU budget, how much of the traffic it times."""
+        status = super().status()
+        if status.up and self.sample_every > 1:
+            status.span += f"; timing 1 in {self.sample_every} sends per thread (CPU budget), counts exact"
+        return status
+
     def map_usage(self) -> list[MapUsage]:
-        """Sizes as of the last read (the per-thread `starts` map is counted now)."""
+        """Sizes as of the last read (per-thread and per-socket state lives with the thread and the
+        socket: no map to fill)."""
         if self.loaded is None:
             return []
         maps = self.loaded.obj.maps
-        sizes = {**self._entries, "starts": len(maps["starts"].items())}
-        return [MapUsage(name, sizes.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
+        return [MapUsage(name, self._entries.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
 
     def close(self) -> None:
         self._ring = None  # freed with the object

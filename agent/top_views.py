@@ -1,4 +1,4 @@
-"""What `aiprobe top` shows: the header and four views (processes, flows, GPUs, alerts), declared as
+"""What `aiprobe top` shows: the header and five views (processes, flows, streams, GPUs, alerts), declared as
 columns over docs/snapshot.md fields. The interactive screen and `--batch` text both render these."""
 
 from __future__ import annotations
@@ -62,6 +62,19 @@ def _alert_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+STALL_CAUSES = ("network", "cpu", "gpu", "server")
+
+
+def _stream_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """Endpoints with their stalls as `network 2 cpu 1` and their total (for sorting)."""
+    rows = []
+    for stream in snapshot.get("streams") or []:
+        stalls = stream.get("stalls") or {}
+        rows.append({**stream, "stall_count": sum(stalls.values()),
+                     "stalls_text": " ".join(f"{c} {stalls[c]}" for c in STALL_CAUSES if stalls.get(c)) or "-"})
+    return rows
+
+
 def _listed(field: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
     return lambda snapshot: list(snapshot.get(field) or [])
 
@@ -106,6 +119,24 @@ VIEWS: dict[str, View] = {
             ),
             "bytes_per_second", True, ("flows",), _flow_rows,
             identity=("interface", "direction", "protocol", "local", "remote"),
+        ),
+        View(
+            "streams", "Streams",
+            (
+                Column("PORT", "port", 6, text=str),
+                Column("PROTO", "protocol", 6, numeric=False),
+                Column("PROCESS", "comm", 15, numeric=False),
+                Column("CONTAINER", "container", 12, numeric=False),
+                Column("STREAMS", "streams_per_second", 8),
+                Column("TTFB p50", "ttfb_p50_seconds", 9),
+                Column("TTFB p99", "ttfb_p99_seconds", 9),
+                Column("GAP p50", "gap_p50_seconds", 9),
+                Column("GAP p99", "gap_p99_seconds", 9),
+                Column("STALLS", "stall_count", 7, text=str),
+                Column("BY CAUSE", "stalls_text", 24, numeric=False),
+            ),
+            "streams_per_second", True, ("streams",), _stream_rows,
+            identity=("pid", "port", "protocol"),
         ),
         View(
             "gpus", "GPUs",

@@ -1,12 +1,21 @@
 // SPDX-License-Identifier: GPL-2.0
-/* TCP send latency: how long each send to a TCP socket takes, per process (tgid, cgroup) as a log2
- * histogram, per flow as counters, and each send slower than a threshold as a ring-buffer event.
+/* TCP send latency: per process (tgid, cgroup), the successful sends and their bytes, the failed
+ * ones by error, a log-linear histogram of how long sends took and one of how long sockets stayed
+ * unwritable (first EAGAIN to the next successful send on the socket); per flow, counters; each send
+ * slower than a threshold, as a ring-buffer event.
  *
  * Four ways to find a send's start and end, one per strategy (agent/sendlat.py), best first:
  *   fentry/fexit on tcp_sendmsg; kprobe/kretprobe on tcp_sendmsg; for kernels with neither, the
  *   first tcp:tcp_sendmsg_locked of a call up to sock:sock_send_length (TCP sends only pay); and for
  *   kernels without that tracepoint, the send syscalls' entry (raw sys_enter, which every syscall on
- *   the host pays for) up to sock:sock_send_length. All four end in record_send(). */
+ *   the host pays for) up to sock:sock_send_length. All four end in end_send().
+ *
+ * Cost: this runs on every TCP send of the host, so the hot path is a few loads and atomics around
+ * two clock reads. A thread's state lives in task storage (no hash lookup, freed with the thread) and
+ * caches its process's index into the `procs` array (an array lookup is a bounds check), re-reading
+ * its cgroup id only when its css_set changes. Counts are exact; the latency histogram times every
+ * send, or 1 in `sample_every` per thread when user space sets it (the per-thread counter makes the
+ * sample a fixed fraction of each thread's sends). */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
@@ -19,6 +28,16 @@ char LICENSE[] SEC("license") = "GPL";
 
 #define AF_INET 2
 #define AF_INET6 10
+#define PF_KTHREAD 0x00200000	/* include/linux/sched.h: not in BTF */
+/* errno values (uapi asm-generic/errno*.h) and the kernel-internal restart codes (linux/errno.h). */
+#define EINTR 4
+#define EAGAIN 11
+#define EPIPE 32
+#define ECONNRESET 104
+#define ENOTCONN 107
+#define ETIMEDOUT 110
+#define ERESTARTSYS 512
+#define ERESTART_RESTARTBLOCK 516
 
 /* The syscalls that send on a socket (send(2) is sendto on these ABIs). */
 #if defined(__TARGET_ARCH_x86)
@@ -39,6 +58,11 @@ char LICENSE[] SEC("license") = "GPL";
 #error "sendlat: add this architecture's send syscall numbers"
 #endif
 
+/* A thread re-reads its cgroup id (20 ns) when its css_set changes (a move to another cgroup) and
+ * once in this many sends besides (a freed css_set's address may come back for another set). */
+#define CGROUP_RECHECK_SENDS 256
+#define NO_PROC MAX_PROCS
+
 /* Set by user space before load. */
 const volatile __u64 slow_threshold_ns = 10 * 1000 * 1000;
 const volatile __u32 target_tgid = 0;	/* 0: every process */
@@ -46,28 +70,78 @@ const volatile __u32 target_tgid = 0;	/* 0: every process */
  * from the flows probe, turns them off. Slow-send events carry the tuple either way. */
 const volatile bool count_flows = true;
 
-/* Where a thread's send in progress started. */
-struct sendlat_start {
-	__u64 start_ns;
-	__u64 sk;		/* the socket (kprobe: for the return probe; tcp tracepoints: 0 once closed) */
+/* Set by user space while running: time 1 send in this many per thread (1: every send). */
+__u32 sample_every = 1;
+/* Next never-used `procs` index; freed ones come back through `free_procs`. */
+__u32 next_proc;
+
+/* What one thread is doing. */
+struct sendlat_thread {
+	__u64 start_ns;		/* when the timed send in progress started; 0: none */
+	__u64 sk;		/* the socket of the send in progress (kprobe: for the return probe;
+				 * tcp tracepoints: 0 once it ended) */
 	long syscall_nr;	/* syscall strategy: the syscall that started it */
+	__u64 cgroup_id;
+	__u64 css_set;		/* the task's css_set when cgroup_id was read */
+	__u32 tgid;
+	__u32 proc;		/* index into `procs`; NO_PROC before the first send */
+	__u32 recheck_in;	/* sends until the cgroup id is read again */
+	__u32 sample_in;	/* sends until the next timed one */
+	__u32 unwritable;	/* sockets this thread saw EAGAIN on and not yet a send succeed */
+	bool ready;		/* the fields above are set */
+	bool ignored;		/* a kernel thread, or not the traced process */
 };
 
-/* One entry per thread in a send (fentry/kprobe: deleted on return) or that sent once (tracepoints:
- * closed in place, deleted when the thread exits). LRU: a full map evicts rather than drops. */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, __u32);
-	__type(value, struct sendlat_start);
-} starts SEC(".maps");
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct sendlat_thread);
+} threads SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 10240);
-	__type(key, struct sendlat_proc_key);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_PROCS);
+	__type(key, __u32);
 	__type(value, struct sendlat_proc_stats);
 } procs SEC(".maps");
+
+/* (tgid, cgroup id) -> its index into `procs`. User space frees the entries of exited processes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, MAX_PROCS);
+	__type(key, struct sendlat_proc_key);
+	__type(value, __u32);
+} proc_slots SEC(".maps");
+
+/* `procs` indexes user space freed (zeroed) for reuse. */
+struct {
+	__uint(type, BPF_MAP_TYPE_QUEUE);
+	__uint(max_entries, MAX_PROCS);
+	__type(value, __u32);
+} free_procs SEC(".maps");
+
+/* `procs` index -> how long its sockets stayed unwritable; only processes that saw EAGAIN have one. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, MAX_PROCS);
+	__type(key, __u32);
+	__type(value, struct hist);
+} unwritable SEC(".maps");
+
+/* Per socket: since when it is unwritable (its first EAGAIN), 0 while writable. */
+struct sendlat_socket {
+	__u64 unwritable_since_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct sendlat_socket);
+} sockets SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -91,13 +165,8 @@ struct {
 BTF_EXPORT(slow_send_event);
 
 /* Initial values for new map entries (never written). */
-static struct sendlat_proc_stats zero_proc;
 static struct sendlat_flow_stats zero_flow;
-
-static __always_inline bool traced(__u64 pid_tgid)
-{
-	return !target_tgid || (pid_tgid >> 32) == target_tgid;
-}
+static struct hist zero_hist;
 
 static __always_inline void count(enum sendlat_counter index)
 {
@@ -108,28 +177,109 @@ static __always_inline void count(enum sendlat_counter index)
 		__sync_fetch_and_add(value, 1);
 }
 
-/* Starts thread `tid`'s send now; `start` is its entry, NULL when it has none yet. */
-static __always_inline void open_send(struct sendlat_start *start, __u32 tid, struct sock *sk, long syscall_nr)
+/* The entry of `key` in a stats map, created from `zero` on first use. */
+static __always_inline void *lookup_or_init(void *map, const void *key, const void *zero)
 {
-	struct sendlat_start fresh = { .sk = (__u64)sk, .syscall_nr = syscall_nr };
+	void *value = bpf_map_lookup_elem(map, key);
 
-	/* In place when the thread has an entry: an LRU update would allocate a new element. */
-	if (start) {
-		start->sk = (__u64)sk;
-		start->syscall_nr = syscall_nr;
-		start->start_ns = bpf_ktime_get_ns();
-		return;
+	if (value)
+		return value;
+	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(map, key);
+}
+
+/* --- the calling thread and its process --- */
+
+/* The calling thread's state, created on its first send; NULL for threads not measured. */
+static __always_inline struct sendlat_thread *current_thread(void)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct sendlat_thread *thread = bpf_task_storage_get(&threads, task, NULL, BPF_LOCAL_STORAGE_GET_F_CREATE);
+
+	if (!thread)
+		return NULL;
+	if (!thread->ready) {
+		thread->tgid = task->tgid;
+		thread->proc = NO_PROC;
+		/* Kernel threads send outside any sendmsg (TLS tx work, sockmap backlog): not measured. */
+		thread->ignored = (task->flags & PF_KTHREAD) || (target_tgid && thread->tgid != target_tgid);
+		thread->ready = true;
 	}
-	fresh.start_ns = bpf_ktime_get_ns();
-	bpf_map_update_elem(&starts, &tid, &fresh, BPF_ANY);
+	return thread->ignored ? NULL : thread;
 }
 
-static __always_inline void send_begin(__u64 pid_tgid, struct sock *sk, long syscall_nr)
+/* A new `procs` index for (tgid, cgroup_id), named after the process; NO_PROC when all are taken. */
+static __noinline __u32 new_proc(struct sendlat_proc_key *key)
 {
-	__u32 tid = pid_tgid;
+	struct sendlat_proc_stats *stats;
+	struct task_struct *leader;
+	__u32 index, *winner;
 
-	open_send(bpf_map_lookup_elem(&starts, &tid), tid, sk, syscall_nr);
+	if (bpf_map_pop_elem(&free_procs, &index)) {
+		index = __sync_fetch_and_add(&next_proc, 1);
+		if (index >= MAX_PROCS)
+			return NO_PROC;
+	}
+	stats = bpf_map_lookup_elem(&procs, &index);
+	if (!stats)
+		return NO_PROC;
+	/* The process name, not the sending thread's: threads often carry their own names. */
+	leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
+	bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
+	if (!bpf_map_update_elem(&proc_slots, key, &index, BPF_NOEXIST))
+		return index;
+	/* Another thread of the process got there first: give the index back, take the winner's. */
+	bpf_map_push_elem(&free_procs, &index, 0);
+	winner = bpf_map_lookup_elem(&proc_slots, key);
+	return winner ? *winner : NO_PROC;
 }
+
+static __always_inline __u32 proc_index(__u32 tgid, __u64 cgroup_id)
+{
+	struct sendlat_proc_key key = { .tgid = tgid, .cgroup_id = cgroup_id };
+	__u32 *index = bpf_map_lookup_elem(&proc_slots, &key);
+
+	return index ? *index : new_proc(&key);
+}
+
+/* The statistics of the thread's process, in its current cgroup. */
+static __always_inline struct sendlat_proc_stats *proc_of(struct sendlat_thread *thread)
+{
+	__u64 css_set = (__u64)bpf_get_current_task_btf()->cgroups, cgroup_id;
+	__u32 index;
+
+	if (thread->recheck_in && css_set == thread->css_set) {
+		thread->recheck_in--;
+	} else {
+		thread->recheck_in = CGROUP_RECHECK_SENDS - 1;
+		thread->css_set = css_set;
+		cgroup_id = bpf_get_current_cgroup_id();
+		if (cgroup_id != thread->cgroup_id || thread->proc == NO_PROC) {
+			thread->cgroup_id = cgroup_id;
+			thread->proc = proc_index(thread->tgid, cgroup_id);
+		}
+	}
+	index = thread->proc;
+	return bpf_map_lookup_elem(&procs, &index);
+}
+
+/* Whether the thread's send starting now is one to time (1 in sample_every). */
+static __always_inline bool sampled(struct sendlat_thread *thread)
+{
+	if (thread->sample_in) {
+		thread->sample_in--;
+		return false;
+	}
+	thread->sample_in = sample_every - 1;
+	return true;
+}
+
+static __always_inline void start_send(struct sendlat_thread *thread)
+{
+	thread->start_ns = sampled(thread) ? bpf_ktime_get_ns() : 0;
+}
+
+/* --- recording the end of a send --- */
 
 /* `trusted`: sk is a BTF pointer (tp_btf, fexit) read by plain loads; otherwise (kprobe) every
  * read goes through bpf_probe_read_kernel, several times slower. A constant at each call site,
@@ -158,36 +308,8 @@ static __always_inline void read_flow(struct sendlat_flow_key *flow, struct sock
 	}
 }
 
-/* The entry of `key` in a stats map, created from `zero` on first use. */
-static __always_inline void *lookup_or_init(void *map, const void *key, const void *zero, bool *created)
-{
-	void *value = bpf_map_lookup_elem(map, key);
-
-	*created = false;
-	if (value)
-		return value;
-	*created = !bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
-	return bpf_map_lookup_elem(map, key);
-}
-
-static __always_inline struct sendlat_proc_stats *proc_stats_of(__u64 pid_tgid)
-{
-	struct sendlat_proc_key key = { .tgid = pid_tgid >> 32, .cgroup_id = bpf_get_current_cgroup_id() };
-	struct sendlat_proc_stats *stats;
-	struct task_struct *leader;
-	bool created;
-
-	stats = lookup_or_init(&procs, &key, &zero_proc, &created);
-	if (stats && created) {
-		/* The process name, not the sending thread's: threads often carry their own names. */
-		leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
-		bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
-	}
-	return stats;
-}
-
-static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct sendlat_proc_stats *stats, __u64 pid_tgid,
-					   __u64 bytes, __u64 duration_ns)
+static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct sendlat_thread *thread,
+					   struct sendlat_proc_stats *stats, __u64 bytes, __u64 duration_ns)
 {
 	struct slow_send_event *event = bpf_ringbuf_reserve(&slow_sends, sizeof(*event), 0);
 
@@ -196,96 +318,189 @@ static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct
 		return;
 	}
 	event->flow = *flow;
-	event->tid = (__u32)pid_tgid;
+	event->tid = (__u32)bpf_get_current_pid_tgid();
 	event->pad = 0;
-	event->cgroup_id = bpf_get_current_cgroup_id();
+	event->cgroup_id = thread->cgroup_id;
 	event->bytes = bytes;
 	event->duration_ns = duration_ns;
 	__builtin_memcpy(event->comm, stats->comm, sizeof(event->comm));
 	bpf_ringbuf_submit(event, 0);
 }
 
-/* One send of `ret` bytes (negative: an error) on `sk` that took `duration_ns`. */
-static __always_inline void record_send(struct sock *sk, bool trusted, long ret, __u64 duration_ns, __u64 pid_tgid)
+static __always_inline enum send_error send_error_of(long ret)
 {
-	__u64 bytes = ret > 0 ? ret : 0;
+	switch (-ret) {
+	case EAGAIN: return SEND_ERROR_EAGAIN;
+	case EPIPE: return SEND_ERROR_EPIPE;
+	case ECONNRESET: return SEND_ERROR_ECONNRESET;
+	case ETIMEDOUT: return SEND_ERROR_ETIMEDOUT;
+	case ENOTCONN: return SEND_ERROR_ENOTCONN;
+	}
+	if (-ret == EINTR || (-ret >= ERESTARTSYS && -ret <= ERESTART_RESTARTBLOCK))
+		return SEND_ERROR_EINTR;
+	return SEND_ERROR_OTHER;
+}
+
+/* A successful send that left `sk` full: it found no room and sent only part (a non-blocking send,
+ * what asyncio servers see rather than an EAGAIN, as they send only once the socket polls writable;
+ * or a blocking one cut short by SO_SNDTIMEO or a signal). The kernel flags the socket SOCK_NOSPACE
+ * when a send finds it full and clears the flag when room frees up, which a blocking send waits for. */
+static __always_inline bool left_full(struct sock *sk)
+{
+	struct socket *sock = sk->sk_socket;
+
+	return sock && (sock->flags & (1UL << SOCK_NOSPACE));
+}
+
+#include "streams.h"
+
+/* `sk` is unwritable from now, unless it already was. */
+static __always_inline void socket_unwritable(struct sendlat_thread *thread, struct sock *sk)
+{
+	struct sendlat_socket *socket = bpf_sk_storage_get(&sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+
+	if (!socket || socket->unwritable_since_ns)
+		return;
+	socket->unwritable_since_ns = bpf_ktime_get_ns();
+	thread->unwritable++;
+}
+
+/* A send on `sk` succeeded: if it was unwritable, record for how long. Only threads that found a
+ * socket full look (socket storage, 9 ns); a socket closed while unwritable keeps its thread looking. */
+static __always_inline void socket_writable(struct sendlat_thread *thread, struct sock *sk)
+{
+	struct sendlat_socket *socket;
+	struct hist *hist;
+	__u64 since;
+
+	if (!thread->unwritable)
+		return;
+	socket = bpf_sk_storage_get(&sockets, sk, NULL, 0);
+	if (!socket || !socket->unwritable_since_ns)
+		return;
+	since = socket->unwritable_since_ns;
+	/* Another thread may end the same wait: the one that clears it records it. */
+	if (!__sync_bool_compare_and_swap(&socket->unwritable_since_ns, since, 0))
+		return;
+	thread->unwritable--;
+	hist = lookup_or_init(&unwritable, &thread->proc, &zero_hist);
+	if (hist)
+		hist_add(hist, bpf_ktime_get_ns() - since);
+}
+
+/* Per-flow counters and the slow-send event of a successful send (the flow key is built only here). */
+static __always_inline void record_flow(struct sendlat_thread *thread, struct sendlat_proc_stats *stats,
+					struct sock *sk, bool trusted, long ret, __u64 duration_ns, bool slow)
+{
 	struct sendlat_flow_key flow = {};
 	struct sendlat_flow_stats *flow_stats;
-	struct sendlat_proc_stats *stats;
-	bool created;
 
-	stats = proc_stats_of(pid_tgid);
-	if (!stats)
-		return;
-	hist_add(&stats->latency, duration_ns);
-	__sync_fetch_and_add(&stats->bytes, bytes);
-
-	if (!count_flows && duration_ns < slow_threshold_ns)
-		return;
-	read_flow(&flow, sk, trusted, pid_tgid >> 32);
+	read_flow(&flow, sk, trusted, thread->tgid);
 	if (count_flows) {
-		flow_stats = lookup_or_init(&flows, &flow, &zero_flow, &created);
+		flow_stats = lookup_or_init(&flows, &flow, &zero_flow);
 		if (flow_stats) {
 			__sync_fetch_and_add(&flow_stats->count, 1);
-			__sync_fetch_and_add(&flow_stats->bytes, bytes);
+			__sync_fetch_and_add(&flow_stats->bytes, ret);
 			__sync_fetch_and_add(&flow_stats->sum_ns, duration_ns);
 		}
 	}
-	if (duration_ns >= slow_threshold_ns)
-		emit_slow_send(&flow, stats, pid_tgid, bytes, duration_ns);
+	if (slow)
+		emit_slow_send(&flow, thread, stats, ret, duration_ns);
+}
+
+static __always_inline void failed_send(struct sendlat_thread *thread, struct sendlat_proc_stats *stats,
+					struct sock *sk, bool trusted, long ret)
+{
+	enum send_error error = send_error_of(ret);
+
+	if (error < SEND_ERROR_MAX)
+		__sync_fetch_and_add(&stats->errors[error], 1);
+	/* Socket storage is for BTF programs only; kprobes do without the unwritable time. */
+	if (trusted && ret == -EAGAIN)
+		socket_unwritable(thread, sk);
+}
+
+/* A TCP sendmsg of `thread` on `sk` returned `ret` (bytes, or -errno); `start_ns` is its start
+ * when timed, else 0. */
+static __always_inline void end_send(struct sendlat_thread *thread, struct sock *sk, bool trusted, long ret,
+				     __u64 start_ns)
+{
+	struct sendlat_proc_stats *stats = proc_of(thread);
+	__u64 duration_ns = 0;
+	bool slow;
+
+	if (!stats) {
+		count(COUNTER_PROCS_FULL);
+		return;
+	}
+	if (trusted)
+		stream_send_end(sk, ret, start_ns, thread->tgid, thread->cgroup_id);
+	if (ret <= 0) {
+		if (ret)
+			failed_send(thread, stats, sk, trusted, ret);
+		return;
+	}
+	/* A timed send is counted by its histogram: one atomic less on the hot path. */
+	if (!start_ns)
+		__sync_fetch_and_add(&stats->untimed_sends, 1);
+	__sync_fetch_and_add(&stats->bytes, ret);
+	if (trusted) {
+		socket_writable(thread, sk);
+		if (left_full(sk))
+			socket_unwritable(thread, sk);
+	}
+	if (start_ns) {
+		duration_ns = bpf_ktime_get_ns() - start_ns;
+		hist_add(&stats->latency, duration_ns);
+	}
+	slow = start_ns && duration_ns >= slow_threshold_ns;
+	if (count_flows || slow)
+		record_flow(thread, stats, sk, trusted, ret, duration_ns, slow);
 }
 
 /* --- fentry / kprobe: tcp_sendmsg entry to return --- */
 
-/* sk: fexit's own (trusted) argument, or NULL for the one kprobe saved at entry. */
-static __always_inline void send_end(struct sock *sk, long ret)
-{
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tid = pid_tgid;
-	struct sendlat_start *start = bpf_map_lookup_elem(&starts, &tid);
-	__u64 duration_ns;
-
-	if (!start)
-		return;
-	duration_ns = bpf_ktime_get_ns() - start->start_ns;
-	if (sk)
-		record_send(sk, true, ret, duration_ns, pid_tgid);
-	else
-		record_send((struct sock *)start->sk, false, ret, duration_ns, pid_tgid);
-	bpf_map_delete_elem(&starts, &tid);
-}
-
 SEC("fentry/tcp_sendmsg")
-int BPF_PROG(sendlat_fentry, struct sock *sk)
+int BPF_PROG(sendlat_fentry, struct sock *sk, struct msghdr *msg)
 {
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	struct sendlat_thread *thread = current_thread();
 
-	if (traced(pid_tgid))
-		send_begin(pid_tgid, sk, 0);
+	if (thread) {
+		stream_send_begin(sk, msg);
+		start_send(thread);
+	}
 	return 0;
 }
 
 SEC("fexit/tcp_sendmsg")
 int BPF_PROG(sendlat_fexit, struct sock *sk, struct msghdr *msg, size_t size, int ret)
 {
-	send_end(sk, ret);
+	struct sendlat_thread *thread = current_thread();
+
+	if (thread)
+		end_send(thread, sk, true, ret, thread->start_ns);
 	return 0;
 }
 
 SEC("kprobe/tcp_sendmsg")
 int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
 {
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	struct sendlat_thread *thread = current_thread();
 
-	if (traced(pid_tgid))
-		send_begin(pid_tgid, sk, 0);
+	if (thread) {
+		thread->sk = (__u64)sk;
+		start_send(thread);
+	}
 	return 0;
 }
 
 SEC("kretprobe/tcp_sendmsg")
 int BPF_KRETPROBE(sendlat_kretprobe, int ret)
 {
-	send_end(NULL, ret);
+	struct sendlat_thread *thread = current_thread();
+
+	if (thread)
+		end_send(thread, (struct sock *)thread->sk, false, ret, thread->start_ns);
 	return 0;
 }
 
@@ -294,67 +509,53 @@ int BPF_KRETPROBE(sendlat_kretprobe, int ret)
  * tcp:tcp_sendmsg_locked fires at each turn of tcp_sendmsg_locked's copy loop (once per skb, again
  * after each wait for buffer space), with the socket locked. The first firing for a thread with no
  * send open on that socket opens one; sock:sock_send_length (the socket's sendmsg returned) closes
- * it. The span misses syscall entry, lock_sock() waits and what precedes the copy loop; sends that
- * never reach the loop (0 bytes, errors before copying, TCP Fast Open's SYN data) are not counted.
+ * it and counts it. The timed span misses syscall entry, lock_sock() waits and what precedes the
+ * copy loop. Every TCP sendmsg return is counted (by its return value); only those that reached the
+ * copy loop are timed.
  *
  * A send opened outside a sendmsg would time the thread's next send from the wrong start. So are
- * skipped: kernel threads (TLS tx work, sockmap backlog) and sockets with an upper-layer protocol
- * (kTLS pushes records in close() and at the end of sendfile; espintcp, MPTCP subflows): those
- * are not measured. What is left ends at the thread's next TCP sendmsg end, recorded only when it
- * is on the open socket (a sockmap redirect opens on the target and ends on the source: dropped);
- * a thread that exits takes its entry with it. */
+ * not timed: kernel threads (not counted either) and sockets with an upper-layer protocol (kTLS
+ * pushes records in close() and at the end of sendfile; espintcp, MPTCP subflows). What is left
+ * ends at the thread's next TCP sendmsg end, timed only when it is on the open socket (a sockmap
+ * redirect opens on the target and ends on the source: not timed). */
 
-#define PF_KTHREAD 0x00200000	/* include/linux/sched.h: not in BTF */
-
-static __always_inline bool sends_only_in_sendmsg(struct sock *sk)
+static __always_inline bool has_upper_layer(struct sock *sk)
 {
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 
-	return tp && !tp->inet_conn.icsk_ulp_ops && !(bpf_get_current_task_btf()->flags & PF_KTHREAD);
+	return !tp || tp->inet_conn.icsk_ulp_ops;
 }
 
 SEC("tp_btf/tcp_sendmsg_locked")
-int BPF_PROG(sendlat_tcp_send_start, struct sock *sk)
+int BPF_PROG(sendlat_tcp_send_start, struct sock *sk, struct msghdr *msg)
 {
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tid = pid_tgid;
-	struct sendlat_start *start;
+	struct sendlat_thread *thread = current_thread();
 
-	if (!traced(pid_tgid))
-		return 0;
-	start = bpf_map_lookup_elem(&starts, &tid);
 	/* A later turn of the copy loop of the send already open. */
-	if (start && start->sk == (__u64)sk)
+	if (!thread || thread->sk == (__u64)sk || has_upper_layer(sk))
 		return 0;
-	if (sends_only_in_sendmsg(sk))
-		open_send(start, tid, sk, 0);
+	thread->sk = (__u64)sk;
+	stream_send_begin(sk, msg);
+	start_send(thread);
 	return 0;
 }
 
-/* At sock:sock_send_length: the sending thread's start entry when `sk` is a TCP socket, else NULL. */
-static __always_inline struct sendlat_start *tcp_send_ended(struct sock *sk, __u64 *pid_tgid)
+static __always_inline bool is_tcp(struct sock *sk)
 {
-	__u32 tid;
-
-	if (sk->sk_protocol != IPPROTO_TCP || sk->sk_type != SOCK_STREAM)
-		return NULL;
-	*pid_tgid = bpf_get_current_pid_tgid();
-	tid = *pid_tgid;
-	return bpf_map_lookup_elem(&starts, &tid);
+	return sk->sk_protocol == IPPROTO_TCP && sk->sk_type == SOCK_STREAM;
 }
 
 SEC("tp_btf/sock_send_length")
 int BPF_PROG(sendlat_tcp_send_end, struct sock *sk, int ret, int flags)
 {
-	__u64 pid_tgid, open_sk;
-	struct sendlat_start *start = tcp_send_ended(sk, &pid_tgid);
+	struct sendlat_thread *thread;
+	__u64 start_ns;
 
-	if (!start || !start->sk)
+	if (!is_tcp(sk) || !(thread = current_thread()))
 		return 0;
-	open_sk = start->sk;
-	start->sk = 0;	/* closed either way: a send open on another socket never ends here */
-	if (open_sk == (__u64)sk)
-		record_send(sk, true, ret, bpf_ktime_get_ns() - start->start_ns, pid_tgid);
+	start_ns = thread->sk == (__u64)sk ? thread->start_ns : 0;
+	thread->sk = 0;	/* closed either way: a send open on another socket never ends here */
+	end_send(thread, sk, true, ret, start_ns);
 	return 0;
 }
 
@@ -368,44 +569,46 @@ static __always_inline bool is_send_syscall(long id)
 SEC("tp_btf/sys_enter")
 int BPF_PROG(sendlat_sys_enter, struct pt_regs *regs, long id)
 {
-	__u64 pid_tgid;
+	struct sendlat_thread *thread;
 
-	if (!is_send_syscall(id))
+	if (!is_send_syscall(id) || !(thread = current_thread()))
 		return 0;
-	pid_tgid = bpf_get_current_pid_tgid();
-	if (traced(pid_tgid))
-		send_begin(pid_tgid, NULL, id);
+	thread->syscall_nr = id;
+	start_send(thread);
 	return 0;
 }
 
 SEC("tp_btf/sock_send_length")
 int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 {
-	__u64 pid_tgid, now;
-	struct sendlat_start *start = tcp_send_ended(sk, &pid_tgid);
+	struct sendlat_thread *thread;
 	struct pt_regs *regs;
+	__u64 start_ns;
 
-	if (!start)
+	if (!is_tcp(sk) || !(thread = current_thread()))
 		return 0;
-	/* The entry may be left from an earlier syscall (a write to a file never reaches here); a
-	 * send from elsewhere (sendfile, io_uring) is not one we timed from its start. */
+	/* Timed only from its own syscall's entry: the start may be left from an earlier syscall (a
+	 * write to a file never reaches here), and a send from elsewhere (sendfile, io_uring) was
+	 * not timed from its start. */
 	regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
-	if (SYSCALL_NR(regs) != start->syscall_nr)
-		return 0;
-	now = bpf_ktime_get_ns();
-	record_send(sk, true, ret, now - start->start_ns, pid_tgid);
+	start_ns = SYSCALL_NR(regs) == thread->syscall_nr ? thread->start_ns : 0;
+	end_send(thread, sk, true, ret, start_ns);
 	/* sendmmsg sends several messages in one syscall: time the next one from here. */
-	start->start_ns = now;
+	if (start_ns)
+		thread->start_ns = bpf_ktime_get_ns();
 	return 0;
 }
 
-/* Threads that exit take their start entry with them, so the map tracks live threads only (both
- * tracepoint strategies). */
-SEC("tp_btf/sched_process_exit")
-int BPF_PROG(sendlat_thread_exit)
-{
-	__u32 tid = bpf_get_current_pid_tgid();
+/* --- reference for `make bench`: empty programs on the tracepoint strategy's hooks --- */
 
-	bpf_map_delete_elem(&starts, &tid);
+SEC("tp_btf/tcp_sendmsg_locked")
+int BPF_PROG(sendlat_empty_start)
+{
+	return 0;
+}
+
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(sendlat_empty_end)
+{
 	return 0;
 }

@@ -4,17 +4,36 @@
 #define AIPROBE_SENDLAT_H
 
 #define TASK_COMM_LEN 16
+#define MAX_PROCS 4096		/* (process, cgroup) pairs counted at once */
 
-/* Per-process send statistics, keyed by (tgid, cgroup id): one cgroup per container. */
+/* A process in a cgroup (one cgroup per container): the key of `proc_slots`, whose value is the
+ * index of its `procs` entry. */
 struct sendlat_proc_key {
 	__u32 tgid;
 	__u32 pad;
 	__u64 cgroup_id;
 };
 
+/* Why a send failed: the index into sendlat_proc_stats.errors (agent/sendlat.py names them). */
+enum send_error {
+	SEND_ERROR_EAGAIN,	/* also EWOULDBLOCK: the socket buffer is full (back-pressure) */
+	SEND_ERROR_EPIPE,
+	SEND_ERROR_ECONNRESET,
+	SEND_ERROR_EINTR,	/* a signal (also the kernel's ERESTART* codes) */
+	SEND_ERROR_ETIMEDOUT,
+	SEND_ERROR_ENOTCONN,
+	SEND_ERROR_OTHER,
+	SEND_ERROR_MAX,
+};
+
+/* Per-process send statistics, one `procs` array entry per (tgid, cgroup id). */
 struct sendlat_proc_stats {
-	struct hist latency;	/* count and sum_ns of sends live here */
-	__u64 bytes;
+	/* Successful sends (returned > 0 bytes): latency.count (timed: all, or 1 in `sample_every` per
+	 * thread) plus untimed_sends. */
+	struct hist latency;
+	__u64 untimed_sends;
+	__u64 bytes;		/* bytes they sent */
+	__u64 errors[SEND_ERROR_MAX];	/* failed sends, by error */
 	char comm[TASK_COMM_LEN];	/* the process (thread-group leader) name */
 };
 
@@ -32,7 +51,7 @@ struct sendlat_flow_key {
 struct sendlat_flow_stats {
 	__u64 count;
 	__u64 bytes;
-	__u64 sum_ns;
+	__u64 sum_ns;		/* of the timed sends */
 };
 
 /* A send slower than the threshold, sent through the ring buffer. */
@@ -49,6 +68,7 @@ struct slow_send_event {
 /* Indexes of the `counters` array. */
 enum sendlat_counter {
 	COUNTER_LOST_EVENTS,	/* slow sends the full ring buffer could not take */
+	COUNTER_PROCS_FULL,	/* sends not counted: every `procs` entry was taken */
 	COUNTER_MAX,
 };
 

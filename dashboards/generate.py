@@ -153,7 +153,32 @@ def overview() -> dict:
             Target(f"rate(aiprobe_tcp_listen_overflows_total{{{TARGET}}}[{RATE}])"
                    f" + rate(aiprobe_tcp_listen_drops_total{{{TARGET}}}[{RATE}])", "{{instance}}")],
               unit="ops", description="Connections the server did not accept in time."),
+        *token_streams(),
     ], variables(None))
+
+
+STREAM = "instance, port, protocol, process"
+STREAM_LEGEND = "{{process}} :{{port}} {{protocol}} ({{instance}})"
+
+
+def token_streams() -> list[Panel]:
+    """The overview's token-streams row: what clients of streaming APIs see, and why it stalls."""
+    return [
+        Panel("Token streams: time to first byte p50 / p99", [
+            Target(quantile(0.5, "aiprobe_stream_ttfb_seconds", TARGET, STREAM), "p50 " + STREAM_LEGEND),
+            Target(quantile(0.99, "aiprobe_stream_ttfb_seconds", TARGET, STREAM), "p99 " + STREAM_LEGEND)],
+              unit="s", width=8, description="Request received to the response's first body byte written."),
+        Panel("Token streams: gap between chunks p50 / p99", [
+            Target(quantile(0.5, "aiprobe_stream_chunk_gap_seconds", TARGET, STREAM), "p50 " + STREAM_LEGEND),
+            Target(quantile(0.99, "aiprobe_stream_chunk_gap_seconds", TARGET, STREAM), "p99 " + STREAM_LEGEND)],
+              unit="s", width=8, description="Time between successive writes of a streamed response."),
+        Panel("Token streams: stalls by cause", [
+            Target(rate("aiprobe_stream_stalls_total", by="instance, port, protocol, cause"),
+                   "{{cause}} :{{port}} {{protocol}} ({{instance}})")],
+              unit="ops", width=8,
+              description="Gaps above stream_stall_threshold_ms: network (socket full), cpu (writer waited for a "
+                          "CPU), gpu, server (the application was slow)."),
+    ]
 
 
 def network_flows() -> dict:

@@ -41,7 +41,7 @@ BUILD_LABELS = ("kernel", "libbpf", "version")
 
 
 def _build_info(build: dict[str, str], _r: Readings) -> Samples:
-    return [([build[label] for label in BUILD_LABELS], 1)]
+    return [([build.get(label, "") for label in BUILD_LABELS], 1)]
 
 
 def _probe_up(_build: dict[str, str], r: Readings) -> Samples:

@@ -71,7 +71,8 @@ def test_probe_names_exist_in_its_object(spec) -> None:
 def test_the_scan_sees_lookups() -> None:
     assert names_looked_up("flows") == {"maps": {"flows", "unattributed", "lost"},
                                         "programs": {"flows_xdp", "flows_ingress", "flows_egress"}}
-    assert {"procs", "flows", "starts", "counters", "slow_sends"} <= names_looked_up("sendlat")["maps"]
+    assert {"procs", "proc_slots", "unwritable", "free_procs", "flows", "counters", "slow_sends"} <= \
+        names_looked_up("sendlat")["maps"]
 
 
 def test_cuda_strategies_and_entry_points_exist_in_its_object() -> None:

@@ -35,7 +35,7 @@ from aiprobe.cuda import (
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.daemon import time_slicing_signals
 from aiprobe.elf import ElfError, function_offsets
-from aiprobe.histogram import log2_buckets
+from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, kernel_buckets
 from aiprobe.model import CudaSnapshot
 from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
@@ -52,8 +52,8 @@ from fixtures.cuda_fake import (
 )
 
 ALTERNATIONS, LAUNCHES, SYNCS = 1000, 500, 100
-SYNC_US = 2500  # lands in log2 bucket [2^21, 2^22) ns = [2.10, 4.19) ms
-SYNC_BUCKET_LE = 2**22 / 1e9
+SYNC_US = 2500  # lands in the exported buckets between 2 and 4 ms
+SYNC_RANGE = (0.002, 0.004)
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +145,12 @@ def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprob
         [truth[f"{kind}_syncs"] for kind in ("stream", "device", "event")]
     assert (process["graph_launches"], process["runtime_launches"], process["counted_at"]) == (0, 0, "driver")
     assert process["gpu_threads"] == 1
-    # Every sync slept SYNC_US: none is shorter, nearly all land in its log2 bucket.
+    # Every sync slept SYNC_US: none is shorter, nearly all take at most 4 ms.
     buckets = _bucket_counts(process["sync_histogram"])
-    assert sum(n for le, n in buckets.items() if le != "+Inf" and le < SYNC_BUCKET_LE / 2) == 0
-    assert buckets[SYNC_BUCKET_LE] >= 0.9 * SYNCS
+    assert sum(n for le, n in buckets.items() if le != "+Inf" and le <= SYNC_RANGE[0]) == 0
+    assert sum(n for le, n in buckets.items() if le != "+Inf" and SYNC_RANGE[0] < le <= SYNC_RANGE[1]) >= 0.9 * SYNCS
     assert process["sync_seconds_sum"] >= SYNCS * SYNC_US / 1e6
-    assert process["sync_p99_seconds"] >= SYNC_BUCKET_LE / 2
+    assert process["sync_p99_seconds"] >= SYNC_US / 1e6
 
 
 @pytest.mark.bpf
@@ -631,9 +631,9 @@ def test_scanner_reads_new_pids_at_once_and_known_ones_after_their_age(tmp_path)
 
 
 def test_process_entry_becomes_a_record() -> None:
-    slots = [0] * 36
-    slots[10], slots[20] = 2, 2
-    hist = {"slots": slots, "count": 4, "sum_ns": 2 * 2**10 + 2 * 2**20}
+    slots = [0] * HIST_SLOTS
+    slots[0], slots[-2] = 2, 2  # below 61 ns; above the last exported bound (under 65.5 s)
+    hist = {"slots": slots, "count": 4, "sum_ns": 2 * 60 + 2 * 60 * 10**9}
     entry = {"comm": b"python\0\0", "gpu_threads": 2, "thread_ctx_changes": 7, "kernel_launches": 2,
              "graph_launches": 3, "runtime_launches": 4, "involuntary_preemptions": 0, "sync": hist,
              "runqueue": hist, "sync_count": [1, 2, 1], "sync_ns": [10**9, 2, 3]}
@@ -643,11 +643,11 @@ def test_process_entry_becomes_a_record() -> None:
     assert (process.graph_launches, process.counted_at, process.stream_sync_seconds_sum) == (3, "runtime+driver", 1.0)
     assert (process.stream_syncs, process.device_syncs, process.event_syncs) == (1, 2, 1)
     assert process.syncs == 4
-    assert process.sync_histogram[10] == (2**11 / 1e9, 2)
-    assert process.sync_histogram[20] == (2**21 / 1e9, 4)
+    assert process.sync_histogram[0] == (EXPORTED_BOUNDS[0], 2)
+    assert process.sync_histogram[-2] == (EXPORTED_BOUNDS[-1], 2)
     assert process.sync_histogram[-1] == (float("inf"), 4)
     assert process.to_dict()["sync_histogram"][-1] == {"le_seconds": "+Inf", "count": 4}
-    assert log2_buckets([1, 0, 2])[-1] == (float("inf"), 3)
+    assert kernel_buckets([1, 0, 2])[-1] == (float("inf"), 3)
 
 
 def _maps_line(path: Path, address: str) -> str:

@@ -17,15 +17,17 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
-from conftest import FIXTURE_BUILD, FIXTURES, CBuild, make_veth_pair, remove_veth_pair, wait_until
+from conftest import FIXTURE_BUILD, FIXTURES, CBuild, free_port, make_veth_pair, remove_veth_pair, wait_until
 from fixtures import cuda_fake
 from servers import Agent, Prometheus
 from test_agent import STALL_RULES, blocked_sender, send_tcp, tcp_sink
 from test_metrics_doc import documented
 
 ROOT = Path(__file__).resolve().parent.parent
+SSE_SERVER = FIXTURES / "sse_server.py"
 DASHBOARDS = ROOT / "dashboards"
 RATE_INTERVAL = "15s"
 # What Prometheus' Kubernetes service discovery knows about the agent pod, and the relabelings
@@ -197,11 +199,18 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
     stop = threading.Event()
     probes = '"flows", "sendlat", "cuda", "nvml"' if driver else '"flows", "sendlat"'
     config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = [{probes}]\n' + STALL_RULES
+    stream_port = free_port()  # token streams for the overview's streams row: 3 SSE events 20 ms apart
+    streamer = subprocess.Popen([sys.executable, str(SSE_SERVER), str(stream_port), "--events", "3",
+                                 "--prefill-ms", "10"], stdout=subprocess.PIPE, text=True)
+    stream_url = f"http://127.0.0.1:{stream_port}/stream"
     try:
+        assert streamer.stdout.readline().strip() == "ready"
+        threading.Thread(target=streamer.stdout.read, daemon=True).start()  # its accounts: not needed here
         with Agent(workdir, config, env=env) as agent, \
                 Prometheus(workdir, [agent.target], target_labels=POD,
                            relabel_configs=OPERATOR_RELABELINGS + servicemonitor_relabelings()) as prom:
-            threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3)]
+            threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3),
+                       keep_busy(stop, lambda: httpx.get(stream_url, timeout=30), 0.2)]
             if driver:
                 threads.append(keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2))
             sender = blocked_sender(stall=0.6)  # a network_send_stall bottleneck for "Active bottlenecks"
@@ -213,6 +222,8 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
                 for thread in threads:
                     thread.join(timeout=30)
     finally:
+        streamer.kill()
+        streamer.wait()
         sink.kill()
         remove_veth_pair(veth)
 

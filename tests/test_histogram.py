@@ -7,23 +7,23 @@ import os
 from pathlib import Path
 
 import pytest
-from aiprobe.histogram import buckets_to_json, log2_buckets, quantile
+from aiprobe.histogram import HIST_SLOTS, buckets_to_json, kernel_buckets, quantile
 from aiprobe.procfs import StartTimes, start_ticks
 
 
-def test_quantile_interpolates_inside_its_log2_bucket() -> None:
-    slots = [0] * 36
-    slots[10] = 100  # [1024, 2048) ns
-    buckets = log2_buckets(slots)
-    assert quantile(buckets, 0.5) == pytest.approx(1536e-9)
-    assert quantile(buckets, 1.0) == pytest.approx(2048e-9)
+def test_quantile_interpolates_inside_its_bucket() -> None:
+    slots = [0] * HIST_SLOTS
+    slots[200] = 100  # 16 * 11 + 24: [24, 25) * 2^11 units of 2^-14 ms = [3.0, 3.125) ms
+    buckets = kernel_buckets(slots)
+    assert quantile(buckets, 0.5) == pytest.approx(3.0625e-3)
+    assert quantile(buckets, 1.0) == pytest.approx(3.125e-3)
 
 
 def test_quantile_without_observations_or_in_the_open_bucket() -> None:
-    assert quantile(log2_buckets([0] * 36), 0.99) is None
+    assert quantile(kernel_buckets([0] * HIST_SLOTS), 0.99) is None
     assert quantile([], 0.5) is None
-    open_ended = log2_buckets([0] * 35 + [4])
-    assert quantile(open_ended, 0.5) == 2**35 / 1e9  # the open bucket's lower bound
+    open_ended = kernel_buckets([0] * (HIST_SLOTS - 1) + [4])
+    assert quantile(open_ended, 0.5) == 65.536  # the open bucket's lower bound
 
 
 def test_documents_write_the_open_bound_as_text() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from aiprobe.config import Config
 from aiprobe.containers import cgroup2_root, cgroup_of_pid
 from aiprobe.daemon import Agent
-from aiprobe.histogram import log2_buckets
+from aiprobe.histogram import kernel_buckets
 from aiprobe.model import (
     CudaProcess,
     CudaSnapshot,
@@ -42,7 +42,7 @@ def test_a_flow_is_joined_to_the_process_owning_its_socket() -> None:
 
 
 def test_records_of_one_process_become_one_row_with_rates() -> None:
-    pid, buckets = os.getpid(), log2_buckets([0] * 10 + [4])
+    pid, buckets = os.getpid(), kernel_buckets([0] * 10 + [4])
     send = ProcessSendLatency(pid, COMM, own_cgroup_id(), 4, 4000, 0.1, 1e-6, 2e-6, buckets, start_ticks=1)
     cuda = CudaProcess(pid, COMM, "libcuda.so.1", 10, 20, 2, 0.0, None, buckets)
     gpus = [GpuProcess(pid, COMM, index, f"GPU-{index}", 1 << 30, 0.25) for index in (0, 1)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiprobe.config import Config
 from aiprobe.exporters.prometheus import AgentCollector, doc_tables
-from aiprobe.histogram import log2_buckets
+from aiprobe.histogram import HIST_SLOTS, exported_buckets, kernel_buckets
 from aiprobe.model import (
     Alert,
     ColdStart,
@@ -28,11 +28,13 @@ from aiprobe.model import (
     ProcessSendLatency,
     Readings,
     SendLatencySnapshot,
+    StreamEndpoint,
+    StreamsSnapshot,
     TcpCounters,
 )
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-HISTOGRAM = log2_buckets([1] * 36)
+HISTOGRAM = exported_buckets(kernel_buckets([1] * HIST_SLOTS))
 
 
 def every_kind_of_reading() -> Readings:
@@ -50,6 +52,9 @@ def every_kind_of_reading() -> Readings:
                                  [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
             "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
             "netstat": TcpCounters(0, 0, 0, 0),
+            "streams": StreamsSnapshot("tracepoint", "", 0.25, [
+                StreamEndpoint(1, "x", 0, 8000, "sse", 1, 2, 3, 1, 0.1, 0.1, 0.1, HISTOGRAM, 1, 0.02, 0.02, 0.02,
+                               HISTOGRAM, 0.2, HISTOGRAM, {"server": 1})]),
         },
         probes={"flows": ProbeStatus(True, "xdp+tcx")},
         map_usage={"flows": [MapUsage("flows", 1, 2)]},

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from aiprobe import model
-from aiprobe.histogram import log2_buckets
+from aiprobe.histogram import kernel_buckets
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "snapshot.md"
 
@@ -40,11 +40,11 @@ def test_every_snapshot_field_is_documented() -> None:
 
 
 def test_joined_fields_stay_out_of_a_probes_own_document() -> None:
-    record = model.ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, log2_buckets([0, 1]), start_ticks=99)
+    record = model.ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, kernel_buckets([0, 1]), start_ticks=99)
     record.container, record.bytes_per_second = "abc", 5.0
     own = record.to_dict()
     assert "container" not in own and "bytes_per_second" not in own
-    assert own["histogram"] == [{"le_seconds": 2e-9, "count": 0}, {"le_seconds": "+Inf", "count": 1}]
+    assert own["histogram"] == [{"le_seconds": 1 / 16384 / 1000, "count": 0}, {"le_seconds": "+Inf", "count": 1}]
     joined = record.to_dict(joined=True)
     assert (joined["container"], joined["bytes_per_second"]) == ("abc", 5.0)
 
@@ -53,7 +53,8 @@ def test_snapshot_document_has_every_section_and_empty_tcp_without_counters() ->
     snapshot = model.Snapshot(model.HostInfo("h", "k", "v", 1.0, 1.0), {"flows": model.ProbeStatus(True, "xdp+tcx")},
                               [], [], [], [], None, [])
     document = snapshot.to_dict()
-    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts"]
+    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts",
+                              "streams"]
     assert document["tcp"] == {}
     assert document["probes"]["flows"] == {"up": True, "strategy": "xdp+tcx", "span": "", "reason": "", "overflows": {}}
 

@@ -80,7 +80,7 @@ def test_rule_file_thresholds_for_and_severity_are_the_engines() -> None:
         rule = by_rule[name]
         assert rule["alert"] == alert_name(name)
         assert rule["labels"]["severity"] == config.severity
-        comparison = rule["expr"].splitlines()[-1 if not RULES[name].guard else -2]
+        comparison = rule["expr"].splitlines()[len(RULES[name].query.splitlines()) - 1]  # the query's last line
         assert comparison.endswith(f"{'<' if RULES[name].fires_below else '>'} {config.threshold:g}"), comparison
         assert rule.get("for", "0s") in (f"{config.for_seconds:g}s", f"{config.for_seconds / 60:g}m")
 

@@ -36,16 +36,18 @@ def test_library_modules_import_neither_click_nor_the_cli() -> None:
 
 def test_every_probe_is_registered_once_with_a_factory() -> None:
     names = [spec.name for spec in specs()]
-    assert names == ["flows", "sendlat", "cuda", "sched", "nvml", "netstat"]
+    assert names == ["flows", "sendlat", "streams", "cuda", "sched", "nvml", "netstat"]
     assert all(spec.factory is not None for spec in specs())
-    assert probe_names() == ("flows", "sendlat", "cuda", "nvml")  # sched runs with cuda, netstat always
+    # sched runs with cuda, streams with sendlat, netstat always
+    assert probe_names() == ("flows", "sendlat", "cuda", "nvml")
 
 
 def test_probe_commands_come_from_the_registry() -> None:
     assert subcommands() == {"check": "aiprobe.commands.check:command", "top": "aiprobe.commands.top:command",
                              "agent": "aiprobe.commands.agent:command",
                              "flows": "aiprobe.commands.flows:command", "sendlat": "aiprobe.commands.sendlat:command",
-                             "cuda": "aiprobe.commands.cuda:command", "gpus": "aiprobe.commands.gpus:command"}
+                             "streams": "aiprobe.commands.streams:command", "cuda": "aiprobe.commands.cuda:command",
+                             "gpus": "aiprobe.commands.gpus:command"}
 
 
 def test_every_config_key_is_the_agents_or_one_probes() -> None:

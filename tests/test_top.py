@@ -66,6 +66,11 @@ SNAPSHOT = {
     }],
     "tcp": {"listen_overflows": 0, "listen_drops": 0, "retransmitted_segments": 0, "sent_segments": 0,
             "retransmit_ratio": 0.0},
+    "streams": [{
+        "pid": 4242, "comm": "vllm", "container": "3f2a9c1d0e4b", "port": 8000, "protocol": "sse",
+        "streams_per_second": 2.5, "ttfb_p50_seconds": 0.15, "ttfb_p99_seconds": 0.4, "gap_p50_seconds": 0.02,
+        "gap_p99_seconds": 0.3, "stalls": {"server": 1, "network": 2, "cpu": 0, "gpu": 0},
+    }],
     "alerts": [{
         "rule": "network_send_stall", "severity": "warning", "target": "vllm@3f2a9c1d0e4b", "state": "firing",
         "since": NOW - 192, "value": 0.31, "summary": "sends stall",
@@ -161,7 +166,7 @@ def test_renders_header_table_and_status_at_80x24() -> None:
 def test_view_keys_switch_views() -> None:
     async def check(app: TopApp, pilot: Pilot, feed: Feed) -> None:
         table = app.query_one("#table", DataTable)
-        expected = {"f": ("DIR", 3), "g": ("GPU", 1), "a": ("SINCE", 1), "p": ("COMM", 3)}
+        expected = {"f": ("DIR", 3), "t": ("PORT", 1), "g": ("GPU", 1), "a": ("SINCE", 1), "p": ("COMM", 3)}
         for key, (first_column, rows) in expected.items():
             await pilot.press(key)
             assert str(table.ordered_columns[0].label).rstrip("▲▼") == first_column, key
@@ -169,6 +174,10 @@ def test_view_keys_switch_views() -> None:
         await pilot.press("f")
         text = await shown(pilot)
         assert "10.0.0.7:51234" in text and "[2001:db8::9]:51234" in text and "8.58 MiB/s" in text
+        await pilot.press("t")
+        await pilot.pause()
+        assert [column(app, i) for i in (0, 1, 5, 9, 10)] == [["8000"], ["sse"], ["150 ms"], ["3"],
+                                                               ["network 2 server 1"]]
         await pilot.press("g")
         text = await shown(pilot)
         assert "NVIDIA H100" in text and "83%" in text and "20 GiB" in text

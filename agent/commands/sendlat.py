@@ -17,7 +17,7 @@ from ..cli import (
     strategy_option,
     ticks,
 )
-from ..formatting import columns_for, field, log2_histogram, table
+from ..formatting import bucket_histogram, columns_for, field, table
 from ..model import ProcessSendLatency, SlowSend
 from ..names import endpoint
 from ..probes import strategies_named
@@ -35,13 +35,18 @@ def _slow_send_row(send: SlowSend) -> dict[str, object]:
 
 
 def _print_histogram(process: ProcessSendLatency) -> None:
+    failed = "".join(f", {count} failed ({error})" for error, count in process.errors.items())
     click.echo(
-        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends, "
+        f"\npid {process.pid} ({process.comm}) cgroup {process.cgroup_id}: {process.count} sends{failed}, "
         f"{process.bytes} bytes, p50 {field('p50_seconds', process.p50_seconds)}, "
         f"p99 {field('p99_seconds', process.p99_seconds)}"
     )
-    for line in log2_histogram(process.histogram):
+    for line in bucket_histogram(process.histogram):
         click.echo(line)
+    if process.unwritable_count:
+        click.echo(f"sockets unwritable {process.unwritable_count} times, "
+                   f"{field('unwritable_sum_seconds', process.unwritable_sum_seconds)} in all, "
+                   f"p99 {field('unwritable_p99_seconds', process.unwritable_p99_seconds)}")
 
 
 @click.command()

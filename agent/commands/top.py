@@ -1,4 +1,5 @@
-"""`aiprobe top`: processes, flows, GPUs and alerts of this host on one screen, with htop's keys.
+"""`aiprobe top`: processes, flows, token streams, GPUs and alerts of this host on one screen, with
+htop's keys.
 
 The screen renders docs/snapshot.md documents (top_views says which fields, formatting in which
 units); top_source fetches them from a running agent or from the probes loaded in-process."""
@@ -77,6 +78,7 @@ class TopApp(App[None]):
     BINDINGS = [
         Binding("p", "view('processes')", "processes view"),
         Binding("f", "view('flows')", "flows view"),
+        Binding("t", "view('streams')", "token streams view"),
         Binding("g", "view('gpus')", "GPUs view"),
         Binding("a", "view('alerts')", "alerts view"),
         Binding("s", "reverse_sort", "reverse sort order"),

@@ -1,0 +1,248 @@
+"""Token streams seen from the wire: time to first byte, gaps between chunks and stalls of every
+response a TCP server writes (bpf/streams.h, inside bpf/sendlat.bpf.c).
+
+The stream logic shares sendlat's programs on the send path (one program per event), so it runs
+inside the sendlat probe's object: `StreamsProbe` switches it on there, sets the stall threshold,
+and reads the per-endpoint aggregates (port, protocol, process, cgroup) and the stall events.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import btf
+from .btf import Btf
+from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from .loader import BpfObject, ProbeUnavailable, Strategy
+from .metrics import PROCESS_LABELS, Family
+from .model import MapUsage, ProbeStatus, StreamEndpoint, StreamsSnapshot, StreamStall
+from .names import comm_text, ip_text
+from .probes import Probe, ProbeSpec
+from .procfs import StartTimes
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .sendlat import SendLatencyProbe
+
+# enum stream_protocol and enum stall_cause (bpf/streams.h).
+PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
+CAUSES = ("server", "network", "cpu", "gpu")
+MAX_PENDING_STALLS = 65536
+_SPAN = ("request: the server's last read before it writes (HTTP/2: the client's last frame on the stream); "
+         "response: its writes, from the first body byte (an HTTP/1.x headers-only write and chunked encoding's "
+         "last chunk are not chunks; HTTP/2: DATA frames, by stream) until the next request, the last chunk, "
+         "the stream's end or the connection's end; connections accepted after start")
+# The stream programs each of sendlat's strategies loads besides its own (kprobes cannot use socket
+# storage: no streams there).
+RECEIVE_SIDE = {
+    "fentry": ("streams_fexit_recv", "streams_set_state"),
+    "tracepoint": ("streams_recv", "streams_set_state"),
+    "syscall": ("streams_recv", "streams_set_state"),
+}
+STRATEGIES = (
+    Strategy("fentry", programs=RECEIVE_SIDE["fentry"], features=("fentry",), span=_SPAN),
+    Strategy("tracepoint", programs=RECEIVE_SIDE["tracepoint"], features=("tp_btf", "tcp_send_tp"), span=_SPAN),
+    Strategy("syscall", programs=RECEIVE_SIDE["syscall"], features=("tp_btf",),
+             span=_SPAN + "; protocols unread (no message at syscall entry)"),
+)
+
+
+def _endpoint(key: dict[str, Any], value: dict[str, Any], started: int) -> StreamEndpoint:
+    ttfb, gap, duration = (kernel_buckets(value[name]["slots"]) for name in ("ttfb", "gap", "duration"))
+    return StreamEndpoint(
+        pid=key["tgid"], comm=comm_text(value["comm"]), cgroup_id=key["cgroup_id"], port=key["port"],
+        protocol=PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp",
+        streams=value["streams"], chunks=value["chunks"], bytes=value["bytes"],
+        completed=value["duration"]["count"],
+        ttfb_p50_seconds=quantile(ttfb, 0.5), ttfb_p99_seconds=quantile(ttfb, 0.99),
+        ttfb_sum_seconds=value["ttfb"]["sum_ns"] / NS_PER_SECOND, ttfb_histogram=exported_buckets(ttfb),
+        gaps=value["gap"]["count"], gap_p50_seconds=quantile(gap, 0.5), gap_p99_seconds=quantile(gap, 0.99),
+        gap_sum_seconds=value["gap"]["sum_ns"] / NS_PER_SECOND, gap_histogram=exported_buckets(gap),
+        duration_sum_seconds=value["duration"]["sum_ns"] / NS_PER_SECOND,
+        duration_histogram=exported_buckets(duration),
+        stalls=dict(zip(CAUSES, value["stalls"], strict=True)),
+        start_ticks=started,
+    )
+
+
+def _stall(event: dict[str, Any]) -> StreamStall:
+    v6 = event["family"] == socket.AF_INET6
+    return StreamStall(
+        pid=event["tgid"], tid=event["tid"], comm=comm_text(event["comm"]), cgroup_id=event["cgroup_id"],
+        local_address=ip_text(event["local_addr"], v6), local_port=event["local_port"],
+        remote_address=ip_text(event["remote_addr"], v6), remote_port=event["remote_port"],
+        protocol=PROTOCOLS[event["protocol"]] if event["protocol"] < len(PROTOCOLS) else "tcp",
+        stream_id=event["stream_id"], gap_seconds=event["gap_ns"] / NS_PER_SECOND,
+        elapsed_seconds=event["elapsed_ns"] / NS_PER_SECOND,
+        chunk=event["chunk"], cause=CAUSES[event["cause"]] if event["cause"] < len(CAUSES) else "server",
+        unwritable_seconds=event["unwritable_ns"] / NS_PER_SECOND,
+        blocked_send_seconds=event["blocked_send_ns"] / NS_PER_SECOND,
+        runqueue_seconds=event["runqueue_ns"] / NS_PER_SECOND,
+    )
+
+
+class StreamsProbe(Probe):
+    """The stream side of a running `SendLatencyProbe` (`host`). Stalls (gaps >= stall_threshold_ms)
+    are kept from one `read()` to the next; `poll()` shows them as they happen."""
+
+    spec: ProbeSpec
+
+    def __init__(self, host: SendLatencyProbe | None, stall_threshold_ms: float = 250.0) -> None:
+        super().__init__()
+        if stall_threshold_ms <= 0:
+            raise ValueError("stall_threshold_ms must be positive")
+        self._host = host
+        self.stall_threshold_ms = stall_threshold_ms
+        self._ring: Any = None
+        self._event_type: type | None = None
+        self._pending: list[StreamStall] = []
+        self._dropped = 0
+        self._entries = 0
+        self._starts = StartTimes()
+
+    def _obj(self) -> BpfObject:
+        loaded = self._host.loaded if self._host is not None else None
+        if loaded is None:
+            raise RuntimeError("StreamsProbe is not started")
+        return loaded.obj
+
+    def _btf(self) -> Btf:
+        btf_info = self._obj().btf
+        if btf_info is None:
+            raise RuntimeError("sendlat.bpf.o carries no BTF")
+        return btf_info
+
+    def start(self) -> None:
+        host = self._host.loaded if self._host is not None else None
+        if host is None:
+            raise ProbeUnavailable("streams", {"streams": "runs inside the sendlat probe, which is not running"})
+        if host.strategy.name not in RECEIVE_SIDE:
+            raise ProbeUnavailable("streams", {host.strategy.name: "needs socket storage (BTF programs)"})
+        self._event_type = self._btf().struct_ctype("stream_stall_event")
+        self._ring = host.obj.ring_buffer("stream_stalls", self._on_stall)
+        self._set(stall_threshold_ns=round(self.stall_threshold_ms * 1e6), streams_enabled=1)
+
+    def _set(self, **values: int) -> None:
+        """Write variables of the object's `.data.streams` section (stream settings only live there)."""
+        section_map, info = self._obj().maps[".data.streams"], self._btf()
+        variables = info.datasec_vars(".data.streams")
+        section = section_map.lookup(0)
+        for name, value in values.items():
+            offset, type_id = variables[name]
+            ctype: Any = info.ctype(type_id)
+            ctype.from_buffer(section, offset).value = value
+        section_map.update(0, section)
+
+    def status(self) -> ProbeStatus:
+        loaded = self._host.loaded if self._host is not None else None
+        if loaded is None or self._ring is None:
+            return ProbeStatus(False, reason="not started")
+        span = next(s.span for s in STRATEGIES if s.name == loaded.strategy.name)
+        return ProbeStatus(True, loaded.strategy.name, span)
+
+    def _on_stall(self, data: bytes) -> None:
+        if len(self._pending) >= MAX_PENDING_STALLS:
+            self._dropped += 1
+            return
+        event_type: Any = self._event_type
+        self._pending.append(_stall(btf.decode(event_type.from_buffer_copy(data))))
+
+    def poll(self, timeout_ms: int = 0) -> list[StreamStall]:
+        """Wait up to timeout_ms for stalls; returns the new ones (read() returns them too)."""
+        self._obj()
+        before = len(self._pending)
+        self._ring.poll(timeout_ms)
+        return self._pending[before:]
+
+    def read(self) -> StreamsSnapshot:
+        """Everything counted since start; endpoints of exited processes are reported once more, then
+        deleted."""
+        obj = self._obj()
+        self.poll(0)
+        stalls, self._pending = self._pending, []
+        stats = obj.maps["stream_stats"]
+        entries = [(raw, btf.decode(raw), btf.decode(value)) for raw, value in stats.items()]
+        self._entries = len(entries)
+        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for _, key, value in entries]
+        self._starts.keep_only({key["tgid"] for _, key, _ in entries})
+        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
+        counters = obj.maps["stream_counters"]
+        return StreamsSnapshot(
+            strategy=self.strategy or "", span=self.status().span,
+            stall_threshold_seconds=self.stall_threshold_ms / 1e3,
+            endpoints=endpoints, stalls=stalls, lost_stalls=counters.lookup(0).value + self._dropped,
+            uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
+        )
+
+    @property
+    def strategy(self) -> str | None:
+        loaded = self._host.loaded if self._host is not None else None
+        return loaded.strategy.name if loaded is not None else None
+
+    def events_lost(self) -> int:
+        try:
+            lost: int = self._obj().maps["stream_counters"].lookup(0).value
+        except RuntimeError:
+            lost = 0
+        return lost + self._dropped
+
+    def map_usage(self) -> list[MapUsage]:
+        try:
+            capacity = self._obj().maps["stream_stats"].max_entries
+        except RuntimeError:
+            return []
+        return [MapUsage("stream_stats", self._entries, capacity)]
+
+    def close(self) -> None:
+        """Switch the stream logic off in the host's object (it stays loaded with sendlat)."""
+        if self._ring is not None and self._host is not None and self._host.loaded is not None:
+            self._set(streams_enabled=0)
+            self._host.loaded.obj.release(self._ring)
+        self._ring = None
+        self._host = None
+
+
+def _from_config(config: Config, running: Mapping[str, Probe]) -> Probe:
+    return StreamsProbe(running.get("sendlat"), stall_threshold_ms=config.stream_stall_threshold_ms)  # type: ignore[arg-type]
+
+
+def _stalls_of(cause: str) -> Any:
+    return lambda endpoint: endpoint.stalls.get(cause, 0)
+
+
+STREAM_LABELS = (("port", "port"), ("protocol", "protocol"), *PROCESS_LABELS)
+
+SPEC = ProbeSpec(
+    name="streams",
+    description="token streams: time to first byte, chunk gaps and stalls of every response a TCP server writes",
+    strategies=STRATEGIES,
+    bpf_object="sendlat",
+    order=25,
+    factory=_from_config,
+    runs_with="sendlat",
+    config_keys=("stream_stall_threshold_ms",),
+    command="aiprobe.commands.streams:command",
+    metrics=(
+        Family("aiprobe_streams_total", "counter", "Responses that wrote a first body byte.", StreamEndpoint,
+               "streams", STREAM_LABELS, per_identity=True),
+        Family("aiprobe_stream_chunks_total", "counter", "Writes of responses (chunks).", StreamEndpoint,
+               "chunks", STREAM_LABELS, per_identity=True),
+        Family("aiprobe_stream_bytes_total", "counter", "Bytes written in responses.", StreamEndpoint,
+               "bytes", STREAM_LABELS, per_identity=True),
+        Family("aiprobe_stream_ttfb_seconds", "histogram",
+               "Time to first byte: request received to the response's first body write.", StreamEndpoint,
+               "ttfb_histogram", STREAM_LABELS, sum_field="ttfb_sum_seconds", per_identity=True),
+        Family("aiprobe_stream_chunk_gap_seconds", "histogram", "Time between successive writes of a response.",
+               StreamEndpoint, "gap_histogram", STREAM_LABELS, sum_field="gap_sum_seconds", per_identity=True),
+        Family("aiprobe_stream_duration_seconds", "histogram",
+               "Request received to the last write, of responses that ended.", StreamEndpoint,
+               "duration_histogram", STREAM_LABELS, sum_field="duration_sum_seconds", per_identity=True),
+        Family("aiprobe_stream_stalls_total", "counter",
+               "Gaps between writes above the stall threshold, by cause (network, cpu, gpu, server).",
+               StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
+               expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
+    ),
+)

@@ -1,0 +1,844 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Token streams seen from the wire: per response of a TCP server socket, time to first byte, the gaps
+ * between its writes, its duration, chunks and bytes; stalls (gaps above a threshold) as ring-buffer
+ * events with the evidence of their cause. agent/streams.py reads the structs below through BTF.
+ *
+ * No program of its own on the send path: sendlat's programs call stream_send_begin() where a send
+ * starts (they have its msghdr there) and stream_send_end() where it returns, so a send pays one
+ * socket-storage lookup (sockets that are not accepted server connections have none). The receive
+ * side (streams_recv) and the connection's life (streams_set_state) are the two programs added.
+ *
+ * A response: the server, having received bytes (the request), writes. Its first write ends the time
+ * to first byte; each later write ends a gap; the next request received, or the connection leaving
+ * ESTABLISHED, ends it. HTTP/1.x is read from the response's first bytes: a write holding only the
+ * status line and headers is not a chunk (TTFB runs to the first body write) and chunked encoding's
+ * last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each
+ * stream is a response of its own: the frame headers of each write, and of each read of the client,
+ * walked with bpf_loop (the verifier sees one frame), say which streams they are for. docs/streams.md
+ * has the rules. Include after sendlat's maps: it uses left_full() and SYSCALL_NR(). */
+#ifndef AIPROBE_STREAMS_H
+#define AIPROBE_STREAMS_H
+
+#define TCP_ESTABLISHED 1
+#define TCP_SYN_RECV 3
+#define MSG_PEEK 2
+#define STREAM_MAX_ENDPOINTS 4096
+#define STREAM_PEEK_BYTES 512	/* of a response's first write, searched for the SSE content type */
+
+enum stream_protocol {
+	STREAM_PROTOCOL_TCP,	/* unreadable or not recognised */
+	STREAM_PROTOCOL_HTTP,
+	STREAM_PROTOCOL_SSE,
+	STREAM_PROTOCOL_HTTP2,
+	STREAM_PROTOCOL_GRPC,
+	STREAM_PROTOCOL_TLS,
+	STREAM_PROTOCOL_MAX,
+};
+
+enum stall_cause {
+	STALL_SERVER,		/* none of the others: the application was slow to produce */
+	STALL_NETWORK,		/* the socket was full (EAGAIN, a partial or a blocked send) */
+	STALL_CPU,		/* the writing thread waited runnable for a CPU */
+	STALL_GPU,		/* set by user space from the CUDA probe, never here */
+	STALL_CAUSE_MAX,
+};
+
+/* The aggregate's key: a process in a cgroup serving one listening port with one protocol. */
+struct stream_key {
+	__u32 tgid;
+	__u16 port;		/* local (listening) port, host order */
+	__u8 protocol;		/* enum stream_protocol */
+	__u8 pad;
+	__u64 cgroup_id;
+};
+
+struct stream_stats {
+	struct hist ttfb;	/* request received -> first body byte written */
+	struct hist gap;	/* between successive writes of a response */
+	struct hist duration;	/* request received -> last write, of ended responses */
+	__u64 streams;		/* responses that wrote a first byte */
+	__u64 chunks;		/* their writes (headers-only and last-chunk writes excluded) */
+	__u64 bytes;
+	__u64 stalls[STALL_CAUSE_MAX];
+	char comm[16];
+};
+
+/* One gap above the threshold, when the write ending it happens. */
+struct stream_stall_event {
+	__u32 tgid;
+	__u32 tid;
+	__u64 cgroup_id;
+	__u16 family;
+	__u16 local_port;
+	__u16 remote_port;
+	__u8 protocol;
+	__u8 cause;		/* enum stall_cause */
+	__u8 local_addr[16];
+	__u8 remote_addr[16];
+	__u64 gap_ns;
+	__u64 elapsed_ns;	/* request received -> the write ending the gap */
+	__u32 chunk;		/* the chunk ending the gap, from 1 */
+	__u32 stream_id;	/* HTTP/2 stream; 0: the connection's response */
+	/* Evidence, each within the gap: */
+	__u64 unwritable_ns;	/* the socket was full (since an EAGAIN or a partial send) */
+	__u64 blocked_send_ns;	/* the ending send itself blocked (timed sends only) */
+	__u64 runqueue_ns;	/* the writing thread waited runnable (same thread as the last write) */
+	char comm[16];
+};
+
+/* Per accepted connection. */
+enum stream_phase { STREAM_IDLE, STREAM_REQUEST, STREAM_RESPONSE };
+enum stream_write { WRITE_BODY, WRITE_HEADERS, WRITE_LAST_CHUNK };
+
+/* The timing of one response: a connection's (HTTP/1.x, TLS, TCP) or an HTTP/2 stream's. */
+struct stream_timing {
+	__u64 request_ns;	/* last request bytes received */
+	__u64 last_write_ns;
+	__u64 run_delay_ns;	/* writer's sched_info.run_delay at its last write */
+	__u32 writer_tid;
+	__u32 chunks;		/* 0: no body byte written yet */
+};
+
+#define H2_STREAMS 8		/* HTTP/2 streams timed at once per connection */
+#define H2_FRAMES 8		/* streams a write is read for (frames carrying DATA or an end) */
+#define H2_WALK 16		/* frame headers read per read or write */
+#define H2_SEGMENTS 32		/* iovec segments walked per frame (gRPC writes each header name and value apart) */
+#define H2_DATA 0
+#define H2_HEADERS 1
+#define H2_RST_STREAM 3
+#define H2_END_STREAM 1		/* flag of DATA and HEADERS */
+
+struct h2_stream {
+	__u32 id;		/* 0: free slot */
+	__u32 pad;
+	struct stream_timing t;
+};
+
+/* What one write carries for an HTTP/2 stream, from its frame headers (stream_send_begin). */
+enum h2_carries { H2_CARRIES_DATA = 1, H2_CARRIES_END = 2 };
+
+struct stream_socket {
+	struct stream_timing t;	/* the connection's response (not HTTP/2) */
+	__u64 full_since_ns;	/* the socket found full since; 0: writable */
+	struct stream_key key;
+	__u8 phase;		/* enum stream_phase */
+	__u8 write;		/* enum stream_write: what the send in progress holds (stream_send_begin) */
+	__u8 classified;	/* protocol read from the connection's first response */
+	__u8 frames;		/* HTTP/2: entries of frame_stream/frame_carries for the send in progress */
+	__u32 frame_stream[H2_FRAMES];
+	__u8 frame_carries[H2_FRAMES];
+	struct h2_stream h2[H2_STREAMS];
+};
+
+/* Set by user space while running (its own section: sendlat's `.data` stays sendlat's). */
+__u32 streams_enabled SEC(".data.streams") = 0;
+__u64 stall_threshold_ns SEC(".data.streams") = 250 * 1000 * 1000;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct stream_socket);
+} stream_sockets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, STREAM_MAX_ENDPOINTS);
+	__type(key, struct stream_key);
+	__type(value, struct stream_stats);
+} stream_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 64 * 1024);
+} stream_stalls SEC(".maps");
+
+/* Where the walk through a send's iovec segments stands (in map memory: plain numbers to the verifier,
+ * so the frame walk's turns look alike). */
+struct msg_cursor {
+	__u64 iov;		/* kernel address of the iovec array; 0: one user buffer */
+	__u64 base;		/* user address of the current segment's first byte not yet passed */
+	__u64 left;		/* its bytes from there */
+	__u64 segment;
+	__u64 segments;
+};
+
+/* Per-CPU scratch: the first bytes of a response (too large for the stack), the frame walk's cursor. */
+struct stream_peek {
+	char bytes[STREAM_PEEK_BYTES];
+	struct msg_cursor cursor;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct stream_peek);
+} stream_peek SEC(".maps");
+
+/* Indexes of `stream_counters`. */
+enum stream_counter {
+	STREAM_COUNTER_LOST_STALLS,
+	STREAM_COUNTER_ENDPOINTS_FULL,
+	STREAM_COUNTER_H2_UNTIMED,	/* HTTP/2 streams beyond H2_STREAMS on a connection */
+	STREAM_COUNTER_MAX,
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, STREAM_COUNTER_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} stream_counters SEC(".maps");
+
+BTF_EXPORT(stream_stall_event);
+
+static struct stream_stats zero_stream_stats;
+
+static __always_inline void stream_count(enum stream_counter index)
+{
+	__u32 key = index;
+	__u64 *value = bpf_map_lookup_elem(&stream_counters, &key);
+
+	if (value)
+		__sync_fetch_and_add(value, 1);
+}
+
+/* The stats of the socket's endpoint, created (named after the current process) on first use. */
+static __noinline struct stream_stats *stream_endpoint(struct stream_key *key)
+{
+	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, key);
+	struct task_struct *leader;
+
+	if (stats)
+		return stats;
+	bpf_map_update_elem(&stream_stats, key, &zero_stream_stats, BPF_NOEXIST);
+	stats = bpf_map_lookup_elem(&stream_stats, key);
+	if (!stats) {
+		stream_count(STREAM_COUNTER_ENDPOINTS_FULL);
+		return NULL;
+	}
+	if (!stats->comm[0]) {
+		leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
+		bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
+	}
+	return stats;
+}
+
+/* --- the connection --- */
+
+static __always_inline bool is_h2(struct stream_socket *s)
+{
+	return s->key.protocol == STREAM_PROTOCOL_HTTP2 || s->key.protocol == STREAM_PROTOCOL_GRPC;
+}
+
+/* A response ended (at its last write). */
+static __always_inline void timing_end(struct stream_socket *s, struct stream_timing *t)
+{
+	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, &s->key);
+
+	if (stats && t->chunks)
+		hist_add(&stats->duration, t->last_write_ns - t->request_ns);
+	t->chunks = 0;
+}
+
+/* The connection's response in progress ended. */
+static __always_inline void stream_end(struct stream_socket *s)
+{
+	if (s->phase != STREAM_RESPONSE)
+		return;
+	s->phase = STREAM_IDLE;
+	timing_end(s, &s->t);
+}
+
+/* Accepted connections get their state; a connection leaving ESTABLISHED ends its responses. */
+SEC("tp_btf/inet_sock_set_state")
+int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
+{
+	struct stream_socket *s;
+
+	if (!streams_enabled || sk->sk_protocol != IPPROTO_TCP)
+		return 0;
+	if (oldstate == TCP_SYN_RECV && newstate == TCP_ESTABLISHED) {
+		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+		return 0;
+	}
+	if (oldstate != TCP_ESTABLISHED || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+		return 0;
+	stream_end(s);
+	for (int i = 0; i < H2_STREAMS; i++) {
+		if (s->h2[i].id) {
+			timing_end(s, &s->h2[i].t);
+			s->h2[i].id = 0;
+		}
+	}
+	return 0;
+}
+
+/* --- reading a response's first bytes --- */
+
+#define BYTES4(a, b, c, d) ((__u32)(a) | (__u32)(b) << 8 | (__u32)(c) << 16 | (__u32)(d) << 24)
+
+static __always_inline __u32 first4(const char *bytes)
+{
+	__u32 word;
+
+	__builtin_memcpy(&word, bytes, 4);
+	return word;
+}
+
+/* "HTTP/1." (len >= 8) */
+static __always_inline bool is_http1(const char *bytes, __u64 len)
+{
+	return len >= 8 && first4(bytes) == BYTES4('H', 'T', 'T', 'P') && bytes[4] == '/' && bytes[5] == '1' &&
+	       bytes[6] == '.';
+}
+
+/* The search for "event-stream" in the peeked bytes: "event-st", then "ream". */
+struct sse_search {
+	const char *bytes;
+	__u32 len;
+	bool found;
+};
+
+static long sse_search_at(__u32 i, struct sse_search *search)
+{
+	const __u64 event_st = 0x74732d746e657665ULL;	/* "event-st" little-endian */
+	__u64 word;
+	__u32 tail;
+
+	if (i + 12 > search->len || i > STREAM_PEEK_BYTES - 12)
+		return 1;
+	__builtin_memcpy(&word, search->bytes + i, 8);
+	if (word != event_st)
+		return 0;
+	__builtin_memcpy(&tail, search->bytes + i + 8, 4);
+	search->found = tail == BYTES4('r', 'e', 'a', 'm');
+	return search->found;
+}
+
+/* Whether the headers name text/event-stream. */
+static __always_inline bool has_event_stream(const char *bytes, __u32 len)
+{
+	struct sse_search search = { .bytes = bytes, .len = len };
+
+	bpf_loop(STREAM_PEEK_BYTES - 11, sse_search_at, &search, 0);
+	return search.found;
+}
+
+static __always_inline __u8 protocol_of(const char *bytes, __u32 len)
+{
+	if (len >= 3 && bytes[0] == 0x16 && bytes[1] == 0x03)
+		return STREAM_PROTOCOL_TLS;	/* a handshake record: encrypted from here */
+	if (len >= 3 && bytes[0] == 0x17 && bytes[1] == 0x03)
+		return STREAM_PROTOCOL_TLS;
+	if (is_http1(bytes, len))
+		return has_event_stream(bytes, len) ? STREAM_PROTOCOL_SSE : STREAM_PROTOCOL_HTTP;
+	/* The server's connection preface: a SETTINGS frame (type 4) on stream 0. */
+	if (len >= 9 && bytes[3] == 4 && !bytes[5] && !bytes[6] && !bytes[7] && !bytes[8])
+		return STREAM_PROTOCOL_HTTP2;
+	return STREAM_PROTOCOL_TCP;
+}
+
+/* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
+ * first write may be the headers alone (it starts with the status line and ends with the blank line). */
+static __always_inline __u8 http_write(struct stream_socket *s, const char *first, __u64 user, __u64 len,
+					__u64 total)
+{
+	__u32 last4;
+
+	if (total == 5 && len == 5 && first4(first) == BYTES4('0', '\r', '\n', '\r') && first[4] == '\n')
+		return WRITE_LAST_CHUNK;
+	/* Headers alone: the whole write is in the bytes read from (one segment) and ends the block. */
+	if (s->phase == STREAM_REQUEST && is_http1(first, len) && len == total) {
+		if (bpf_probe_read_user(&last4, 4, (void *)(user + len - 4)))
+			return WRITE_BODY;
+		return last4 == BYTES4('\r', '\n', '\r', '\n') ? WRITE_HEADERS : WRITE_BODY;
+	}
+	return WRITE_BODY;
+}
+
+/* --- HTTP/2: the frames a write carries --- */
+
+/* Before 6.4 the iovec array was iov_iter.iov (now __iov). */
+struct iov_iter___pre_6_4 {
+	const struct iovec *iov;
+} __attribute__((preserve_access_index));
+
+/* The cursor at a send's first byte: a user buffer (ITER_UBUF, 6.0+) or the first of an iovec
+ * array's segments; false for anything else. Every layout detail through CO-RE (the iter_type
+ * values and the array's name changed between kernels). */
+static __always_inline bool cursor_start(struct msg_cursor *c, struct msghdr *msg)
+{
+	struct iov_iter *iter = &msg->msg_iter;
+	__u64 offset = BPF_CORE_READ(iter, iov_offset);
+	__u8 type = BPF_CORE_READ(iter, iter_type);
+	struct iovec first;
+
+	c->segment = 0;
+	c->iov = 0;
+	c->segments = 1;
+	if (bpf_core_enum_value_exists(enum iter_type, ITER_UBUF) &&
+	    type == bpf_core_enum_value(enum iter_type, ITER_UBUF)) {
+		c->base = (__u64)BPF_CORE_READ(iter, ubuf) + offset;
+		c->left = BPF_CORE_READ(iter, count);
+		return true;
+	}
+	if (type != bpf_core_enum_value(enum iter_type, ITER_IOVEC))
+		return false;
+	if (bpf_core_field_exists(iter->__iov))
+		c->iov = (__u64)BPF_CORE_READ(iter, __iov);
+	else
+		c->iov = (__u64)BPF_CORE_READ((struct iov_iter___pre_6_4 *)iter, iov);
+	if (!c->iov || bpf_probe_read_kernel(&first, sizeof(first), (void *)c->iov))
+		return false;
+	c->segments = BPF_CORE_READ(iter, nr_segs);
+	c->base = (__u64)first.iov_base + offset;
+	c->left = first.iov_len - offset;
+	return true;
+}
+
+/* Move `skip` bytes on, across segments; false past the end or past H2_SEGMENTS hops. */
+static __always_inline bool cursor_skip(struct msg_cursor *c, __u64 skip)
+{
+	struct iovec next;
+
+	for (int hop = 0; hop < H2_SEGMENTS; hop++) {
+		if (skip < c->left) {
+			c->base += skip;
+			c->left -= skip;
+			return true;
+		}
+		skip -= c->left;
+		if (++c->segment >= c->segments || !c->iov ||
+		    bpf_probe_read_kernel(&next, sizeof(next), (void *)(c->iov + c->segment * sizeof(next))))
+			return false;
+		c->base = (__u64)next.iov_base;
+		c->left = next.iov_len;
+	}
+	return false;
+}
+
+/* A gRPC message: a 1-byte compressed flag and its 4-byte big-endian length, filling the frame. */
+static __always_inline bool is_grpc_message(const __u8 *prefix, __u32 frame_length)
+{
+	__u32 length = (__u32)prefix[1] << 24 | (__u32)prefix[2] << 16 | (__u32)prefix[3] << 8 | prefix[4];
+
+	return prefix[0] <= 1 && length + 5 == frame_length;
+}
+
+static __always_inline __u64 opaque(__u64 value)
+{
+	asm volatile("" : "+r"(value));
+	return value;
+}
+
+/* The frame walk's state, through bpf_loop (one frame per turn: the verifier sees one turn). */
+struct h2_walk {
+	struct msg_cursor *c;
+	struct stream_socket *s;
+	__u64 received_ns;	/* reading the client's frames (received then); 0: the server's */
+};
+
+/* The slot of HTTP/2 stream `id`, or a free one for it (its request: the last read) when `create`. */
+static __always_inline struct h2_stream *h2_stream(struct stream_socket *s, __u32 id, bool create)
+{
+	int i, free = -1;
+
+	for (i = 0; i < H2_STREAMS; i++) {
+		if (s->h2[i].id == id)
+			return &s->h2[i];
+		if (free < 0 && !s->h2[i].id)
+			free = i;
+	}
+	if (!create || free < 0 || free >= H2_STREAMS) {
+		if (create)
+			stream_count(STREAM_COUNTER_H2_UNTIMED);
+		return NULL;
+	}
+	s->h2[free].id = id;
+	s->h2[free].t.request_ns = s->t.request_ns;
+	s->h2[free].t.chunks = 0;
+	return &s->h2[free];
+}
+
+/* A frame the client sent on a stream (HEADERS, DATA): its request, until the response begins. */
+static __always_inline void h2_request(struct stream_socket *s, __u32 id, __u64 now)
+{
+	struct h2_stream *stream = h2_stream(s, id, true);
+
+	if (stream && !stream->t.chunks)
+		stream->t.request_ns = now;
+}
+
+static long h2_frame(__u32 index, struct h2_walk *walk)
+{
+	struct stream_socket *s = walk->s;
+	struct msg_cursor *c = walk->c;
+	__u8 header[14];
+	__u32 length, stream, n = s->frames;
+	__u8 carries = 0;
+
+	/* 14 bytes: the header and a DATA frame's first 5; only 9 where the buffer may end there. */
+	if (c->left < 9 || (bpf_probe_read_user(header, 14, (void *)c->base) &&
+			    bpf_probe_read_user(header, 9, (void *)c->base)))
+		return 1;
+	length = (__u32)header[0] << 16 | (__u32)header[1] << 8 | header[2];
+	stream = ((__u32)(header[5] & 0x7f) << 24) | (__u32)header[6] << 16 | (__u32)header[7] << 8 | header[8];
+	if (walk->received_ns) {
+		if ((header[3] == H2_HEADERS || header[3] == H2_DATA) && stream)
+			h2_request(s, stream, walk->received_ns);
+		return cursor_skip(c, 9 + (__u64)length) ? 0 : 1;
+	}
+	if (header[3] == H2_DATA && length)
+		carries = H2_CARRIES_DATA;
+	if ((header[3] == H2_DATA || header[3] == H2_HEADERS) && (header[4] & H2_END_STREAM))
+		carries |= H2_CARRIES_END;
+	if (header[3] == H2_RST_STREAM)
+		carries = H2_CARRIES_END;
+	if (carries && stream && n < H2_FRAMES) {
+		s->frame_stream[n] = stream;
+		s->frame_carries[n] = carries;
+		s->frames = n + 1;
+	}
+	if (header[3] == H2_DATA && length >= 5 && c->left >= 14 && s->key.protocol == STREAM_PROTOCOL_HTTP2 &&
+	    is_grpc_message(header + 9, length))
+		s->key.protocol = STREAM_PROTOCOL_GRPC;
+	return cursor_skip(c, 9 + (__u64)length) ? 0 : 1;
+}
+
+/* Which streams the write carries DATA for, and which it ends (HEADERS or DATA with END_STREAM,
+ * RST_STREAM), from its first H2_FRAMES frame headers (each read where its 9 bytes lie in one
+ * iovec segment). */
+static __always_inline void h2_frames(struct stream_socket *s, struct msghdr *msg, struct stream_peek *scratch)
+{
+	struct h2_walk walk = { .c = &scratch->cursor, .s = s };
+
+	s->frames = 0;
+	if (cursor_start(walk.c, msg))
+		bpf_loop(H2_WALK, h2_frame, &walk, 0);
+}
+
+/* A send on `sk` starts (`msg` not yet copied): read what it holds when that matters — the
+ * connection's first response (its protocol), HTTP/1.x writes that are not chunks, HTTP/2 frames. */
+static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *msg)
+{
+	struct stream_socket *s;
+	struct stream_peek *peek;
+	__u32 zero = 0, n;
+	__u64 user, len;
+
+	if (!streams_enabled || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+		return;
+	s->write = WRITE_BODY;
+	s->frames = 0;
+	peek = bpf_map_lookup_elem(&stream_peek, &zero);
+	if (!peek)
+		return;
+	if (s->classified && is_h2(s)) {
+		h2_frames(s, msg, peek);
+		return;
+	}
+	if (s->classified && s->key.protocol != STREAM_PROTOCOL_HTTP && s->key.protocol != STREAM_PROTOCOL_SSE)
+		return;
+	/* HTTP/1.x: a response's first write, and 5-byte writes (the last chunk). */
+	if (s->classified && !(s->phase == STREAM_REQUEST || msg->msg_iter.count == 5))
+		return;
+	if (!cursor_start(&peek->cursor, msg))
+		return;
+	user = peek->cursor.base;
+	len = peek->cursor.left;
+	if (!user || !len)
+		return;
+	n = opaque(len < STREAM_PEEK_BYTES ? len : STREAM_PEEK_BYTES);
+	if (n > STREAM_PEEK_BYTES || bpf_probe_read_user(peek->bytes, n, (void *)user))
+		return;
+	if (!s->classified) {
+		s->key.protocol = protocol_of(peek->bytes, n);
+		s->classified = 1;
+		if (is_h2(s)) {
+			h2_frames(s, msg, peek);
+			return;
+		}
+	}
+	if (s->key.protocol == STREAM_PROTOCOL_HTTP || s->key.protocol == STREAM_PROTOCOL_SSE)
+		s->write = http_write(s, peek->bytes, user, len, msg->msg_iter.count);
+}
+
+/* --- the server's reads --- */
+
+/* The syscalls that read a socket, and where their buffer is (arch-specific, as sendlat's). */
+#if defined(__TARGET_ARCH_x86)
+#define NR_READ 0
+#define NR_READV 19
+#define NR_RECVFROM 45
+#define NR_RECVMSG 47
+#define SYSCALL_ARG2(regs) ((regs)->si)
+#elif defined(__TARGET_ARCH_arm64)
+#define NR_READ 63
+#define NR_READV 65
+#define NR_RECVFROM 207
+#define NR_RECVMSG 212
+#define SYSCALL_ARG2(regs) ((regs)->regs[1])
+#endif
+
+/* Where the bytes a read syscall just returned start in user memory; 0 when unknown. */
+static __always_inline __u64 received_buffer(void)
+{
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+	long nr = SYSCALL_NR(regs);
+	__u64 arg = SYSCALL_ARG2(regs), iov = 0, base = 0;
+	struct user_msghdr msg;
+
+	if (nr == NR_READ || nr == NR_RECVFROM)
+		return arg;
+	if (nr == NR_RECVMSG && !bpf_probe_read_user(&msg, sizeof(msg), (void *)arg))
+		iov = (__u64)msg.msg_iov;
+	else if (nr == NR_READV)
+		iov = arg;
+	if (iov)
+		bpf_probe_read_user(&base, sizeof(base), (void *)iov);	/* iov_base of the first iovec */
+	return base;
+}
+
+/* HTTP/2: the client's frames in what it sent (its first read also holds the connection preface,
+ * "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", which makes the connection HTTP/2 before the server writes). */
+static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 now)
+{
+	__u32 zero = 0, first4_bytes = 0;
+	struct stream_peek *scratch = bpf_map_lookup_elem(&stream_peek, &zero);
+	struct h2_walk walk = { .s = s, .received_ns = now };
+	__u64 user = received_buffer();
+
+	if (!scratch || !user)
+		return;
+	walk.c = &scratch->cursor;
+	walk.c->iov = 0;
+	walk.c->segment = 0;
+	walk.c->segments = 1;
+	walk.c->base = user;
+	walk.c->left = ret;
+	if (!s->classified) {
+		if (bpf_probe_read_user(&first4_bytes, 4, (void *)user) || first4_bytes != BYTES4('P', 'R', 'I', ' ') ||
+		    !cursor_skip(walk.c, 24))
+			return;
+		s->key.protocol = STREAM_PROTOCOL_HTTP2;
+		s->classified = 1;
+	}
+	bpf_loop(H2_WALK, h2_frame, &walk, 0);
+}
+
+/* The server received `ret` bytes: a request (or more of it). On HTTP/2 the frames say which
+ * stream's (clients also send acknowledgements while they read); elsewhere the response in
+ * progress ends. */
+static __always_inline void stream_received(struct sock *sk, int ret, int flags)
+{
+	struct stream_socket *s;
+	__u64 now;
+
+	if (!streams_enabled || ret <= 0 || (flags & MSG_PEEK))
+		return;
+	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+	if (!s)
+		return;
+	now = bpf_ktime_get_ns();
+	s->t.request_ns = now;
+	if (!s->classified || is_h2(s))
+		h2_received(s, ret, now);
+	if (is_h2(s))
+		return;
+	stream_end(s);
+	s->phase = STREAM_REQUEST;
+}
+
+SEC("tp_btf/sock_recv_length")
+int BPF_PROG(streams_recv, struct sock *sk, int ret, int flags)
+{
+	stream_received(sk, ret, flags);
+	return 0;
+}
+
+SEC("fexit/tcp_recvmsg")
+int BPF_PROG(streams_fexit_recv, struct sock *sk)
+{
+	__u64 ret = 0;
+
+	bpf_get_func_ret(ctx, &ret);	/* tcp_recvmsg's arguments changed over time; its return did not */
+	stream_received(sk, (int)ret, 0);
+	return 0;
+}
+
+/* --- the server's writes --- */
+
+static __always_inline __u64 run_delay_of_current(void)
+{
+	return bpf_get_current_task_btf()->sched_info.run_delay;
+}
+
+static __always_inline __u64 at_most(__u64 value, __u64 limit)
+{
+	return value < limit ? value : limit;
+}
+
+static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s, struct stream_timing *t,
+				       struct stream_stats *stats, __u32 stream_id, __u64 now, __u64 gap, __u64 start_ns)
+{
+	struct stream_stall_event *event;
+	__u64 since;
+	__u8 cause = STALL_SERVER;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	event = bpf_ringbuf_reserve(&stream_stalls, sizeof(*event), 0);
+	if (!event) {
+		stream_count(STREAM_COUNTER_LOST_STALLS);
+		return;
+	}
+	since = s->full_since_ns > t->last_write_ns ? s->full_since_ns : t->last_write_ns;
+	event->unwritable_ns = s->full_since_ns ? now - since : 0;
+	event->blocked_send_ns = start_ns ? at_most(now - start_ns, gap) : 0;
+	event->runqueue_ns = tid == t->writer_tid ? at_most(run_delay_of_current() - t->run_delay_ns, gap) : 0;
+	/* A cause explains a stall when it covers at least half of it; the larger one wins. */
+	if (event->unwritable_ns + event->blocked_send_ns >= gap / 2)
+		cause = STALL_NETWORK;
+	if (event->runqueue_ns >= gap / 2 && event->runqueue_ns > event->unwritable_ns + event->blocked_send_ns)
+		cause = STALL_CPU;
+	__sync_fetch_and_add(&stats->stalls[cause], 1);
+	event->cause = cause;
+	event->tgid = s->key.tgid;
+	event->tid = tid;
+	event->cgroup_id = s->key.cgroup_id;
+	event->protocol = s->key.protocol;
+	event->family = sk->__sk_common.skc_family;
+	event->local_port = sk->__sk_common.skc_num;
+	event->remote_port = bpf_ntohs(sk->__sk_common.skc_dport);
+	if (event->family == AF_INET) {
+		__builtin_memcpy(event->local_addr, &sk->__sk_common.skc_rcv_saddr, 4);
+		__builtin_memcpy(event->remote_addr, &sk->__sk_common.skc_daddr, 4);
+	} else {
+		__builtin_memcpy(event->local_addr, &sk->__sk_common.skc_v6_rcv_saddr, 16);
+		__builtin_memcpy(event->remote_addr, &sk->__sk_common.skc_v6_daddr, 16);
+	}
+	event->gap_ns = gap;
+	event->elapsed_ns = now - t->request_ns;
+	event->chunk = t->chunks + 1;
+	event->stream_id = stream_id;
+	__builtin_memcpy(event->comm, stats->comm, sizeof(event->comm));
+	bpf_ringbuf_submit(event, 0);
+}
+
+/* The stats of the endpoint the writing process serves on `sk` (with the protocol as known now). */
+static __always_inline struct stream_stats *endpoint_of(struct sock *sk, struct stream_socket *s, __u32 tgid,
+							__u64 cgroup_id)
+{
+	s->key.tgid = tgid;
+	s->key.cgroup_id = cgroup_id;
+	s->key.port = sk->__sk_common.skc_num;
+	return stream_endpoint(&s->key);
+}
+
+/* A write of `ret` bytes of response `t` (stream `stream_id` on HTTP/2): the first byte ends the TTFB,
+ * later ones a gap. */
+static __always_inline void timing_write(struct sock *sk, struct stream_socket *s, struct stream_timing *t,
+					 struct stream_stats *stats, __u32 stream_id, long ret, __u64 now,
+					 __u64 start_ns)
+{
+	__u64 gap;
+
+	if (!t->chunks) {
+		__sync_fetch_and_add(&stats->streams, 1);
+		hist_add(&stats->ttfb, now - t->request_ns);
+	} else {
+		gap = now - t->last_write_ns;
+		hist_add(&stats->gap, gap);
+		if (gap >= stall_threshold_ns)
+			emit_stall(sk, s, t, stats, stream_id, now, gap, start_ns);
+	}
+	t->chunks++;
+	__sync_fetch_and_add(&stats->chunks, 1);
+	__sync_fetch_and_add(&stats->bytes, ret);
+	t->last_write_ns = now;
+	t->writer_tid = (__u32)bpf_get_current_pid_tgid();
+	t->run_delay_ns = run_delay_of_current();
+}
+
+/* An HTTP/2 write: a chunk of each stream it carries DATA for; the streams it ends end. Bytes are
+ * the write's, counted once (with its first stream). The endpoint's entry is made at the first DATA,
+ * when the protocol (http2 or grpc) is known. */
+static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, __u32 tgid, __u64 cgroup_id,
+				     long ret, __u64 now, __u64 start_ns)
+{
+	struct stream_stats *stats = NULL;
+	struct h2_stream *stream;
+	__u32 n = s->frames;
+	bool data;
+
+	for (int i = 0; i < H2_FRAMES; i++) {
+		if (i >= n)
+			break;
+		data = s->frame_carries[i] & H2_CARRIES_DATA;
+		stream = h2_stream(s, s->frame_stream[i], data);
+		if (!stream)
+			continue;
+		/* Several frames of one stream in one write are one chunk. */
+		if (data && !(stream->t.chunks && stream->t.last_write_ns == now) &&
+		    (stats || (stats = endpoint_of(sk, s, tgid, cgroup_id)))) {
+			timing_write(sk, s, &stream->t, stats, stream->id, ret, now, start_ns);
+			ret = 0;
+		}
+		if (s->frame_carries[i] & H2_CARRIES_END) {
+			timing_end(s, &stream->t);
+			stream->id = 0;
+		}
+	}
+}
+
+/* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret`; `start_ns`: its start if timed. */
+static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 start_ns, __u32 tgid, __u64 cgroup_id)
+{
+	struct stream_socket *s;
+	struct stream_stats *stats;
+	__u64 now;
+	__u8 write;
+
+	if (!streams_enabled || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+		return;
+	write = s->write;
+	s->write = WRITE_BODY;
+	now = bpf_ktime_get_ns();
+	if (ret <= 0) {
+		if (ret == -EAGAIN && !s->full_since_ns)
+			s->full_since_ns = now;
+		return;
+	}
+	if (is_h2(s)) {
+		h2_write(sk, s, tgid, cgroup_id, ret, now, start_ns);
+		s->frames = 0;
+		goto done;
+	}
+	if (s->phase == STREAM_IDLE || write == WRITE_HEADERS)
+		goto done;	/* the server speaks first, or the headers alone: not a chunk */
+	if (write == WRITE_LAST_CHUNK) {
+		stream_end(s);
+		s->phase = STREAM_IDLE;	/* also a response without a body write: no stream */
+		goto done;
+	}
+	if (s->phase == STREAM_REQUEST) {
+		s->phase = STREAM_RESPONSE;
+		s->t.chunks = 0;
+		stats = endpoint_of(sk, s, tgid, cgroup_id);
+	} else {
+		stats = bpf_map_lookup_elem(&stream_stats, &s->key);
+	}
+	if (stats)
+		timing_write(sk, s, &s->t, stats, 0, ret, now, start_ns);
+done:
+	if (left_full(sk)) {
+		if (!s->full_since_ns)
+			s->full_since_ns = now;
+	} else {
+		s->full_since_ns = 0;
+	}
+}
+
+#endif /* AIPROBE_STREAMS_H */

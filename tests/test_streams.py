@@ -1,0 +1,263 @@
+"""Token streams against the real kernel: a real ASGI server (Starlette on uvicorn,
+tests/fixtures/sse_server.py) streams Server-Sent Events over loopback to real clients (httpx, curl,
+a socket that stops reading), observed by sendlat's programs with the stream logic on. The truth is
+the server's own schedule: a 150 ms prefill, then 100 events 20 ms apart, a pause where asked.
+
+How the response's writes are counted: uvicorn writes the status line and headers alone as soon as
+the handler returns (not a chunk: TTFB runs to the first event), then one write per event (100
+chunks), then chunked encoding's last chunk "0\\r\\n\\r\\n" (ends the response; not a chunk)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from aiprobe.config import ConfigError, from_dict
+from aiprobe.histogram import HIST_SLOTS
+from aiprobe.model import StreamEndpoint, StreamsSnapshot
+from aiprobe.sendlat import SendLatencyProbe
+from aiprobe.streams import StreamsProbe, _endpoint
+from conftest import free_port
+
+FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
+GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
+EVENTS, CADENCE, PREFILL = 100, 0.020, 0.150
+PAUSE_AT, PAUSE = 50, 0.400
+BIG_EVENT = 256 * 1024  # events that fill a slow reader's socket buffers within a few of them
+
+
+@pytest.fixture(scope="module")
+def probe() -> Iterator[StreamsProbe]:
+    with SendLatencyProbe(per_flow=False) as host, StreamsProbe(host) as streams:
+        yield streams
+
+
+@contextlib.contextmanager
+def sse_server(*args: str) -> Iterator[subprocess.Popen]:
+    """The server on a free port, warmed up by a request without events (the first request pays for
+    lazy imports, which are no part of what the tests time; without a body write it is no stream)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(FIXTURE), str(port), *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        server.port = port  # type: ignore[attr-defined]
+        httpx.get(f"http://127.0.0.1:{port}/stream?warmup", timeout=30)
+        server_account(server)
+        yield server
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@dataclass
+class Account:
+    """A response as the server's own clock saw it: the truth the probe is held to."""
+
+    handled: float
+    events: list[float]
+
+    @property
+    def ttfb(self) -> float:  # from the handler's start: the request was read just before
+        return self.events[0] - self.handled
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.events, self.events[1:], strict=False)]
+
+
+def server_account(server: subprocess.Popen) -> Account:
+    return Account(**json.loads(server.stdout.readline()))
+
+
+def read_raw(port: int, *, pause_after: int, on_pause=lambda: None, pause: float = 0.0) -> int:
+    """GET /stream on a socket with a small receive buffer; after `pause_after` bytes, call on_pause()
+    and stop reading for `pause` seconds. Returns the bytes read."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
+        got, paused = 0, False
+        while data := sock.recv(65536):
+            got += len(data)
+            if data.endswith(b"0\r\n\r\n"):
+                break
+            if got >= pause_after and not paused:
+                paused = True
+                on_pause()
+                time.sleep(pause)
+        return got
+
+
+def endpoint_of(probe: StreamsProbe, server: subprocess.Popen) -> tuple[StreamEndpoint, StreamsSnapshot]:
+    time.sleep(0.2)  # the last chunk's write ends the response; let the reader see everything
+    snapshot = probe.read()
+    mine = [e for e in snapshot.endpoints if e.pid == server.pid and e.port == server.port]
+    assert len(mine) == 1, f"expected one endpoint of pid {server.pid} port {server.port}: {mine}"
+    snapshot.stalls = [s for s in snapshot.stalls if s.pid == server.pid and s.local_port == server.port]
+    return mine[0], snapshot
+
+
+def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -> None:
+    with sse_server("--pause-at", str(PAUSE_AT), "--pause-ms", str(PAUSE * 1e3)) as server:
+        probe.read()  # stalls of earlier tests are theirs
+        with httpx.stream("GET", f"http://127.0.0.1:{server.port}/stream", timeout=30) as response:
+            events = sum(chunk.count(b"id: ") for chunk in response.iter_raw())
+        endpoint, snapshot = endpoint_of(probe, server)
+        truth = server_account(server)
+    assert events == EVENTS
+    assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks) == ("sse", 1, 1, EVENTS)
+    # The probe is held to the server's clock (a loaded machine may stretch the schedule itself; the
+    # fixture's sanity is checked loosely).
+    assert truth.ttfb == pytest.approx(PREFILL, rel=0.5)
+    assert statistics.median(truth.gaps) == pytest.approx(CADENCE, rel=0.5)
+    assert endpoint.ttfb_sum_seconds == pytest.approx(truth.ttfb, rel=0.05)  # one stream: its TTFB exactly
+    assert endpoint.gaps == EVENTS - 1
+    assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
+    assert endpoint.duration_sum_seconds == pytest.approx(truth.events[-1] - truth.handled, rel=0.05)
+    assert endpoint.stalls == {"server": 1, "network": 0, "cpu": 0, "gpu": 0}
+    (stall,) = snapshot.stalls
+    assert (stall.cause, stall.chunk, stall.protocol) == ("server", PAUSE_AT + 1, "sse")
+    assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
+    assert stall.unwritable_seconds == 0
+
+
+def test_client_that_stops_reading_stalls_the_stream_with_cause_network(probe: StreamsProbe) -> None:
+    with sse_server("--payload", str(BIG_EVENT)) as server:
+        probe.read()
+        read_raw(server.port, pause_after=PAUSE_AT * BIG_EVENT, pause=2.0)
+        endpoint, snapshot = endpoint_of(probe, server)
+        server_account(server)
+    assert endpoint.protocol == "sse"
+    longest = max(snapshot.stalls, key=lambda s: s.gap_seconds)
+    assert longest.cause == "network", longest
+    assert longest.gap_seconds > 1.0
+    assert longest.unwritable_seconds >= longest.gap_seconds / 2
+    assert endpoint.stalls["network"] >= 1 and endpoint.stalls["server"] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU to pin to and another to run on")
+def test_writer_starved_of_cpu_stalls_the_stream_with_cause_cpu(probe: StreamsProbe) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    hog = "\n".join([
+        "import os, time",
+        f"os.sched_setaffinity(0, {{{cpu}}})",
+        "os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))",  # holds the CPU: the server cannot run
+        "end = time.monotonic() + 0.6",
+        "while time.monotonic() < end: pass",
+    ])
+    hogs: list[subprocess.Popen] = []
+    with sse_server() as server:
+        os.sched_setaffinity(server.pid, {cpu})
+        probe.read()
+        read_raw(server.port, pause_after=PAUSE_AT * 40,
+                 on_pause=lambda: hogs.append(subprocess.Popen([sys.executable, "-c", hog])))
+        hogs[0].wait(timeout=10)
+        endpoint, snapshot = endpoint_of(probe, server)
+        server_account(server)
+    longest = max(snapshot.stalls, key=lambda s: s.gap_seconds)
+    assert longest.cause == "cpu", longest
+    assert longest.runqueue_seconds >= longest.gap_seconds / 2
+    assert endpoint.stalls["cpu"] >= 1 and endpoint.stalls["server"] == 0
+
+
+def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(FIXTURE), str(port), "--certfile", str(cert), "--keyfile", str(key)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        server.port = port  # type: ignore[attr-defined]
+        out = subprocess.run(["curl", "-skN", "--max-time", "30", f"https://127.0.0.1:{port}/stream"],
+                             capture_output=True, text=True, check=True).stdout
+        endpoint, _ = endpoint_of(probe, server)
+        truth = server_account(server)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert out.count("id: ") == EVENTS
+    # Encrypted: timed, not read. The handshake's flights are responses too, and the headers' record
+    # is a chunk: the 100 events are among the chunks, 20 ms apart.
+    assert endpoint.protocol == "tls"
+    assert endpoint.chunks >= EVENTS
+    assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
+
+
+def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) -> None:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(GRPC_FIXTURE), str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        server.port = port  # type: ignore[attr-defined]
+        # Its own connection (no subchannel shared with other channels): accepted while the probe runs.
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stream = channel.unary_stream("/tokens.Tokens/Stream")
+            assert list(stream(b"0")) == []  # warm-up: no message, no response to time
+            probe.read()
+            counts: list[int] = []
+            second = threading.Timer(0.5, lambda: counts.append(len(list(stream(b"")))))
+            second.start()
+            counts.append(len(list(stream(b""))))
+            second.join()
+        endpoint, snapshot = endpoint_of(probe, server)
+        _warmup, *truths = (server_account(server) for _ in range(3))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert counts == [EVENTS, EVENTS]
+    assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks) == ("grpc", 2, 2, 2 * EVENTS)
+    # Interleaved on one connection, each stream keeps its own cadence: no gap of 10 ms, none of 40.
+    assert endpoint.gaps == 2 * (EVENTS - 1)
+    gaps = [gap for truth in truths for gap in truth.gaps]
+    assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(gaps), rel=0.10)
+    assert endpoint.ttfb_sum_seconds == pytest.approx(sum(truth.ttfb for truth in truths), rel=0.05)
+    assert endpoint.ttfb_p99_seconds < max(truth.ttfb for truth in truths) * 1.1
+    assert snapshot.stalls == []
+
+
+def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
+    with sse_server("--events", "20") as server:
+        cli = subprocess.Popen([*aiprobe_cli, "streams", "--duration", "30", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            assert "Tracing responses" in cli.stderr.readline()
+            httpx.get(f"http://127.0.0.1:{server.port}/stream", timeout=30)
+        finally:
+            cli.send_signal(2)
+            out, _ = cli.communicate(timeout=30)
+    document = json.loads(out)
+    mine = [e for e in document["endpoints"] if e["pid"] == server.pid and e["port"] == server.port]
+    assert [(e["protocol"], e["streams"], e["chunks"]) for e in mine] == [("sse", 1, 20)]
+    assert document["stall_threshold_seconds"] == 0.25
+
+
+def test_endpoint_entry_becomes_a_record() -> None:
+    hist = {"slots": [0] * HIST_SLOTS, "count": 0, "sum_ns": 0}
+    value = {"comm": b"uvicorn\0", "streams": 2, "chunks": 7, "bytes": 90, "stalls": [1, 2, 0, 0],
+             "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": hist}
+    record = _endpoint({"tgid": 5, "port": 8000, "protocol": 2, "cgroup_id": 9}, value, 77)
+    assert (record.protocol, record.comm, record.streams, record.ttfb_sum_seconds) == ("sse", "uvicorn", 2, 0.3)
+    assert record.stalls == {"server": 1, "network": 2, "cpu": 0, "gpu": 0}
+    assert record.gap_p50_seconds is None
+    assert _endpoint({"tgid": 5, "port": 1, "protocol": 99, "cgroup_id": 0}, value, 0).protocol == "tcp"
+
+
+def test_stall_threshold_must_be_positive() -> None:
+    assert from_dict({"stream_stall_threshold_ms": 100}).stream_stall_threshold_ms == 100.0
+    with pytest.raises(ConfigError, match="stream_stall_threshold_ms"):
+        from_dict({"stream_stall_threshold_ms": 0})
