@@ -2,6 +2,7 @@
 #   make run    install deps, build, run `aiprobe top` on this host (interactive: processes, flows, GPUs, alerts)
 #   make test   install deps, build, run ruff and the whole test suite (as root)
 #   make bench  install deps, build, run benchmarks/ and print a table of ratios
+#   make test-kernels  the `kernels` tests on Debian 12's stock kernels booted in qemu, and on this host
 
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +16,11 @@ APT_PACKAGES := clang llvm libbpf-dev iproute2 make gcc libc6-dev python3-venv p
 # bpftool is its own package on Debian (and recent Ubuntu); older Ubuntu ships it in linux-tools
 # (the deps recipe falls back to those).
 
-.PHONY: run test bench setup deps venv bpf vmlinux lint clean
+# make test-kernels: qemu and what virtme-ng's guest init needs; virtme-ng itself in its own venv.
+KERNEL_APT_PACKAGES := qemu-system-x86 busybox-static kmod file
+VNG_VENV := build/kernels/vng-venv
+
+.PHONY: run test bench setup deps venv bpf vmlinux lint clean test-kernels
 
 run: setup
 	$(SUDO) $(BIN)/aiprobe top
@@ -25,6 +30,17 @@ test: setup lint
 
 bench: setup
 	$(BIN)/python -m benchmarks
+
+test-kernels: setup $(STAMPS)/kernel-deps
+	$(BIN)/python tests/kernels/matrix.py
+
+$(STAMPS)/kernel-deps: Makefile $(STAMPS)/deps
+	@dpkg-query -W -f='$${Status}\n' $(KERNEL_APT_PACKAGES) 2>/dev/null | grep -c 'install ok installed' \
+	  | grep -qx '$(words $(KERNEL_APT_PACKAGES))' || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $(KERNEL_APT_PACKAGES); }
+	[ -x $(VNG_VENV)/bin/vng ] || { $(PYTHON) -m venv $(VNG_VENV) && $(VNG_VENV)/bin/pip install -q virtme-ng==1.42; }
+	@touch $@
 
 lint: venv
 	$(BIN)/ruff check agent exporters tests benchmarks

@@ -82,6 +82,14 @@ duration_option = click.option(
     "--duration", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
     help="Stop after this many seconds (default: run until Ctrl-C).",
 )
+def strategy_option(spec: Any, chain: str = "the probe's chain") -> Callable[[Callable[..., Any]], Any]:
+    """--strategy NAME: run only this strategy of the probe's chain (its names come from the registry)."""
+    return click.option(
+        "--strategy", type=click.Choice([s.name for s in spec.strategies]), default=None,
+        help=f"Run only this strategy of {chain} (default: the first this kernel allows).",
+    )
+
+
 interval_option = click.option(
     "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, metavar="SECONDS",
     help="Refresh interval.",

@@ -100,6 +100,8 @@ class Config:
     max_process_labels: int = 200
     idle_series_seconds: float = 300.0
     rules: dict[str, RuleConfig] = field(default_factory=lambda: dict(DEFAULT_RULES))
+    # probe -> the one strategy of its chain to run (default: the first the kernel allows)
+    strategies: dict[str, str] = field(default_factory=dict)
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -108,7 +110,7 @@ class Config:
 
 
 # key -> (type check, human description); ranges are checked in _check_value.
-_TOP_LEVEL = {f.name for f in fields(Config)} - {"rules"}
+_TOP_LEVEL = {f.name for f in fields(Config)} - {"rules", "strategies"}
 _RULE_KEYS = {f.name for f in fields(RuleConfig)}
 _SEVERITIES = ("info", "warning", "critical")
 
@@ -239,6 +241,24 @@ def _validate_rule(name: str, table: Any) -> RuleConfig:
     return rule
 
 
+def _validate_strategies(table: Any) -> dict[str, str]:
+    from .probes import specs, strategies_named
+
+    if not isinstance(table, dict):
+        raise ConfigError("strategies: expected a table of probe = strategy")
+    known = {spec.name: spec for spec in specs() if len(spec.strategies) > 1}
+    for probe, name in table.items():
+        if probe not in known:
+            raise ConfigError(f"strategies.{probe}: not a probe with a choice of strategies "
+                              f"(those: {', '.join(known)})")
+        name = _check_value(f"strategies.{probe}", name, "")
+        try:
+            strategies_named(known[probe], name)
+        except ValueError as exc:
+            raise ConfigError(f"strategies.{probe}: {exc}") from None
+    return dict(table)
+
+
 def from_dict(data: dict[str, Any]) -> Config:
     values: dict[str, Any] = {}
     for key, value in data.items():
@@ -248,6 +268,8 @@ def from_dict(data: dict[str, Any]) -> Config:
             rules = dict(DEFAULT_RULES)
             rules.update({name: _validate_rule(name, table) for name, table in value.items()})
             values["rules"] = rules
+        elif key == "strategies":
+            values["strategies"] = _validate_strategies(value)
         elif key in _TOP_LEVEL:
             values[key] = _validate_top(key, value)
         else:

@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from .loader import BpfObject, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage
 from .names import comm_text, printable
-from .probes import Probe, ProbeSpec
+from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes, start_ticks
 from .supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 
@@ -136,6 +136,17 @@ STRATEGIES = (
     Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), f"{_UPROBE_SPAN}; no scheduler side"),
 )
 
+
+
+def strategies_with_scheduler(name: str | None) -> tuple[Strategy, ...]:
+    """The chain, or the uprobes with only the scheduler strategy `name` (forced: `--strategy`,
+    the config's `strategies.sched`)."""
+    if name is None:
+        return STRATEGIES
+    [forced] = strategies_named(sched.SPEC, name)
+    return tuple(s for s in STRATEGIES if s.name == f"uprobe+{forced.name}")
+
+
 def _cold_start(phase: str) -> Callable[[CudaProcess], float | None]:
     return lambda process: getattr(process.cold_start, phase) if process.cold_start else None
 
@@ -159,7 +170,7 @@ SPEC = ProbeSpec(
     strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
     bpf_object="cuda",
     order=30,
-    factory=lambda _config, _running: CudaProbe(),
+    factory=lambda config, _running: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched"))),
     command="aiprobe.commands.cuda:command",
     metrics=(
         Family("aiprobe_cuda_context_switches_total", "counter",
@@ -220,13 +231,20 @@ class MappedLibrary:
 
     def host_path(self, proc: Path) -> str:
         """A path to the same file from here: through the process's root when that still leads to
-        the mapped inode, else the mapping itself (a replaced or deleted file)."""
+        the mapped inode, else the mapping itself (a replaced or deleted file, or one on overlayfs,
+        whose maps show the lower file's inode) when we may follow it (CAP_SYS_ADMIN), else the
+        path through the process's root anyway."""
         through_root = f"{proc}/{self.pid}/root{self.path}"
+        mapping = f"{proc}/{self.pid}/map_files/{self.address}"
         with contextlib.suppress(OSError):
             st = os.stat(through_root)
             if (st.st_dev, st.st_ino) == self.key:
                 return through_root
-        return f"{proc}/{self.pid}/map_files/{self.address}"
+        try:
+            os.stat(mapping)
+        except OSError:
+            return through_root
+        return mapping
 
 
 def _library_kind(path: str) -> str | None:
@@ -334,6 +352,19 @@ class LibraryScanner:
         watched.has_driver = watched.has_driver or any(lib.kind == DRIVER for lib in new)
         return new
 
+@contextlib.contextmanager
+def own_descriptor(path: str) -> Iterator[str]:
+    """`path` opened by us, as /proc/self/fd/N. Without CAP_SYS_ADMIN the kernel refuses a uprobe
+    on a path through another process's /proc/PID/root, but opening that path needs only what
+    reading the file needs (CAP_SYS_PTRACE to follow it), and a uprobe on our own descriptor needs
+    no more: the DaemonSet's capabilities suffice (deploy/kubernetes/README.md). The uprobe holds
+    the inode, so the descriptor is closed once attached."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
 
 class NotACudaLibrary(Exception):
     """The file does not define the anchor symbol of its kind of library."""
@@ -345,7 +376,12 @@ def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER) -> l
     attached. Raises NotACudaLibrary when the anchor symbol is missing, elf.ElfError for a file
     that is not an ELF object aiprobe reads."""
     entry_points, anchor = LIBRARY_KINDS[kind]
-    offsets = elf.function_offsets(host_path, {entry.symbol for entry in entry_points})
+    with own_descriptor(host_path) as path:
+        return _attach_at_offsets(obj, path, entry_points, anchor)
+
+
+def _attach_at_offsets(obj: BpfObject, path: str, entry_points: tuple[EntryPoint, ...], anchor: str) -> list[str]:
+    offsets = elf.function_offsets(path, {entry.symbol for entry in entry_points})
     if anchor not in offsets:
         raise NotACudaLibrary(f"no {anchor}")
     attached, done, links = [], set(), []
@@ -355,7 +391,7 @@ def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER) -> l
             continue
         done.add(where)
         try:
-            links.append(obj.programs[entry.program].attach_uprobe(host_path, offset=where[0],
+            links.append(obj.programs[entry.program].attach_uprobe(path, offset=where[0],
                                                                    retprobe=entry.retprobe))
         except BpfError:
             for link in links:  # all or nothing: a retry must not count the same calls twice

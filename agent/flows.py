@@ -65,7 +65,8 @@ PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 
 def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
     return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds, xdp_interfaces=list(config.xdp_interfaces))
+                      idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"),
+                      xdp_interfaces=list(config.xdp_interfaces))
 
 
 FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",

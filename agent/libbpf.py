@@ -173,6 +173,7 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_program__set_log_buf", c_int, [c_void_p, c_char_p, c_size_t]),
     ("bpf_program__attach", c_void_p, [c_void_p]),
     ("bpf_program__attach_uprobe_opts", c_void_p, [c_void_p, c_int, c_char_p, c_size_t, c_void_p]),
+    ("bpf_program__attach_perf_event", c_void_p, [c_void_p, c_int]),
     ("bpf_link__destroy", c_int, [c_void_p]),
     ("bpf_link__fd", c_int, [c_void_p]),
     ("bpf_link_create", c_int, [c_int, c_int, c_int, c_void_p]),

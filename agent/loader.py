@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import libbpf
+from . import elf, libbpf, uprobe_events
 from .btf import Btf
 from .libbpf import BpfError
 
@@ -123,14 +123,43 @@ class Program:
     def attach_uprobe(self, binary: str, func_name: str | None = None, *, offset: int = 0, retprobe: bool = False,
                       pid: int = -1) -> Link:
         """uprobe/uretprobe on `func_name` in `binary`, or at file `offset` (libbpf then does not parse
-        the file), for every process (pid -1) that maps it."""
+        the file), for every process (pid -1) that maps it. Where the perf uprobe PMU is refused (it
+        needs CAP_SYS_ADMIN on current kernels), through a tracefs uprobe event (aiprobe.uprobe_events)."""
         opts = libbpf.sized(libbpf.UprobeOpts, retprobe=retprobe,
                             func_name=func_name.encode() if func_name else None)
-        ptr = libbpf.new_ptr(
-            "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), offset, ctypes.byref(opts)
-        )
         kind = "uretprobe" if retprobe else "uprobe"
-        return self._obj.own(_libbpf_link(ptr, f"{self.name} {kind} {binary}:{func_name or hex(offset)}"))
+        description = f"{self.name} {kind} {binary}:{func_name or hex(offset)}"
+        try:
+            ptr = libbpf.new_ptr(
+                "bpf_program__attach_uprobe_opts", self._ptr, pid, binary.encode(), offset, ctypes.byref(opts)
+            )
+        except BpfError as exc:
+            if exc.errno != errno.EACCES or pid != -1:
+                raise
+            if func_name:
+                offset += _function_offset(binary, func_name)
+            return self._obj.own(self._attach_uprobe_event(binary, offset, retprobe, description))
+        return self._obj.own(_libbpf_link(ptr, description))
+
+    def _attach_uprobe_event(self, binary: str, offset: int, retprobe: bool, description: str) -> Link:
+        uprobe_events.remove_stale_events()
+        name, tracepoint_id = uprobe_events.create_event(binary, offset, retprobe=retprobe)
+        try:
+            perf_fd = uprobe_events.open_tracepoint(tracepoint_id)
+            try:
+                ptr = libbpf.new_ptr("bpf_program__attach_perf_event", self._ptr, perf_fd)
+            except BaseException:
+                os.close(perf_fd)
+                raise
+        except BaseException:
+            uprobe_events.remove_event(name)
+            raise
+
+        def detach() -> None:
+            libbpf.lib().bpf_link__destroy(ptr)  # closes perf_fd
+            uprobe_events.remove_event(name)
+
+        return Link(f"{description} (tracefs {uprobe_events.GROUP}/{name})", detach, libbpf.lib().bpf_link__fd(ptr))
 
     def attach_xdp(self, ifindex: int, mode: str | None = None) -> Link:
         """XDP through a bpf_link; mode 'native', 'generic' or None (kernel's choice)."""
@@ -175,6 +204,17 @@ class Program:
         )
         libbpf.call("bpf_prog_test_run_opts", self.fd, ctypes.byref(opts))
         return TestRun(opts.retval, opts.duration, data_out.raw[: opts.data_size_out])
+
+
+def _function_offset(binary: str, func_name: str) -> int:
+    """Where libbpf would have put a uprobe on `func_name`; ENOENT as libbpf's when undefined."""
+    try:
+        offsets = elf.function_offsets(binary, [func_name])
+    except (elf.ElfError, OSError) as exc:
+        raise BpfError(errno.EINVAL, f"uprobe on {func_name}", str(exc)) from None
+    if func_name not in offsets:
+        raise BpfError(errno.ENOENT, f"uprobe on {func_name}", f"{binary} does not define it")
+    return offsets[func_name]
 
 
 def _tc_hook(ifindex: int, direction: str) -> libbpf.TcHook:
@@ -449,6 +489,7 @@ class BpfObject:
         """Detach every link, free ring buffers, then unload programs and maps."""
         while self._owned:
             self._owned.pop().close()
+        uprobe_events.remove_pending()
         ptr, self._ptr = self._ptr, None
         if ptr:
             libbpf.lib().bpf_object__close(ptr)

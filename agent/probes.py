@@ -125,6 +125,19 @@ def spec(name: str) -> ProbeSpec:
     return next(s for s in specs() if s.name == name)
 
 
+def strategies_named(spec: ProbeSpec, name: str | None) -> tuple[Strategy, ...]:
+    """The probe's chain, or only its strategy `name` when one is forced (`--strategy`, the config's
+    `strategies`): to keep BPF trampolines off a host, or to compare strategies. ValueError, naming
+    the chain, when the probe has no such strategy."""
+    if name is None:
+        return spec.strategies
+    forced = tuple(s for s in spec.strategies if s.name == name)
+    if not forced:
+        chain = ", ".join(s.name for s in spec.strategies)
+        raise ValueError(f"{spec.name} has no strategy {name!r} (its chain: {chain})")
+    return forced
+
+
 def selectable_names() -> tuple[str, ...]:
     return tuple(s.name for s in specs() if s.selectable)
 

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import btf
 from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
@@ -22,9 +22,12 @@ from .loader import BpfObject, Loaded, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
-from .probes import Probe, ProbeSpec
+from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes
 from .streams import RECEIVE_SIDE  # the stream logic shares sendlat's programs (bpf/streams.h)
+
+if TYPE_CHECKING:
+    from .config import Config
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
@@ -36,6 +39,12 @@ NO_WAITS = exported_buckets(kernel_buckets([0] * HIST_SLOTS))
 
 def _error_count(name: str) -> Any:
     return lambda record: record.errors.get(name, 0)
+
+
+def _from_config(config: Config) -> SendLatencyProbe:
+    return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
+                            cpu_budget=config.sendlat_cpu_budget or None,
+                            strategies=strategies_named(SPEC, config.strategies.get("sendlat")))
 
 
 SPEC = ProbeSpec(
@@ -72,8 +81,7 @@ SPEC = ProbeSpec(
     ),
     bpf_object=OBJECT,
     order=20,
-    factory=lambda config, _running: SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
-                                                      cpu_budget=config.sendlat_cpu_budget or None),
+    factory=lambda config, _running: _from_config(config),
     config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
     command="aiprobe.commands.sendlat:command",
     metrics=(

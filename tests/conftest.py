@@ -28,12 +28,20 @@ FIXTURE_BUILD = FIXTURES / "build"
 IS_ROOT = os.geteuid() == 0
 
 
+# What `make test-kernels` runs on every kernel of its matrix (tests/kernels/matrix.py), under
+# emulation: each probe's exactness tests under every strategy, the capability matrix and least
+# privilege. Chosen to keep CI under its time; tests marked `realtime` (wall-clock deadlines) stay
+# on this host.
+KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_loader", "test_check", "test_least_privilege",
+                  "test_strategies"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if IS_ROOT:
-        return
     skip = pytest.mark.skip(reason="needs root to load BPF programs (CI runs as root)")
     for item in items:
-        if "bpf" in item.keywords:
+        if item.module.__name__ in KERNEL_MODULES:
+            item.add_marker(pytest.mark.kernels)
+        if "bpf" in item.keywords and not IS_ROOT:
             item.add_marker(skip)
 
 
@@ -199,6 +207,20 @@ class CBuild:
 def cbuild() -> CBuild:
     FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
     return CBuild(FIXTURE_BUILD)
+
+
+@pytest.fixture(scope="session")
+def kernel_features() -> dict:
+    """What this kernel can do (aiprobe.features.probe_features: each from a real load), tried once."""
+    from aiprobe.features import probe_features
+
+    return probe_features()
+
+
+@pytest.fixture(scope="session")
+def tc_kind(kernel_features: dict) -> str:
+    """How flows attaches tc here: TCX where the kernel has it (6.6+), else clsact."""
+    return "tcx" if kernel_features["tcx"].available else "clsact"
 
 
 @pytest.fixture

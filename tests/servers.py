@@ -11,6 +11,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,16 @@ class Server:
 
 class Agent(Server):
     def __init__(self, workdir: Path, config: str = "", env: dict | None = None, *, https: bool = False,
-                 args: tuple[str, ...] = (), listen_host: str = "127.0.0.1", alert_log: str | None = None) -> None:
-        """`listen_host`: where it listens (e.g. `[::]`); the test reaches it on 127.0.0.1 anyway."""
+                 args: tuple[str, ...] = (), listen_host: str = "127.0.0.1", alert_log: str | None = None,
+                 prefix: Sequence[str] = ()) -> None:
+        """`listen_host`: where it listens (e.g. `[::]`); the test reaches it on 127.0.0.1 anyway.
+        `prefix` runs the agent through a wrapper (setpriv: reduced capabilities)."""
         port = free_port()
         self.config_path = workdir / f"aiprobe-{port}.toml"
         self.alert_log = Path(alert_log or workdir / f"alerts-{port}.jsonl")
         self.config_path.write_text(f'listen = "{listen_host}:{port}"\nalert_log = "{self.alert_log}"\n' + config)
         self.target = f"127.0.0.1:{port}"
-        super().__init__([AIPROBE, "agent", "--config", str(self.config_path), *args],
+        super().__init__([*prefix, AIPROBE, "agent", "--config", str(self.config_path), *args],
                          f"{'https' if https else 'http'}://{self.target}", "/healthz",
                          workdir / f"agent-{port}.log", env=env)
 

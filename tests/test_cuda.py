@@ -102,6 +102,7 @@ def _bucket_counts(histogram: list[dict]) -> dict:
 
 
 @pytest.mark.bpf
+@pytest.mark.realtime  # syncs timed into their log2 bucket: emulation stretches the sleeps
 def test_cli_counts_a_driver_started_after_it_exactly(cuda_libs, drivers, aiprobe_cli) -> None:
     cli = subprocess.Popen([*aiprobe_cli, "cuda", "--json", "--duration", "60"], text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -672,7 +673,11 @@ def test_maps_parsing_finds_the_driver_and_runtimes_wherever_they_are(tmp_path) 
     assert found == {str(files["driver"]): DRIVER, str(files["wheel"]): RUNTIME, str(files["torch"]): RUNTIME}
     [driver] = [lib for lib in mapped_cuda_libraries(77, tmp_path) if lib.kind == DRIVER]
     assert driver.key == (files["driver"].stat().st_dev, files["driver"].stat().st_ino)
-    # The process's root does not lead to that inode here: fall back to the mapping itself.
+    # The process's root does not lead to that inode here: the path through it, unless the mapping
+    # itself may be followed (CAP_SYS_ADMIN; here: it exists).
+    assert driver.host_path(tmp_path) == f"{tmp_path}/77/root{files['driver']}"
+    (tmp_path / "77" / "map_files").mkdir()
+    (tmp_path / "77" / "map_files" / driver.address).write_bytes(b"")
     assert driver.host_path(tmp_path) == f"{tmp_path}/77/map_files/{driver.address}"
     assert mapped_cuda_libraries(78, tmp_path) == []
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 from aiprobe.btf import decode
-from aiprobe.flows import MIN_RATE_WINDOW_NS, TC_HANDLE, FlowsProbe
+from aiprobe.containers import cgroup2_root
+from aiprobe.flows import MIN_RATE_WINDOW_NS, SPEC, TC_HANDLE, FlowsProbe
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject
 from aiprobe.model import FlowRecord, FlowsSnapshot
@@ -40,6 +41,17 @@ pytestmark = pytest.mark.bpf
 
 UDP_PAYLOAD = 300
 COUNT = 25
+
+
+@pytest.fixture(params=[s.name for s in SPEC.strategies])
+def strategy(request, kernel_features: dict) -> str:
+    """The exactness tests run under every strategy of the chain; one the kernel cannot run is
+    skipped, naming the hook it lacks."""
+    [chosen] = [s for s in SPEC.strategies if s.name == request.param]
+    missing = [name for name in chosen.features if not kernel_features[name].available]
+    if missing:
+        pytest.skip(f"{chosen.name}: this kernel lacks {', '.join(missing)}")
+    return chosen.name
 
 
 def _flow(snapshot: FlowsSnapshot, direction: str, protocol: str, local_port: int, remote_port: int) -> FlowRecord:
@@ -62,7 +74,7 @@ def _stat(interface: str, name: str) -> int:
 
 def _own_cgroup_id() -> int:
     path = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
-    return os.stat(f"/sys/fs/cgroup/unified{path}").st_ino
+    return os.stat(f"{cgroup2_root()}{path}").st_ino
 
 
 # --- exact UDP counts ---
@@ -81,11 +93,11 @@ for _ in range(count):
 
 
 @pytest.mark.parametrize("family", ["4", "6"])
-def test_udp_datagrams_counted_exactly_each_way(veth: VethPair, family: str) -> None:
+def test_udp_datagrams_counted_exactly_each_way(veth: VethPair, family: str, strategy: str) -> None:
     port = 40000 + int(family)
     host_ip, peer_ip = (veth.host_ip6, veth.peer_ip6) if family == "6" else (veth.host_ip4, veth.peer_ip4)
     frame_len = 14 + (40 if family == "6" else 20) + 8 + UDP_PAYLOAD
-    with FlowsProbe([veth.host]) as probe:
+    with FlowsProbe([veth.host], strategy=strategy) as probe:
         with socket.socket(socket.AF_INET6 if family == "6" else socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind((host_ip, port))
             sock.settimeout(5)
@@ -117,12 +129,12 @@ for _ in range(int(sys.argv[3])):
 
 
 @pytest.mark.parametrize("vlans", [(42,), (100, 42)], ids=["802.1Q", "802.1ad+802.1Q"])
-def test_vlan_tagged_frames_counted_exactly_each_way(veth: VethPair, vlans: tuple[int, ...]) -> None:
+def test_vlan_tagged_frames_counted_exactly_each_way(veth: VethPair, vlans: tuple[int, ...], strategy: str) -> None:
     # The kernel here has no VLAN devices, so tagged frames go out through packet sockets: every
     # byte on the wire is known. The receiving side drops them after the hooks have counted.
     inbound = frames.udp4_frame(veth.peer_ip4, veth.host_ip4, 5353, 6363, UDP_PAYLOAD, vlans)
     outbound = frames.udp4_frame(veth.host_ip4, veth.peer_ip4, 6363, 5353, UDP_PAYLOAD, vlans)
-    with FlowsProbe([veth.host]) as probe:
+    with FlowsProbe([veth.host], strategy=strategy) as probe:
         veth.ns_run([sys.executable, "-c", PEER_RAW, veth.peer, inbound.hex(), str(COUNT)])
         with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as raw:
             raw.bind((veth.host, 0))
@@ -166,10 +178,10 @@ def _offloads(veth: VethPair) -> dict[str, str]:
 SEGMENTATION_OFFLOADS = ("tcp-segmentation-offload", "generic-segmentation-offload")
 
 
-def test_veth_peer_keeps_tso_and_gso_while_attached_and_xdp_is_refused_on_veth(veth: VethPair) -> None:
+def test_veth_peer_keeps_tso_and_gso_while_attached_and_xdp_is_refused_on_veth(veth: VethPair, tc_kind: str) -> None:
     with FlowsProbe([veth.host], xdp_interfaces=["*"]) as probe:
         (state,) = probe.attachments()
-        assert (state.ingress, state.egress) == ("tcx", "tcx")
+        assert (state.ingress, state.egress) == (tc_kind, tc_kind)
         assert state.xdp_refused.startswith("XDP refused on veth") and "TSO" in state.xdp_refused
         assert programs_on(veth.host) == OUR_TC_PROGRAMS
         offloads = _offloads(veth)
@@ -349,6 +361,7 @@ def test_wire_segments_match_snmp_and_interface_counters(namespaces: NamespacePa
 # --- interfaces that come and go ---
 
 
+@pytest.mark.realtime
 def test_interface_created_after_start_is_attached_within_two_seconds_and_removal_is_quiet(
     veth: VethPair,
 ) -> None:
@@ -404,6 +417,7 @@ def _start_cli(aiprobe_cli: list[str], interface: str, *extra: str) -> subproces
     return proc
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_cli_leaves_no_program_attached_after_signal(veth: VethPair, aiprobe_cli: list[str], sig: int) -> None:
     proc = _start_cli(aiprobe_cli, veth.host, "--json")
@@ -467,12 +481,12 @@ sys.exit(-rc)
 """
 
 
-def test_foreign_xdp_program_is_left_attached_and_tc_counts_both_ways(veth: VethPair) -> None:
+def test_foreign_xdp_program_is_left_attached_and_tc_counts_both_ways(veth: VethPair, tc_kind: str) -> None:
     subprocess.run([sys.executable, "-c", FOREIGN_XDP, str(veth.host_ifindex)], check=True)
     assert programs_on(veth.host) == {"probe_xdp"}
     with FlowsProbe([veth.host]) as probe:
         (state,) = probe.attachments()
-        assert (state.ingress, state.egress) == ("tcx", "tcx")
+        assert (state.ingress, state.egress) == (tc_kind, tc_kind)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind((veth.host_ip4, 0))
             port = sock.getsockname()[1]
@@ -684,11 +698,11 @@ def test_frames_no_table_can_hold_are_counted_as_lost() -> None:
     assert sum(x["packets"] for x in lost) == 5 and sum(x["bytes"] for x in lost) == 5 * len(arp)
 
 
-def test_loopback_is_watched_when_asked() -> None:
+def test_loopback_is_watched_when_asked(tc_kind: str) -> None:
     """lo frames carry a (zeroed) Ethernet header, so `--interfaces lo` counts them like any NIC's."""
     with FlowsProbe(interfaces=["lo"], exclude=[]) as probe, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        assert [(a.ingress, a.egress) for a in probe.attachments()] == [("tcx", "tcx")]
+        assert [(a.ingress, a.egress) for a in probe.attachments()] == [(tc_kind, tc_kind)]
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         for _ in range(COUNT):

@@ -112,7 +112,9 @@ def test_fallback_chain_keeps_first_working_strategy_and_reasons() -> None:
     assert "no-such-tracepoint" in str(exc.value)
 
 
-def test_xdp_and_tcx_links_count_traffic_and_detach(veth) -> None:
+def test_xdp_and_tcx_links_count_traffic_and_detach(veth, tc_kind: str) -> None:
+    if tc_kind != "tcx":
+        pytest.skip("this kernel has no TCX (6.6+)")
     before_links = link_ids()
     with BpfObject("features", programs=["probe_xdp", "probe_tc"]) as obj:
         obj.load()

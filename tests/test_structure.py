@@ -14,7 +14,8 @@ from aiprobe.probes import specs
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Keys about the agent as a whole rather than one probe.
 AGENT_KEYS = {"listen", "interval_seconds", "probes", "traffic_floor_bytes_per_second", "alertmanager_url",
-              "alert_log", "rules", "web_config_file", "snapshot_api", "max_process_labels", "idle_series_seconds"}
+              "alert_log", "rules", "web_config_file", "snapshot_api", "max_process_labels", "idle_series_seconds",
+              "strategies"}
 
 
 def imports(path: Path) -> set[str]:

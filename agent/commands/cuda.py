@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
-from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
-from ..cuda import LIBRARY_PREFIX, CudaProbe
+from .. import sched
+from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, strategy_option, ticks
+from ..cuda import LIBRARY_PREFIX, CudaProbe, strategies_with_scheduler
 from ..formatting import Column, columns_for, table
 from ..model import AttachedLibrary, CudaSnapshot
 from ..names import printable
@@ -62,12 +63,13 @@ def _announce(library: AttachedLibrary) -> None:
 
 @click.command()
 @duration_option
+@strategy_option(sched.SPEC, "the scheduler side's chain (the uprobes have no alternative)")
 @json_option
 @friendly_errors
-def command(duration: float | None, as_json: bool) -> None:
+def command(duration: float | None, strategy: str | None, as_json: bool) -> None:
     """CUDA launches, graph launches, syncs, context changes, cold start and run-queue delay per process."""
     require_privileges()
-    with CudaProbe(on_attach=_announce) as probe:
+    with CudaProbe(on_attach=_announce, strategies=strategies_with_scheduler(strategy)) as probe:
         click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* or libcudart* "
                    f"(scheduler side: {probe.sched_strategy or 'unavailable'})", err=True)
         for _ in ticks(duration, 1.0):

@@ -6,8 +6,17 @@ import sys
 
 import click
 
-from ..cli import duration_option, emit_json, friendly_errors, interval_option, json_option, require_privileges, ticks
-from ..flows import FlowsProbe
+from ..cli import (
+    duration_option,
+    emit_json,
+    friendly_errors,
+    interval_option,
+    json_option,
+    require_privileges,
+    strategy_option,
+    ticks,
+)
+from ..flows import SPEC, FlowsProbe
 from ..formatting import table
 from ..model import FlowsSnapshot
 from ..top_views import VIEWS
@@ -46,13 +55,14 @@ def _announce(probe: FlowsProbe) -> None:
                    "attaching resets the receive queues on many drivers). Refused on virtual devices.")
 @duration_option
 @interval_option
+@strategy_option(SPEC)
 @json_option
 @friendly_errors
 def command(interfaces: list[str], exclude: list[str], xdp_interfaces: list[str], duration: float | None,
-            interval: float, as_json: bool) -> None:
+            interval: float, strategy: str | None, as_json: bool) -> None:
     """Wire packets and bytes per network flow, per direction, live (tc ingress and egress)."""
     require_privileges()
-    with FlowsProbe(interfaces, exclude, xdp_interfaces=xdp_interfaces) as probe:
+    with FlowsProbe(interfaces, exclude, strategy=strategy, xdp_interfaces=xdp_interfaces) as probe:
         _announce(probe)
         clear = "\033[H\033[J" if sys.stdout.isatty() else ""
         for _ in ticks(duration, interval):

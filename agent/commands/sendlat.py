@@ -7,11 +7,21 @@ import time
 import click
 import psutil
 
-from ..cli import AiprobeError, duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
+from ..cli import (
+    AiprobeError,
+    duration_option,
+    emit_json,
+    friendly_errors,
+    json_option,
+    require_privileges,
+    strategy_option,
+    ticks,
+)
 from ..formatting import bucket_histogram, columns_for, field, table
 from ..model import ProcessSendLatency, SlowSend
 from ..names import endpoint
-from ..sendlat import SendLatencyProbe
+from ..probes import strategies_named
+from ..sendlat import SPEC, SendLatencyProbe
 
 SLOW_FIELDS = ("time", "pid", "comm", "local", "remote", "bytes", "duration_seconds")
 SLOW_COLUMNS = columns_for(SLOW_FIELDS, widths={"time": 9, "pid": 7, "comm": 16, "local": 24, "remote": 24,
@@ -46,14 +56,15 @@ def _print_histogram(process: ProcessSendLatency) -> None:
     "--threshold-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
     help="Print each send slower than this as it happens.",
 )
+@strategy_option(SPEC)
 @json_option
 @friendly_errors
-def command(duration: float | None, pid: int | None, threshold_ms: float, as_json: bool) -> None:
+def command(duration: float | None, pid: int | None, threshold_ms: float, strategy: str | None, as_json: bool) -> None:
     """TCP send latency per process, and each slow send as it happens (like bcc's tools)."""
     require_privileges()
     if pid is not None and not psutil.pid_exists(pid):
         raise AiprobeError(f"no process with pid {pid}")
-    with SendLatencyProbe(threshold_ms=threshold_ms, pid=pid) as probe:
+    with SendLatencyProbe(threshold_ms=threshold_ms, pid=pid, strategies=strategies_named(SPEC, strategy)) as probe:
         # Status on stderr (stdout is the data): also tells a caller that the probe is attached.
         status = probe.status()
         click.echo(f"Tracing TCP sends ({status.strategy}: {status.span}); Ctrl-C to end.", err=True)

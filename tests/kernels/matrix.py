@@ -1,0 +1,260 @@
+"""`make test-kernels`: the kernel-facing tests (marker `kernels`) on stock Debian kernels booted in
+qemu by virtme-ng, and on this host's own kernel; then one table: kernel, the strategy `aiprobe
+check` picks per probe, tests passed / failed / skipped, and every skip's reason.
+
+Each kernel is the newest package of its series (resolved with apt-cache, never hard-coded),
+downloaded once with `apt-get download` and unpacked with `dpkg-deb -x` under build/kernels/ (not
+`dpkg -i`: its post-install wants initramfs-tools); `depmod` indexes its modules where virtme-ng
+looks for them (the tree beside the image). The guest shares this host's root filesystem read-only
+over 9p and sees this repository through an overlay whose writes stay in the guest's memory; only
+its results directory is shared read-write. KVM is used when it works (nested KVM often does not),
+plain emulation otherwise.
+
+Usage: matrix.py [--kernel SUBSTRING]... [-- PYTEST ARGS]  (default pytest args: -m "kernels and bpf and not realtime")
+Exit status 1 when a test failed or a kernel did not report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / "build" / "kernels"
+VNG = CACHE / "vng-venv" / "bin" / "vng"
+GUEST = ROOT / "tests" / "kernels" / "guest.sh"
+PROBES = ("flows", "sendlat", "cuda", "sched", "nvml")
+DEFAULT_SELECTION = ("-m", "kernels and bpf and not realtime")  # the rest needs no kernel: make test runs it
+VM_TIMEOUT = 1500  # seconds for one boot and its tests; emulation is ~10x slower than the host
+VM_OPTIONS = ("--cpus", "2", "--memory", "2G")
+EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p")
+
+
+@dataclass(frozen=True)
+class Series:
+    """A kernel series: package names matching `pattern`; the highest `(\\d+)` group is the newest."""
+
+    label: str
+    pattern: str
+
+
+# Debian 12's stock kernel and its newer series (bookworm-backports' successor, in bookworm itself).
+MATRIX = (
+    Series("Debian 12 stock", r"linux-image-6\.1\.0-(\d+)-amd64"),
+    Series("Debian 12 6.12", r"linux-image-6\.12\.(\d+)\+deb12-amd64"),
+)
+
+
+@dataclass
+class Result:
+    kernel: str
+    how: str  # host, kvm or emulated
+    seconds: float = 0.0
+    strategies: dict[str, str] = field(default_factory=dict)
+    outcomes: Counter = field(default_factory=Counter)
+    skips: Counter = field(default_factory=Counter)  # reason -> tests
+    passed: set[str] = field(default_factory=set)  # test ids
+    skipped: set[str] = field(default_factory=set)
+    problem: str = ""  # why the kernel reported nothing (no boot, no results)
+
+
+def log(message: str) -> None:
+    print(f"test-kernels: {message}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+# ---- kernels: resolve, download, unpack ----
+
+
+def newest_package(series: Series) -> str:
+    """The highest-numbered package of the series that apt knows, updating the lists once if none."""
+    for attempt in range(2):
+        names = run(["apt-cache", "pkgnames", "linux-image-6."]).stdout.split()
+        matches = [(int(m.group(1)), name) for name in names if (m := re.fullmatch(series.pattern, name))]
+        if matches:
+            return max(matches)[1]
+        if attempt == 0:
+            log("no package of the series in apt's lists; apt-get update")
+            run(["apt-get", "update", "-qq"])
+    raise SystemExit(f"test-kernels: no package matches {series.pattern} (check `apt-cache policy`)")
+
+
+def unpacked_kernel(package: str) -> Path:
+    """build/kernels/<release>/boot/vmlinuz-<release>, downloaded and unpacked once."""
+    release = package.removeprefix("linux-image-")
+    tree = CACHE / release
+    image = tree / "boot" / f"vmlinuz-{release}"
+    if image.exists() and (tree / "lib" / "modules" / release / "modules.dep").exists():
+        return image
+    debs = CACHE / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    if not list(debs.glob(f"{package}_*.deb")):
+        log(f"downloading {package}")
+        run(["apt-get", "download", "-q", package], cwd=debs)
+    [deb] = sorted(debs.glob(f"{package}_*.deb"))[-1:]
+    log(f"unpacking {deb.name}")
+    shutil.rmtree(tree, ignore_errors=True)
+    run(["dpkg-deb", "-x", str(deb), str(tree)])
+    run(["depmod", "-b", str(tree), release])
+    return image
+
+
+# ---- running ----
+
+
+def vng(image: Path, accel: tuple[str, ...], *args: str) -> list[str]:
+    return [str(VNG), "--verbose", "--run", str(image), *accel, *VM_OPTIONS, *args]
+
+
+def vng_env() -> dict[str, str]:
+    # vng starts virtme-run from PATH.
+    return {**os.environ, "PATH": f"{VNG.parent}:{os.environ['PATH']}"}
+
+
+def kvm_works(image: Path) -> bool:
+    """Whether a guest boots under KVM here: nested KVM may abort (failed to set MSR) or hang."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    try:
+        probe = subprocess.run(vng(image, (), "--", "true"), env=vng_env(), capture_output=True, text=True,
+                               timeout=60, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False
+    return "script exited with code 0" in probe.stdout + probe.stderr
+
+
+def results_dir(name: str) -> Path:
+    path = CACHE / "results" / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tuple[Path, float, str]:
+    """Boot the kernel, run guest.sh; its results directory, the wall time, and a problem if any."""
+    release = image.name.removeprefix("vmlinuz-")
+    results = results_dir(release)
+    cmd = vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
+              "--", shlex.join([str(GUEST), str(results), *selection]))
+    started = time.monotonic()
+    problem = ""
+    with (results / "console.log").open("w") as console:
+        try:
+            subprocess.run(cmd, env=vng_env(), stdout=console, stderr=subprocess.STDOUT, timeout=VM_TIMEOUT,
+                           stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            problem = f"no result within {VM_TIMEOUT} s"
+    return results, time.monotonic() - started, problem
+
+
+def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
+    results = results_dir(f"host-{os.uname().release}")
+    started = time.monotonic()
+    subprocess.run(["sh", str(GUEST), str(results), *selection], stdin=subprocess.DEVNULL)
+    return results, time.monotonic() - started, ""
+
+
+# ---- results ----
+
+
+def read_results(result: Result, results: Path) -> None:
+    try:
+        report = json.loads((results / "check.json").read_text())
+        result.strategies = {name: probe["strategy"] or "-" for name, probe in report["probes"].items()}
+    except (OSError, ValueError, KeyError):
+        result.problem = result.problem or "no `aiprobe check` report"
+    try:
+        suite = ET.parse(results / "junit.xml").getroot()
+    except (OSError, ET.ParseError):
+        result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
+        return
+    for case in suite.iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            result.outcomes["passed"] += 1
+            result.passed.add(test)
+        elif outcome.tag == "skipped":
+            result.outcomes["skipped"] += 1
+            result.skipped.add(test)
+            result.skips[outcome.get("message", "").removeprefix("Skipped: ")[:150]] += 1
+        else:
+            result.outcomes["failed"] += 1
+            result.skips[f"FAILED {test}"] += 1
+
+
+def print_table(results: list[Result]) -> None:
+    headers = ["kernel", "run", "seconds", *PROBES, "passed", "failed", "skipped"]
+    rows = [[r.kernel, r.how, f"{r.seconds:.0f}", *(r.strategies.get(p, "?") for p in PROBES),
+             *(str(r.outcomes[k]) for k in ("passed", "failed", "skipped"))] for r in results]
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    for row in [headers, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    for r in results:
+        if r.problem:
+            print(f"\n{r.kernel}: {r.problem}")
+        if r.skips:
+            print(f"\n{r.kernel}:")
+            for reason, count in sorted(r.skips.items()):
+                print(f"  {count:>3} x {reason}")
+
+
+def never_run(results: list[Result]) -> set[str]:
+    """Tests skipped on every kernel: a strategy (or hook) that no kernel of the matrix exercised."""
+    return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", action="append", default=[],
+                        help="only kernels whose package name contains this ('host' for this host)")
+    parser.add_argument("pytest_args", nargs="*", help=f"pytest arguments (default: {shlex.join(DEFAULT_SELECTION)})")
+    args = parser.parse_args()
+    selection = args.pytest_args or list(DEFAULT_SELECTION)
+    wanted = lambda name: not args.kernel or any(k in name for k in args.kernel)  # noqa: E731
+
+    results = []
+    started = time.monotonic()
+    # The host first: it also leaves compiled fixtures and bytecode that the guests' overlays reuse.
+    if wanted("host"):
+        log(f"this host ({os.uname().release}): running the selection")
+        result = Result(os.uname().release, "host")
+        path, result.seconds, result.problem = run_on_host(selection)
+        read_results(result, path)
+        results.append(result)
+    images = [unpacked_kernel(package) for package in map(newest_package, MATRIX) if wanted(package)]
+    accel = () if images and kvm_works(images[0]) else EMULATION
+    for image in images:
+        release = image.name.removeprefix("vmlinuz-")
+        how = "kvm" if not accel else "emulated"
+        log(f"{release}: booting ({how}) and running the selection")
+        result = Result(release, how)
+        path, result.seconds, result.problem = run_in_vm(image, accel, selection)
+        read_results(result, path)
+        results.append(result)
+    print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
+    print_table(results)
+    unexercised = never_run(results) if len(results) > 1 else set()
+    if unexercised:
+        print("\nskipped on every kernel (no kernel of the matrix ran them):")
+        for test in sorted(unexercised):
+            print(f"  {test}")
+    return int(bool(unexercised) or any(r.problem or r.outcomes["failed"] for r in results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
