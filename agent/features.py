@@ -117,7 +117,7 @@ def _map_batch() -> None:
 _NETWORK = ("xdp_native", "xdp_generic", "xdp_link", "tcx", "tc_clsact")
 
 
-def _network_features() -> dict[str, Feature]:
+def network_features() -> dict[str, Feature]:
     """XDP and tc attempts in a throwaway network namespace, owned by a short-lived thread
     (namespaces are per thread, so the rest of the process stays where it was)."""
     result: dict[str, Feature] = {}
@@ -174,7 +174,7 @@ def probe_features() -> dict[str, Feature]:
         "ringbuf": _attempt(_ringbuf),
         "map_batch": _attempt(_map_batch),
     }
-    found.update(_network_features())
+    found.update(network_features())
     found["xdp"] = _any(found, "xdp_native", "xdp_generic")
     found["tc"] = _any(found, "tcx", "tc_clsact")
     return {name: found[name] for name in FEATURES}

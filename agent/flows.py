@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
+from .features import network_features
 from .libbpf import BpfError
 from .loader import (
     BpfObject,
@@ -382,6 +383,12 @@ class FlowsProbe(Probe):
         if tried and not any(s.egress for s in tried):
             # The egress hook failed everywhere: this kernel lacks the strategy, try the next one.
             raise BpfError(errno.EOPNOTSUPP, f"{strategy.name} attach: {tried[0].error}")
+        if not tried:
+            # Nothing to try the hook on yet: try it where `aiprobe check` does, so a kernel without
+            # it (TCX before 6.6) falls back now, not at the first interface that comes up.
+            (hook,) = strategy.features
+            if not (feature := network_features()[hook]).available:
+                raise BpfError(errno.EOPNOTSUPP, f"{strategy.name}: {feature.detail}")
         self._attached = attached
 
     def close(self) -> None:
