@@ -220,9 +220,12 @@ def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) 
         server.terminate()
         server.wait(timeout=10)
     assert counts == [EVENTS, EVENTS]
-    assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks) == ("grpc", 2, 2, 2 * EVENTS)
+    assert (endpoint.protocol, endpoint.streams, endpoint.completed) == ("grpc", 2, 2)
+    # grpcio can put both streams' frames in one write, timed as one chunk of one stream (issue 16's
+    # note): a loaded host loses a chunk or two that way, never gains one.
+    assert 2 * EVENTS - 4 <= endpoint.chunks <= 2 * EVENTS
     # Interleaved on one connection, each stream keeps its own cadence: no gap of 10 ms, none of 40.
-    assert endpoint.gaps == 2 * (EVENTS - 1)
+    assert endpoint.gaps == endpoint.chunks - 2
     gaps = [gap for truth in truths for gap in truth.gaps]
     assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(gaps), rel=0.10)
     assert endpoint.ttfb_sum_seconds == pytest.approx(sum(truth.ttfb for truth in truths), rel=0.05)
