@@ -283,7 +283,7 @@ def run_churn(cbuild, port: int, first: int, count: int) -> None:
     subprocess.run([str(churn), str(first), str(count), str(port)], check=True, timeout=120)
 
 
-@pytest.mark.xfail(strict=False, reason="about half the runs since the sendlat rewrite see none of the churned "
+@pytest.mark.xfail(strict=False, reason="about half the runs since the merges see none of the churned "
                    "senders in /metrics (issue 13 stays open until this is understood)")
 def test_five_thousand_short_lived_senders_keep_series_and_memory_flat(tmp_path: Path, cbuild) -> None:
     sink = socket.create_server(("127.0.0.1", 0), backlog=4096)
