@@ -169,26 +169,6 @@ BTF_EXPORT(slow_send_event);
 static struct sendlat_flow_stats zero_flow;
 static struct hist zero_hist;
 
-static __always_inline void count(enum sendlat_counter index)
-{
-	__u32 key = index;
-	__u64 *value = bpf_map_lookup_elem(&counters, &key);
-
-	if (value)
-		__sync_fetch_and_add(value, 1);
-}
-
-/* The entry of `key` in a stats map, created from `zero` on first use. */
-static __always_inline void *lookup_or_init(void *map, const void *key, const void *zero)
-{
-	void *value = bpf_map_lookup_elem(map, key);
-
-	if (value)
-		return value;
-	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
-	return bpf_map_lookup_elem(map, key);
-}
-
 /* --- the calling thread and its process --- */
 
 /* The calling thread's state, created on its first send; NULL for threads not measured. `task` is
@@ -317,7 +297,7 @@ static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct
 	struct slow_send_event *event = bpf_ringbuf_reserve(&slow_sends, sizeof(*event), 0);
 
 	if (!event) {
-		count(COUNTER_LOST_EVENTS);
+		counter_inc(&counters, COUNTER_LOST_EVENTS);
 		return;
 	}
 	event->flow = *flow;
@@ -433,7 +413,7 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct task_
 	bool slow;
 
 	if (!stats) {
-		count(COUNTER_PROCS_FULL);
+		counter_inc(&counters, COUNTER_PROCS_FULL);
 		return;
 	}
 	if (trusted)
