@@ -24,13 +24,16 @@ and the frames no flow could hold, so they stay exact and monotonic: the numbers
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .features import network_features
@@ -128,8 +131,10 @@ SPEC = ProbeSpec(
 )
 # Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
 TC_MODES = tuple(s.name for s in SPEC.strategies)
-# Our clsact filters' identity: only a filter with both, running our program, is ever removed.
+# Our clsact filters' identity: priority TC_PRIORITY, one handle of TC_HANDLES per aiprobe running
+# on the interface. Only a filter with both, running our program that no process holds, is ever removed.
 TC_HANDLE = 0xA1B0
+TC_HANDLES = range(TC_HANDLE, TC_HANDLE + 16)
 TC_PRIORITY = 0xA1B0
 
 DEFAULT_MAX_FLOWS = 16384
@@ -225,20 +230,70 @@ def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) ->
     return attached
 
 
-def remove_stale_tc_filter(link: LinkInfo, direction: str) -> None:
-    """A filter with our handle and priority that runs our program was left by a run that could not
-    detach (SIGKILL, crash): netlink attachments outlive their process. Remove it, say so; refuse
-    to touch one that runs anything else."""
-    prog_id = tc_clsact_query(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
+def programs_held_by_processes() -> set[int]:
+    """Ids of the BPF programs that live processes hold descriptors of (their fdinfo's `prog_id:`)."""
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError, StopIteration):  # processes and descriptors come and go
+            if os.readlink(fd) == "anon_inode:bpf-prog":
+                fdinfo = (fd.parent.parent / "fdinfo" / fd.name).read_text()
+                held.add(int(next(line for line in fdinfo.splitlines() if line.startswith("prog_id:")).split()[1]))
+    return held
+
+
+class _HeldPrograms:
+    """Whether a process holds a program. A clsact filter keeps its program loaded after its process
+    is gone: one no process holds is a leftover, one still held belongs to a running aiprobe. A scan
+    reads every process's descriptors, so a hit in a recent scan is trusted (one scan for a running
+    aiprobe's filters on many interfaces) while a miss is always scanned again (a program loaded a
+    moment ago is never taken for a leftover)."""
+
+    TRUST_SECONDS = 10.0
+
+    def __init__(self) -> None:
+        self._scan: tuple[float, frozenset[int]] = (float("-inf"), frozenset())
+
+    def __contains__(self, prog_id: int) -> bool:
+        at, ids = self._scan
+        if prog_id in ids and time.monotonic() - at < self.TRUST_SECONDS:
+            return True
+        self._scan = (time.monotonic(), frozenset(programs_held_by_processes()))
+        return prog_id in self._scan[1]
+
+
+HELD_PROGRAMS = _HeldPrograms()
+
+
+def _claim_tc_handle(link: LinkInfo, direction: str, handle: int) -> bool:
+    """Whether our filter may go at this handle: there is none, or one of ours that no process holds
+    any more (left by a run that could not detach: SIGKILL, crash), removed here. A filter running
+    another program, or ours held by a live aiprobe (the agent, `aiprobe flows`), is left alone."""
+    prog_id = tc_clsact_query(link.index, direction, handle=handle, priority=TC_PRIORITY)
     if prog_id is None:
-        return
-    owner = program_name(prog_id)
-    if owner is not None and owner != TC_PROGRAM_OF[direction]:
-        raise BpfError(errno.EEXIST, f"clsact {direction} handle {TC_HANDLE:#x} priority {TC_PRIORITY} on "
-                       f"{link.name} runs another program ({owner!r}, id {prog_id})")
-    tc_clsact_detach(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
-    log.warning("removed a stale aiprobe tc %s filter (program id %d) from %s, left by an earlier run",
-                direction, prog_id, link.name)
+        return True
+    if program_name(prog_id) != TC_PROGRAM_OF[direction] or prog_id in HELD_PROGRAMS:
+        return False
+    with contextlib.suppress(BpfError):  # ENOENT: another aiprobe starting now removed it first
+        tc_clsact_detach(link.index, direction, handle=handle, priority=TC_PRIORITY)
+    log.warning("removed a stale aiprobe tc %s filter (handle %#x, program id %d) from %s, left by an earlier run",
+                direction, handle, prog_id, link.name)
+    return True
+
+
+def attach_tc_clsact(program: Program, link: LinkInfo, direction: str) -> Link:
+    """Our own filter, at the first of TC_HANDLES that is free or held by a leftover: each aiprobe on
+    an interface has its own, so none removes or replaces another's."""
+    for handle in TC_HANDLES:
+        if not _claim_tc_handle(link, direction, handle):
+            continue
+        try:
+            return program.attach_tc_clsact(link.index, direction, handle=handle, priority=TC_PRIORITY)
+        except BpfError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            # Another aiprobe took this handle between our look and our attach: try the next one.
+    raise BpfError(errno.EBUSY, f"clsact {direction} on {link.name}: all {len(TC_HANDLES)} aiprobe filter "
+                   f"handles (priority {TC_PRIORITY:#x}) run live programs")
 
 
 def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
@@ -249,8 +304,7 @@ def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
         if mode == "tcx":
             attached = program.attach_tcx(link.index, direction)
         else:
-            remove_stale_tc_filter(link, direction)
-            attached = program.attach_tc_clsact(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
+            attached = attach_tc_clsact(program, link, direction)
     except BpfError as exc:
         state.error = "; ".join(e for e in (state.error, f"{direction}: {exc}") if e)
         ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.error)

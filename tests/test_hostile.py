@@ -362,11 +362,13 @@ def test_a_foreign_xdp_holder_is_reported_and_left_alone_while_tc_counts(tmp_pat
             holder.wait()
 
 
-@pytest.mark.bpf
-def test_aiprobe_flows_beside_the_agent_leaves_the_agent_counting(tmp_path: Path, veth: VethPair) -> None:
+@pytest.mark.parametrize("strategy", ["tcx", "clsact"])
+def test_aiprobe_flows_beside_the_agent_leaves_the_agent_counting(tmp_path: Path, veth: VethPair,
+                                                                  strategy: str) -> None:
     """A second aiprobe on the same interface (an engineer's `aiprobe flows` next to the DaemonSet)
-    adds its own programs beside the agent's and takes only its own away when it exits."""
-    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n'
+    adds its own programs beside the agent's and takes only its own away when it exits: TCX links,
+    and clsact filters (kernels without TCX), where neither takes the other's for a leftover."""
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows"]\n[strategies]\nflows = "{strategy}"\n'
     with Agent(tmp_path, config) as agent:
         ours = {"flows_ingress", "flows_egress"}
         assert wait_until(lambda: ours <= programs_on(veth.host), timeout=10), agent.log.read_text()
@@ -379,7 +381,8 @@ def test_aiprobe_flows_beside_the_agent_leaves_the_agent_counting(tmp_path: Path
                    "for _ in range(3): s.sendto(b'x' * 1000, (sys.argv[1], 9))"
             veth.ns_run(["python3", "-c", send, veth.host_ip4])
 
-        beside = subprocess.Popen([AIPROBE, "flows", "--interfaces", veth.host, "--duration", "4", "--json"],
+        beside = subprocess.Popen([AIPROBE, "flows", "--interfaces", veth.host, "--strategy", strategy,
+                                   "--duration", "4", "--json"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         before = ingress_bytes()
         send_three()
@@ -387,6 +390,7 @@ def test_aiprobe_flows_beside_the_agent_leaves_the_agent_counting(tmp_path: Path
         out, err = beside.communicate(timeout=60)
         assert beside.returncode == 0, err
         assert json.loads(out)["interfaces"], out[-2000:]
+        assert f"attached ({strategy})" in err and "stale" not in agent.log.read_text() + err
         assert ours <= programs_on(veth.host)  # the agent's programs survive the other run's exit
         before = ingress_bytes()
         send_three()
