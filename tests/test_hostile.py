@@ -417,3 +417,55 @@ def test_aiprobe_flows_beside_the_agent_leaves_the_agent_counting(tmp_path: Path
         agent.stop(timeout=30)
     assert agent.process.returncode == 0
     assert programs_on(veth.host) == set()
+
+
+def test_an_idle_connection_flood_under_a_low_file_limit_leaves_the_agent_measuring(tmp_path: Path,
+                                                                                     veth: VethPair) -> None:
+    """1,000 idle connections and wrk scrapes against an agent whose `nofile` limit is 256: the server
+    keeps a quarter of the descriptors at most, so /healthz answers, the probes keep counting (exactly
+    what the interface counts), the CUDA scan and link watcher never fail (a new interface is attached),
+    and threads, RSS and series stay bounded."""
+    config = f'interfaces = ["{veth.host}*"]\nexclude = []\nprobes = ["flows", "cuda"]\n'
+    added, added_peer = veth.host + "n", veth.peer + "n"
+    with Agent(tmp_path, config, prefix=["prlimit", "--nofile=256:256", "--"]) as agent:
+        ours = {"flows_ingress", "flows_egress"}
+        assert wait_until(lambda: ours <= programs_on(veth.host), timeout=10), agent.log.read_text()
+        baseline_rss, baseline_series = rss_bytes(agent.process.pid), series_count(agent.metrics())
+        idle = [socket.create_connection(("127.0.0.1", agent.port)) for _ in range(1000)]
+        wrk = subprocess.Popen(["wrk", "-t2", "-c20", "-d8s", agent.url + "/metrics"], stdout=subprocess.PIPE,
+                               text=True)
+        try:
+            answered = []
+            assert_ingress_counts_the_wire(agent, veth)
+            run_ip(["link", "add", added, "type", "veth", "peer", "name", added_peer])
+            run_ip(["link", "set", added, "up"])
+            assert wait_until(lambda: programs_on(added) == ours, timeout=10), agent.log.read_text()[-2000:]
+            while wrk.poll() is None:
+                started = time.monotonic()
+                answered.append(healthz_within_1s(agent))
+                time.sleep(max(0.0, 0.25 - (time.monotonic() - started)))
+            report = wrk.communicate()[0]
+            assert answered and all(answered), f"/healthz missed {answered.count(False)} of {len(answered)}"
+            assert int(re.search(r"(\d+) requests in", report).group(1)) > 100, report
+            assert_ingress_counts_the_wire(agent, veth)
+            metrics = agent.metrics()
+            assert metric(metrics, "aiprobe_thread_restarts_total") == 0, metrics
+            assert metric(metrics, "aiprobe_collector_errors_total") == 0, metrics
+            assert series_count(metrics) <= baseline_series + 50, (baseline_series, series_count(metrics))
+            assert rss_bytes(agent.process.pid) <= baseline_rss + (32 << 20), (baseline_rss, rss_bytes(agent.process.pid))
+        finally:
+            for conn in idle:
+                conn.close()
+            if wrk.poll() is None:
+                wrk.kill()
+                wrk.wait()
+            subprocess.run(["ip", "link", "del", added], capture_output=True)
+        agent.stop(timeout=30)
+    assert agent.process.returncode == 0
+    assert programs_on(veth.host) == set()
+    log = agent.log.read_text()
+    assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]
+
+
+def run_ip(args: list[str]) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
