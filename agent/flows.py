@@ -216,7 +216,11 @@ def foreign_xdp_holders() -> list[str]:
     return held
 
 
-def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) -> Link | None:
+# Why each hook of one interface failed, (reason label, detail): counted and logged once per attempt.
+_Failures = list[tuple[str, str]]
+
+
+def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment, failures: _Failures) -> Link | None:
     """Native mode only: generic XDP runs on skbs after GRO, slower than tc and blind to the
     segments of a batch. Never over someone else's program."""
     try:
@@ -224,7 +228,7 @@ def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) ->
     except BpfError as exc:
         reason = _foreign_xdp_reason(link.index, exc) if exc.errno in _FOREIGN_XDP else f"native XDP: {exc}"
         state.xdp_refused = f"{reason}; ingress counted at tc"
-        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.xdp_refused)
+        failures.append((attach_reason(exc), state.xdp_refused))
         return None
     state.ingress = "xdp"
     return attached
@@ -297,7 +301,7 @@ def attach_tc_clsact(program: Program, link: LinkInfo, direction: str) -> Link:
 
 
 def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
-               state: InterfaceAttachment) -> Link | None:
+               state: InterfaceAttachment, failures: _Failures) -> Link | None:
     program = obj.programs[TC_PROGRAM_OF[direction]]
     attached: Link
     try:
@@ -307,7 +311,7 @@ def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
             attached = attach_tc_clsact(program, link, direction)
     except BpfError as exc:
         state.error = "; ".join(e for e in (state.error, f"{direction}: {exc}") if e)
-        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.error)
+        failures.append((attach_reason(exc), f"{direction}: {exc}"))
         return None
     setattr(state, direction, mode)
     return attached
@@ -331,13 +335,16 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
     if not link.ethernet:
         state.error = "not an Ethernet interface: frames carry no Ethernet header"
         return _Attached(state, [])
-    links = [_attach_tc(obj, link, tc_mode, "egress", state)]
+    failures: _Failures = []
+    links = [_attach_tc(obj, link, tc_mode, "egress", state, failures)]
     if xdp_wanted:
         state.xdp_refused = xdp_refusal(link)
         if not state.xdp_refused:
-            links.append(_attach_xdp(obj.programs[XDP_PROGRAM], link, state))
+            links.append(_attach_xdp(obj.programs[XDP_PROGRAM], link, state, failures))
     if state.ingress is None:
-        links.append(_attach_tc(obj, link, tc_mode, "ingress", state))
+        links.append(_attach_tc(obj, link, tc_mode, "ingress", state, failures))
+    if failures:
+        ATTACHMENTS.failed(SPEC.name, link.name, failures[0][0], "; ".join(detail for _, detail in failures))
     return _Attached(state, [x for x in links if x is not None])
 
 
@@ -465,7 +472,8 @@ class FlowsProbe(Probe):
                 return
             if link.up and self.filter.wants(link):
                 self._attached[link.index] = self._attach(self.loaded.obj, link, self.loaded.strategy.name)
-                log.info("attached to %s", self._attached[link.index].state.describe())
+                if not _retryable(self._attached[link.index].state):  # a failure was logged, with its retry
+                    log.info("attached to %s", self._attached[link.index].state.describe())
 
     def _attach(self, obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
         attached = _attach_interface(obj, link, tc_mode, self.filter.wants_xdp(link))

@@ -6,6 +6,7 @@ SIGTERM with nothing left attached. (The HTTP floods are in tests/test_http.py.)
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -470,3 +471,53 @@ def test_an_idle_connection_flood_under_a_low_file_limit_leaves_the_agent_measur
 
 def run_ip(args: list[str]) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def open_files_limit(pid: int, soft: int | str) -> None:
+    subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={soft}:"], check=True)
+
+
+def test_running_out_of_file_descriptors_fails_healthz_is_counted_and_heals(tmp_path: Path, veth: VethPair) -> None:
+    """The agent's open-files limit cut to what it holds, at run time: an interface that appears then
+    cannot be attached (logged once with its reason, retried with back-off), the flows collector and
+    the CUDA scan thread fail and /healthz says 503 on a connection opened before; with the limit back,
+    the scan thread runs again, the retry attaches, the failures stay counted in /metrics, /healthz is
+    200 again and nothing in the log is a traceback."""
+    config = f'interfaces = ["{veth.host}*"]\nexclude = []\nprobes = ["flows", "cuda"]\n'
+    added, added_peer = veth.host + "n", veth.peer + "n"
+    ours = {"flows_ingress", "flows_egress"}
+    with Agent(tmp_path, config) as agent:
+        assert wait_until(lambda: ours <= programs_on(veth.host), timeout=10), agent.log.read_text()
+        kept = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)  # accepted while descriptors last
+
+        def healthz_kept() -> int:
+            kept.request("GET", "/healthz")
+            response = kept.getresponse()
+            response.read()
+            return response.status
+
+        try:
+            assert healthz_kept() == 200
+            open_files_limit(agent.process.pid, len(os.listdir(f"/proc/{agent.process.pid}/fd")))
+            run_ip(["link", "add", added, "type", "veth", "peer", "name", added_peer])
+            run_ip(["link", "set", added, "up"])
+            assert wait_until(lambda: healthz_kept() == 503, timeout=30, interval=0.5), agent.log.read_text()[-2000:]
+            assert programs_on(added) == set()
+            open_files_limit(agent.process.pid, 4096)
+            assert wait_until(lambda: programs_on(added) == ours, timeout=90, interval=0.5), agent.log.read_text()
+            assert wait_until(lambda: healthz_within_1s(agent), timeout=30)
+            metrics = agent.metrics()
+            assert metric(metrics, "aiprobe_attach_errors_total", probe="flows", target=added, reason="resources") >= 1
+            assert metric(metrics, "aiprobe_collector_errors_total", collector="flows") >= 1
+            assert metric(metrics, "aiprobe_thread_restarts_total", thread="cuda_scan") >= 1  # rescans every 1 s
+            assert metric(metrics, "aiprobe_probe_up", probe="flows") == 1
+            assert_ingress_counts_the_wire(agent, veth)
+        finally:
+            kept.close()
+            subprocess.run(["ip", "link", "del", added], capture_output=True)
+        agent.stop(timeout=30)
+    assert agent.process.returncode == 0
+    assert programs_on(veth.host) == set()
+    log = agent.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert log.count(f"cannot attach to {added} (resources)") == 1, log[-3000:]
