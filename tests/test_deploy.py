@@ -290,6 +290,8 @@ def test_configmap_is_a_valid_agent_config_on_the_served_port(base: list[dict]) 
     assert [p["port"] for p in service["spec"]["ports"] if p["name"] == "metrics"] == [port]
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")["mountPath"]
     assert container["args"] == ["agent", "--config", f"{mount}/aiprobe.toml"]
+    # The snapshot API (every process, pod and flow of the node) is not served to the network by default.
+    assert config.snapshot_api == "local" and not any(a.startswith("--web.config") for a in container["args"])
 
 
 # --- Dockerfile (no container engine here) ---

@@ -96,8 +96,10 @@ def test_non_utf8_and_escape_names_degrade_one_record_not_the_agent(tmp_path: Pa
             after = start_hostile(hostile_places, veth, 9000)
             for pid in (before.pid, after.pid):
                 assert wait_until(lambda p=pid: send_bytes(agent, p) > 0, timeout=20), agent.log.read_text()[-2000:]
-            first = send_bytes(agent, after.pid)
-            assert wait_until(lambda: send_bytes(agent, after.pid) > first, timeout=10)  # still refreshing
+            first, series = send_bytes(agent, after.pid), series_count(agent.metrics())
+            rss = rss_bytes(agent.process.pid)
+            assert wait_until(lambda: send_bytes(agent, after.pid) > first + 10 * 65536, timeout=20)  # refreshing
+            assert series_count(agent.metrics()) <= series + 20 and rss_bytes(agent.process.pid) <= rss + (16 << 20)
             assert healthz_within_1s(agent)
             names = {p["comm"] for p in agent.snapshot()["processes"] if p["pid"] in (before.pid, after.pid)}
             assert names == {"\ufffd\ufffd\\x1b[2J\\x1b]0;x\\x07"}, names
@@ -225,6 +227,8 @@ def test_alert_log_on_a_full_disk_and_a_broken_alertmanager_are_counted_not_fata
             # The pusher lives on: it keeps trying on its resend interval.
             assert wait_until(lambda: metric(agent.metrics(), failed, result="failure") > first, timeout=20)
             assert metric(agent.metrics(), failed, result="success") == 0
+            sent = metric(agent.metrics(), "aiprobe_tcp_send_bytes_total")
+            assert wait_until(lambda: metric(agent.metrics(), "aiprobe_tcp_send_bytes_total") > sent, timeout=10)
             assert healthz_within_1s(agent)
             agent.stop(timeout=30)  # detaching waits for the kernel (RCU), seconds on a loaded host
         assert agent.process.returncode == 0
@@ -257,12 +261,15 @@ def test_a_squatted_listen_port_is_retried_until_free(tmp_path: Path) -> None:
         agent = subprocess.Popen([AIPROBE, "agent", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT)
     try:
         assert wait_until(lambda: "in use" in log.read_text(), timeout=20), log.read_text()
+        assert wait_until(lambda: "thread http failed" in log.read_text(), timeout=20), log.read_text()  # a retry
         assert agent.poll() is None  # up, refreshing, waiting for the port
         squatter.stdin.close()
         squatter.wait(timeout=10)
         url = f"http://127.0.0.1:{port}"
         assert wait_until(lambda: http_get(url + "/healthz", timeout=1.0)[0] == 200, timeout=30), log.read_text()
         assert b"aiprobe_build_info" in http_get(url + "/metrics")[1]
+        assert wait_until(lambda: metric(http_get(url + "/metrics")[1].decode(), "aiprobe_thread_restarts_total",
+                                         thread="http") >= 1, timeout=10)  # the next refresh has it
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
     finally:
@@ -521,3 +528,14 @@ def test_running_out_of_file_descriptors_fails_healthz_is_counted_and_heals(tmp_
     log = agent.log.read_text()
     assert "Traceback" not in log, log[-3000:]
     assert log.count(f"cannot attach to {added} (resources)") == 1, log[-3000:]
+
+
+@pytest.mark.parametrize("nofile", [8, 16, 64])
+def test_check_out_of_file_descriptors_reports_what_it_could_not_try(nofile: int) -> None:
+    """`aiprobe check` with almost no descriptors: every probe load, the netns thread and the mounts
+    fail for real; the report says so, one JSON document, never a traceback."""
+    result = subprocess.run(["prlimit", f"--nofile={nofile}:{nofile}", AIPROBE, "check", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert {"features", "probes"} <= report.keys()
