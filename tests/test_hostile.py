@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.containers import cgroup2_root
-from conftest import VethPair, free_port, programs_on, wait_until
+from conftest import VethPair, free_port, programs_on, unique, wait_until
 from fixtures.cuda_fake import build
 from servers import AIPROBE, Agent, http_get
 from test_agent import tcp_sink
@@ -439,6 +439,8 @@ def test_an_idle_connection_flood_under_a_low_file_limit_leaves_the_agent_measur
         ours = {"flows_ingress", "flows_egress"}
         assert wait_until(lambda: ours <= programs_on(veth.host), timeout=10), agent.log.read_text()
         baseline_rss, baseline_series = rss_bytes(agent.process.pid), series_count(agent.metrics())
+        listening = subprocess.run(["ss", "-Hltn", f"sport = :{agent.port}"], capture_output=True, text=True).stdout
+        assert int(listening.split()[2]) >= 128, listening  # Send-Q of a listener: its backlog
         idle = [socket.create_connection(("127.0.0.1", agent.port)) for _ in range(1000)]
         wrk = subprocess.Popen(["wrk", "-t2", "-c20", "-d8s", agent.url + "/metrics"], stdout=subprocess.PIPE,
                                text=True)
@@ -539,3 +541,32 @@ def test_check_out_of_file_descriptors_reports_what_it_could_not_try(nofile: int
     assert "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert {"features", "probes"} <= report.keys()
+
+
+def test_flows_attached_nowhere_is_down_with_its_reason_until_an_interface_comes(tmp_path: Path,
+                                                                                 veth: VethPair) -> None:
+    """The only interface flows may watch carries no Ethernet header (a tun device): aiprobe_probe_up
+    says 0 and `top` says why, not 1 over an empty table; the interface it wants coming up heals it."""
+    tun = unique("aipu")
+    run_ip(["tuntap", "add", "dev", tun, "mode", "tun"])
+    try:
+        run_ip(["link", "set", tun, "up"])
+        run_ip(["link", "set", veth.host, "down"])
+        config = f'interfaces = ["{tun}", "{veth.host}"]\nexclude = []\nprobes = ["flows"]\n'
+        with Agent(tmp_path, config) as agent:
+            up = 'aiprobe_probe_up{probe="flows"'
+            assert wait_until(lambda: up in agent.metrics(), timeout=10)
+            assert metric(agent.metrics(), "aiprobe_probe_up", probe="flows") == 0
+            top = subprocess.run([AIPROBE, "top", "--batch", "--iterations", "1", "--connect", agent.url],
+                                 capture_output=True, text=True, timeout=60)
+            assert top.returncode == 0, top.stderr
+            assert f"flows probe down: attached to no interface ({tun}: not an Ethernet interface" in top.stdout, \
+                top.stdout[-2000:]
+            run_ip(["link", "set", veth.host, "up"])
+            assert wait_until(lambda: metric(agent.metrics(), "aiprobe_probe_up", probe="flows") == 1, timeout=10)
+            assert_ingress_counts_the_wire(agent, veth)
+            agent.stop(timeout=30)
+        assert agent.process.returncode == 0
+        assert programs_on(veth.host) == set()
+    finally:
+        subprocess.run(["ip", "link", "del", tun], capture_output=True)
