@@ -133,8 +133,7 @@ SPEC = ProbeSpec(
 TC_MODES = tuple(s.name for s in SPEC.strategies)
 # Our clsact filters' identity: priority TC_PRIORITY, one handle of TC_HANDLES per aiprobe running
 # on the interface. Only a filter with both, running our program that no process holds, is ever removed.
-TC_HANDLE = 0xA1B0
-TC_HANDLES = range(TC_HANDLE, TC_HANDLE + 16)
+TC_HANDLES = range(0xA1B0, 0xA1B0 + 16)
 TC_PRIORITY = 0xA1B0
 
 DEFAULT_MAX_FLOWS = 16384
