@@ -2,7 +2,10 @@
 
 `FlowsProbe` attaches tc programs (TCX, clsact where the kernel lacks it) to both directions of
 every selected interface (following interfaces that come and go), and `read()` turns the flow table
-into `FlowRecord`s with rates over the interval since the previous read.
+into `FlowRecord`s with rates over the interval since the previous read. Several aiprobes may watch
+one interface (the agent, an engineer's `aiprobe flows`): TCX links stack; under clsact each has a
+filter handle of its own, and only a filter of ours whose program no process holds (left by a killed
+run: netlink attachments outlive their process) is removed.
 
 Why tc and not XDP by default: tc leaves the data path as it is. Ingress tc sees skbs after GRO
 (one program run per batch of segments, each counted), egress tc sees them before GSO, and neither
