@@ -267,7 +267,7 @@ class _HeldPrograms:
         return prog_id in self._scan[1]
 
 
-HELD_PROGRAMS = _HeldPrograms()
+PROGRAMS_HELD = _HeldPrograms()
 
 
 def _claim_tc_handle(link: LinkInfo, direction: str, handle: int) -> bool:
@@ -277,7 +277,7 @@ def _claim_tc_handle(link: LinkInfo, direction: str, handle: int) -> bool:
     prog_id = tc_clsact_query(link.index, direction, handle=handle, priority=TC_PRIORITY)
     if prog_id is None:
         return True
-    if program_name(prog_id) != TC_PROGRAM_OF[direction] or prog_id in HELD_PROGRAMS:
+    if program_name(prog_id) != TC_PROGRAM_OF[direction] or prog_id in PROGRAMS_HELD:
         return False
     with contextlib.suppress(BpfError):  # ENOENT: another aiprobe starting now removed it first
         tc_clsact_detach(link.index, direction, handle=handle, priority=TC_PRIORITY)
