@@ -197,9 +197,11 @@ def series_count(text: str) -> int:
 
 
 def series_not_per_process(text: str) -> int:
-    """Series without a `process` label: what the agent exports of itself and of the test's own
-    interfaces, not what every process on this shared host adds."""
-    return sum(1 for line in text.splitlines() if line and not line.startswith("#") and 'process="' not in line)
+    """Series without a `process` label nor a flow's: what the agent exports of itself and of the
+    test's own interfaces, not what every process on this shared host adds, nor the top K flows
+    (bounded by top_flows: test_agent.py)."""
+    return sum(1 for line in text.splitlines()
+               if line and not line.startswith("#") and 'process="' not in line and 'remote_address="' not in line)
 
 
 def rss_bytes(pid: int) -> int:
