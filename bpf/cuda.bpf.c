@@ -38,6 +38,12 @@ struct {
 } contexts SEC(".maps");
 
 
+/* Bumped by user space each time it attaches the launch uprobes again (duty cycle, agent/cuda.py):
+ * a runtime launch whose uretprobe was detached while it ran never closed, and its thread's
+ * runtime_depth, left from an older attachment, is stale. Alone in its section, so user space
+ * writes it without touching other globals. */
+volatile __u32 launch_epoch SEC(".data.launch_epoch");
+
 /* Initial values of new entries (a gpu_process is too big for the BPF stack). */
 static struct gpu_thread zero_thread;
 static struct gpu_process zero_process;
@@ -376,6 +382,10 @@ static __always_inline void count_launch(bool graph, bool runtime)
 
 	if (!current_caller(&c))
 		return;
+	if (c.thread && c.thread->runtime_epoch != launch_epoch) {
+		c.thread->runtime_epoch = launch_epoch;
+		c.thread->runtime_depth = 0;
+	}
 	if (c.thread && c.thread->runtime_depth) { /* inside a runtime call that counted it */
 		if (runtime)
 			c.thread->runtime_depth++; /* its uretprobe pairs with this */

@@ -691,3 +691,39 @@ def test_an_executable_mapping_libcuda_without_libcudart_is_a_static_runtime_can
     (tmp_path / "5" / "maps").write_text(_maps_line(exe, "5600-5700") + _maps_line(driver, "7f00-7f10"))
     assert {(lib.path, lib.kind) for lib in mapped_cuda_libraries(5, tmp_path)} == \
         {(str(exe), STATIC_RUNTIME), (str(driver), DRIVER)}
+
+
+# ---- the launch probes under the CPU budget ----
+
+FAST_LAUNCHES, SLOW_LAUNCHES = 10_000, 200  # per second, paced by the driver's clock
+# Full counting at FAST_LAUNCHES would cost 0.1 of a CPU (LAUNCH_COST_NS): duty-cycled to 1/8.
+LAUNCH_BUDGET, DUTY_PERIOD_S = 0.02, 2.0
+
+
+def _launches(probe: CudaProbe, pid: int):
+    return _process(probe.read(), pid)
+
+
+@pytest.mark.bpf
+def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percent_and_count_all_again(
+        cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2, cpu_budget=LAUNCH_BUDGET, duty_period=DUTY_PERIOD_S) as probe:
+        driver = Driver(cuda_libs.libdir, "rates", FAST_LAUNCHES, SLOW_LAUNCHES)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        driver.say("go")
+        driver.expect("fast")
+        assert _wait_for(lambda: probe.read().launch_duty_cycle < 1, timeout=30), "the duty cycle never engaged"
+        assert "launch counts estimated" in probe.status().span
+        time.sleep(4 * DUTY_PERIOD_S)  # a few duty-cycled periods
+        assert _launches(probe, driver.pid).estimated_launches > 0
+        driver.say("slow")
+        assert driver.proc.stdout.readline().startswith("slow ")
+        assert _wait_for(lambda: probe.read().launch_duty_cycle == 1, timeout=30), "full counting never returned"
+        estimated = _launches(probe, driver.pid).estimated_launches
+        time.sleep(2 * DUTY_PERIOD_S)
+        truth = counters(driver.go())["kernel_launches"]
+        process = _process(probe.read(), driver.pid)
+    assert process.estimated_launches == estimated  # every launch counted since
+    print("ESTIMATE", process.kernel_launches, truth, process.kernel_launches / truth - 1)
+    assert abs(process.kernel_launches - truth) <= 0.1 * truth, (process.kernel_launches, truth)
