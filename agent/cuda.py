@@ -955,8 +955,9 @@ class CudaProbe(Probe):
         """As every probe's, and while over its CPU budget, how much of the time launches are counted."""
         status = super().status()
         if status.up and self._launch_probes is not None and self._launch_probes.every > 1:
-            status.span += (f"; kernel-launch probes attached 1/{self._launch_probes.every} of the time "
-                            "(CPU budget), launch counts estimated")
+            status.limited = (f"kernel launches counted 1/{self._launch_probes.every} of the time, "
+                              "launch counts estimated")
+            status.span += f"; {status.limited} (CPU budget)"
         return status
 
     def close(self) -> None:

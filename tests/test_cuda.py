@@ -40,6 +40,7 @@ from aiprobe.model import CudaSnapshot
 from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
+from aiprobe.top_views import header_lines
 from conftest import ROOT, fd_id, link_ids
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
@@ -715,6 +716,8 @@ def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percen
         driver.expect("fast")
         assert _wait_for(lambda: probe.read().launch_duty_cycle < 1, timeout=30), "the duty cycle never engaged"
         assert "launch counts estimated" in probe.status().span
+        assert header_lines({"probes": {"cuda": probe.status().to_dict()}})[-1].startswith(
+            "CPU budget: cuda: kernel launches counted 1/")
         time.sleep(4 * DUTY_PERIOD_S)  # a few duty-cycled periods
         assert _launches(probe, driver.pid).estimated_launches > 0
         driver.say("slow")
@@ -725,5 +728,4 @@ def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percen
         truth = counters(driver.go())["kernel_launches"]
         process = _process(probe.read(), driver.pid)
     assert process.estimated_launches == estimated  # every launch counted since
-    print("ESTIMATE", process.kernel_launches, truth, process.kernel_launches / truth - 1)
     assert abs(process.kernel_launches - truth) <= 0.1 * truth, (process.kernel_launches, truth)
