@@ -712,6 +712,7 @@ def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percen
         driver = Driver(cuda_libs.libdir, "rates", FAST_LAUNCHES, SLOW_LAUNCHES)
         drivers.append(driver)
         _wait_attached(probe, driver.library)
+        links = len(probe.loaded.obj.links)
         driver.say("go")
         driver.expect("fast")
         assert _wait_for(lambda: probe.read().launch_duty_cycle < 1, timeout=30), "the duty cycle never engaged"
@@ -727,5 +728,8 @@ def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percen
         time.sleep(2 * DUTY_PERIOD_S)
         truth = counters(driver.go())["kernel_launches"]
         process = _process(probe.read(), driver.pid)
+        assert len(probe.loaded.obj.links) == links  # every period's links were closed
+        ids = {fd_id(link.fd, "link_id") for link in probe.loaded.obj.links}
+    assert _wait_for(lambda: not ids & link_ids())
     assert process.estimated_launches == estimated  # every launch counted since
     assert abs(process.kernel_launches - truth) <= 0.1 * truth, (process.kernel_launches, truth)
