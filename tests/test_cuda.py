@@ -41,7 +41,7 @@ from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from aiprobe.top_views import header_lines
-from conftest import ROOT, fd_id, link_ids
+from conftest import ROOT, bpftool_json, fd_id, link_ids
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
     STATIC_RUNTIME_DRIVER,
@@ -712,7 +712,6 @@ def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percen
         driver = Driver(cuda_libs.libdir, "rates", FAST_LAUNCHES, SLOW_LAUNCHES)
         drivers.append(driver)
         _wait_attached(probe, driver.library)
-        links = len(probe.loaded.obj.links)
         driver.say("go")
         driver.expect("fast")
         assert _wait_for(lambda: probe.read().launch_duty_cycle < 1, timeout=30), "the duty cycle never engaged"
@@ -728,8 +727,10 @@ def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percen
         time.sleep(2 * DUTY_PERIOD_S)
         truth = counters(driver.go())["kernel_launches"]
         process = _process(probe.read(), driver.pid)
-        assert len(probe.loaded.obj.links) == links  # every period's links were closed
-        ids = {fd_id(link.fd, "link_id") for link in probe.loaded.obj.links}
-    assert _wait_for(lambda: not ids & link_ids())
+        # Every period's links were closed: the kernel holds no launch link that the probe does not.
+        launch_program = fd_id(probe.loaded.obj.programs["uprobe_launch_kernel"].fd, "prog_id")
+        held = {fd_id(link.fd, "link_id") for link in probe.loaded.obj.links}
+        assert {link["id"] for link in bpftool_json("link", "show") if link.get("prog_id") == launch_program} <= held
+    assert _wait_for(lambda: not held & link_ids())
     assert process.estimated_launches == estimated  # every launch counted since
     assert abs(process.kernel_launches - truth) <= 0.1 * truth, (process.kernel_launches, truth)
