@@ -476,10 +476,11 @@ def launch_cpu_share(launches_per_second: float, every: int) -> float:
 class LaunchProbes:
     """The kernel-launch uprobes of every probed library. Without a budget, or while launches are
     few, they stay attached. Past the budget they are attached for 1/N of each period (N a power of
-    two, see aiprobe.budget), and the launches each process made in that window are scaled up to
-    the whole period: the difference is its estimated launches. A window is measured from the
-    middle of the attaching to the start of the detaching (the uprobes stop firing at once; the
-    kernel's RCU waits come after)."""
+    two, see aiprobe.budget), and each process's launches while they were off are estimated from
+    its rates in the windows around (`_account`).
+    The programs count only while user space says so (bpf/cuda.bpf.c: launch_counting), so a
+    window is exactly the time between two map writes, however long attaching the uprobes and
+    detaching them (the kernel's RCU waits) take."""
 
     def __init__(self, obj: BpfObject, cpu_budget: float | None = None, period: float = DUTY_PERIOD) -> None:
         self._obj = obj
@@ -495,6 +496,7 @@ class LaunchProbes:
         self._epoch = 0
         self._seen: dict[int, int] = {}  # pid -> launches seen at the last period's end
         self._estimated: dict[int, float] = {}  # pid -> launches estimated so far
+        self._pending: dict[int, tuple[float, float]] = {}  # pid -> (launches/s in the last window, off after it)
 
     @property
     def budgeted(self) -> bool:
@@ -529,53 +531,69 @@ class LaunchProbes:
         while not stop.is_set():
             start = time.monotonic()
             window = self._period(stop, start)
-            now = time.monotonic()
-            self._account(seen(), now, 1.0 if window is None else window / (now - start))
+            self._account(seen(), time.monotonic() - start, window)
 
     def _period(self, stop: threading.Event, start: float) -> float | None:
-        """One period; how long the probes were attached, None: all of it."""
+        """One period; how long launches were counted, None: all of it."""
         if self.every == 1:
             with self._lock:
                 if not self._on:
-                    self._attach()
+                    self._attach(counting=True)
             stop.wait(self.period)
             return None
         with self._lock:
-            on_since = start if self._on else self._attach()
+            if not self._on:
+                self._attach(counting=False)
+            self._set_counting(True)
+            on_since = time.monotonic()
         stop.wait(self.period / self.every)
         with self._lock:
+            self._set_counting(False)
             window = time.monotonic() - on_since
             links, self._links, self._on = self._links, [], False
         detach_links(self._obj, links)  # seconds of RCU waits: rescans and reads go on meanwhile
         stop.wait(max(0.0, start + self.period - time.monotonic()))
         return window
 
-    def _attach(self) -> float:
-        """Attach every site after bumping the epoch (bpf/cuda.bpf.c: launch_epoch); returns the
-        middle of the attaching."""
+    def _attach(self, counting: bool) -> None:
+        """Attach every site, in a new epoch (bpf/cuda.bpf.c: launch_epoch)."""
         self._epoch += 1
-        epoch_map = next(m for name, m in self._obj.maps.items() if name.endswith(".data.launch_epoch"))
-        value = epoch_map.lookup(0)
-        ctypes.c_uint32.from_buffer(value).value = self._epoch
-        epoch_map.update(0, value)
-        began = time.monotonic()
+        self._write_duty(launch_epoch=self._epoch, launch_counting=int(counting))
         self._links = attach_sites(self._obj, self._sites)
         self._on = True
-        return (began + time.monotonic()) / 2
 
-    def _account(self, seen: dict[int, int], now: float, attached: float) -> None:
-        """Scale what was seen while attached (a fraction of the period) up to the period; choose
-        N for the next one."""
-        self.scale = 1 / attached if 0 < attached < 1 else 1.0
-        for pid, count in seen.items():
-            new = count - self._seen.get(pid, 0)
-            if new > 0 and self.scale > 1:
-                self._estimated[pid] = self._estimated.get(pid, 0.0) + new * (self.scale - 1)
-        self._seen = seen
+    def _set_counting(self, counting: bool) -> None:
+        self._write_duty(launch_epoch=self._epoch, launch_counting=int(counting))
+
+    def _write_duty(self, **values: int) -> None:
+        """The section's variables (only user space writes them: nothing to race with)."""
+        section = next(m for name, m in self._obj.maps.items() if name.endswith(".data.launch_duty"))
+        if self._obj.btf is None:
+            raise RuntimeError("cuda.bpf.o has no BTF")
+        offsets = self._obj.btf.datasec_vars(".data.launch_duty")
+        value = section.lookup(0)
+        for name, number in values.items():
+            ctypes.c_uint32.from_buffer(value, offsets[name][0]).value = number
+        section.update(0, value)
+
+    def _account(self, seen: dict[int, int], elapsed: float, window: float | None) -> None:
+        """Each process's launches in the time the probes were off: that time times the mean of its
+        rates in the windows before and after it (so a change of rate between two windows is half
+        in each, not all in one); added a period late, once the next window is known. Then N for
+        the next period, from the rate seen in this window."""
+        counted = elapsed if window is None else window
+        off = 0.0 if window is None else elapsed - window
+        rates = {pid: max(0, count - self._seen.get(pid, 0)) / counted for pid, count in seen.items()}
+        for pid, rate in rates.items():
+            last_rate, last_off = self._pending.get(pid, (rate, 0.0))
+            if last_off:
+                self._estimated[pid] = self._estimated.get(pid, 0.0) + last_off * (last_rate + rate) / 2
+            self._pending[pid] = (rate, off)
+        self._seen, self.scale = seen, elapsed / counted
+        self._pending = {pid: pending for pid, pending in self._pending.items() if pid in seen}
         self._estimated = {pid: n for pid, n in self._estimated.items() if pid in seen}
         if self._budget is not None:
-            rate = self._budget.rate({pid: count + self._estimated.get(pid, 0.0) for pid, count in seen.items()}, now)
-            self.every = self._budget.every(rate, self.every)
+            self.every = self._budget.every(sum(rates.values()), self.every)
 
     def close(self) -> None:
         """The links go with the object; the libraries' descriptors here."""
