@@ -447,8 +447,8 @@ def attach_sites(obj: BpfObject, sites: Sequence[UprobeSite]) -> list[Link]:
 
 
 def detach_links(obj: BpfObject, links: Sequence[Link]) -> None:
-    """Detach in parallel: each uprobe stops firing as its detach starts, but the kernel then waits
-    for RCU grace periods, one uprobe after another (~0.1 s each here)."""
+    """Detach in parallel: the kernel waits for RCU grace periods, one uprobe after another (~0.1 s
+    each here), and the threads at least queue for it together."""
     if not links:
         return
     with ThreadPoolExecutor(max_workers=min(len(links), 32)) as pool:
@@ -462,9 +462,8 @@ def detach_links(obj: BpfObject, links: Sequence[Link]) -> None:
 # its uretprobe). Rounded up; the budget multiplies it by the launch rate.
 LAUNCH_COST_NS = 10_000
 MAX_DUTY_EVERY = 64
-# Attached 1/N of each period. Detaching the uprobes of one libcuda and one libcudart (18) takes
-# ~2 s of RCU waits, and the window (1/64 of the period at least: 125 ms) is long enough that the few
-# ms attaching takes stay a few percent of it.
+# Attached 1/N of each period: long enough for detaching, ~0.1 s per uprobe (benchmarks/bench_cuda.py;
+# 18 for one libcuda and one libcudart), and for a window of 1/64 of it (125 ms) to see a steady rate.
 DUTY_PERIOD = 8.0
 
 
