@@ -972,9 +972,8 @@ class CudaProbe(Probe):
         """As every probe's, and while over its CPU budget, how much of the time launches are counted."""
         status = super().status()
         if status.up and self._launch_probes is not None and self._launch_probes.every > 1:
-            status.limited = (f"kernel launches counted 1/{self._launch_probes.every} of the time, "
-                              "launch counts estimated")
-            status.span += f"; {status.limited} (CPU budget)"
+            status.span += (f"; kernel launches counted 1/{self._launch_probes.every} of the time, launch counts "
+                            "estimated (CPU budget)")
         return status
 
     def close(self) -> None:

@@ -466,8 +466,6 @@ class ProbeStatus(Record):
     reason: str = ""
     # What each bounded map of the probe could not hold since it started (MapUsage.overflows), where any.
     overflows: dict[str, int] = field(default_factory=dict)
-    # What the probe's CPU budget holds back now ("": nothing), e.g. launches counted part of the time.
-    limited: str = ""
 
 
 @dataclass
