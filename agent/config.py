@@ -86,6 +86,7 @@ class Config:
     slow_send_threshold_ms: float = 10.0
     stream_stall_threshold_ms: float = 250.0
     sendlat_cpu_budget: float = 0.01  # of one CPU, for sendlat's programs; past it, 1 send in N is timed
+    cuda_cpu_budget: float = 0.01  # of one CPU, for the kernel-launch uprobes; past it, they are duty-cycled
     dcgm_compatible_metrics: bool = False
     traffic_floor_bytes_per_second: float = DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND
     alertmanager_url: str | None = None
@@ -123,6 +124,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "slow_send_threshold_ms": (0.001, 60_000.0),
     "stream_stall_threshold_ms": (1.0, 600_000.0),
     "sendlat_cpu_budget": (0.0, 64.0),
+    "cuda_cpu_budget": (0.0, 64.0),
     "traffic_floor_bytes_per_second": (0.0, 1e12),
     "max_process_labels": (1, 100_000),
     "idle_series_seconds": (1.0, 7 * 86_400.0),

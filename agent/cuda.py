@@ -33,22 +33,25 @@ process (device -1) until a thread makes a context current again.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import elf, sched
 from .btf import decode
+from .budget import CpuBudget
 from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .libbpf import BpfError
-from .loader import BpfObject, Map, Strategy, load_first
+from .loader import BpfObject, Link, Map, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
-from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage
+from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage, ProbeStatus
 from .names import comm_text, printable
 from .probes import Probe, ProbeSpec, strategies_named
 from .procfs import StartTimes, start_ticks
@@ -83,6 +86,12 @@ def _ptsz(*symbols: str) -> tuple[str, ...]:
     return tuple(name for symbol in symbols for name in (symbol, f"{symbol}_ptsz"))
 
 
+DRIVER_KERNEL_LAUNCHES = _ptsz("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
+RUNTIME_KERNEL_LAUNCHES = _ptsz("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel")
+# Their probes (the runtime's uretprobes included) are duty-cycled past the CPU budget; every other
+# probe stays attached.
+KERNEL_LAUNCH_SYMBOLS = frozenset(DRIVER_KERNEL_LAUNCHES + RUNTIME_KERNEL_LAUNCHES)
+
 # What is probed in libcuda. A symbol the library does not define (the _ptsz variants, or
 # cuLaunchKernelEx before CUDA 11.8) is skipped.
 DRIVER_ENTRY_POINTS = (
@@ -97,8 +106,7 @@ DRIVER_ENTRY_POINTS = (
     *_with_exit(("cuInit",), "uprobe_init", "uretprobe_call_exit"),
     *_with_exit(("cuModuleLoad", "cuModuleLoadData", "cuModuleLoadDataEx", "cuModuleLoadFatBinary",
                  "cuLibraryLoadData", "cuLibraryLoadFromFile"), "uprobe_module_load", "uretprobe_call_exit"),
-    *(EntryPoint(symbol, "uprobe_launch_kernel")
-      for symbol in _ptsz("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")),
+    *(EntryPoint(symbol, "uprobe_launch_kernel") for symbol in DRIVER_KERNEL_LAUNCHES),
     *(EntryPoint(symbol, "uprobe_graph_launch") for symbol in _ptsz("cuGraphLaunch")),
     *_with_exit(_ptsz("cuStreamSynchronize"), "uprobe_sync_stream", "uretprobe_sync_exit"),
     *_with_exit(("cuCtxSynchronize",), "uprobe_sync_device", "uretprobe_sync_exit"),
@@ -107,8 +115,7 @@ DRIVER_ENTRY_POINTS = (
 
 # What is probed in libcudart (shared, or linked into the executable).
 RUNTIME_ENTRY_POINTS = (
-    *_with_exit(_ptsz("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel"),
-                "uprobe_runtime_launch_kernel", "uretprobe_runtime_exit"),
+    *_with_exit(RUNTIME_KERNEL_LAUNCHES, "uprobe_runtime_launch_kernel", "uretprobe_runtime_exit"),
     *_with_exit(_ptsz("cudaGraphLaunch"), "uprobe_runtime_graph_launch", "uretprobe_runtime_exit"),
     *_with_exit(("cudaSetDevice",), "uprobe_runtime_set_device", "uretprobe_runtime_set_device"),
     *_with_exit(_ptsz("cudaStreamSynchronize"), "uprobe_sync_stream", "uretprobe_sync_exit"),
@@ -170,7 +177,9 @@ SPEC = ProbeSpec(
     strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
     bpf_object="cuda",
     order=30,
-    factory=lambda config, _running: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched"))),
+    factory=lambda config, _running: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched")),
+                                               cpu_budget=config.cuda_cpu_budget or None),
+    config_keys=("cuda_cpu_budget",),
     command="aiprobe.commands.cuda:command",
     metrics=(
         Family("aiprobe_cuda_context_switches_total", "counter",
@@ -180,8 +189,17 @@ SPEC = ProbeSpec(
                "context_switches", PROCESS_LABELS, per_identity=True),
         Family("aiprobe_cuda_kernel_launches_total", "counter",
                "CUDA kernel launches (cuLaunchKernel*, cuLaunchCooperativeKernel*, cudaLaunchKernel*, "
-               "cudaLaunchKernelExC*, cudaLaunchCooperativeKernel*), each call once.", CudaProcess,
+               "cudaLaunchKernelExC*, cudaLaunchCooperativeKernel*), each call once; while the launch probes "
+               "are duty-cycled (aiprobe_cuda_launch_probe_duty_cycle < 1), partly estimated.", CudaProcess,
                "kernel_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_kernel_launches_estimated_total", "counter",
+               "Of aiprobe_cuda_kernel_launches_total, the launches estimated rather than seen: those made "
+               "while the duty-cycled launch probes were detached, extrapolated from the rate seen while "
+               "attached.", CudaProcess, "estimated_launches", PROCESS_LABELS, per_identity=True),
+        Family("aiprobe_cuda_launch_probe_duty_cycle", "gauge",
+               "Fraction of the time the kernel-launch uprobes are attached (1: every launch is counted); "
+               "the CPU budget (cuda_cpu_budget) lowers it while launches are many.", CudaSnapshot,
+               "launch_duty_cycle"),
         Family("aiprobe_cuda_graph_launches_total", "counter",
                "CUDA graph launches (cuGraphLaunch*, cudaGraphLaunch*).", CudaProcess,
                "graph_launches", PROCESS_LABELS, per_identity=True),
@@ -370,36 +388,218 @@ class NotACudaLibrary(Exception):
     """The file does not define the anchor symbol of its kind of library."""
 
 
-def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER) -> list[str]:
+def attach_entry_points(obj: BpfObject, host_path: str, kind: str = DRIVER,
+                        launches: LaunchProbes | None = None) -> list[str]:
     """Attach every entry point the library defines, at the offsets aiprobe.elf found (a file
     defines each symbol once, but two symbols may share an address: one probe each); the symbols
-    attached. Raises NotACudaLibrary when the anchor symbol is missing, elf.ElfError for a file
-    that is not an ELF object aiprobe reads."""
+    probed. The kernel-launch entry points go to `launches` (which may duty-cycle them) when given.
+    Raises NotACudaLibrary when the anchor symbol is missing, elf.ElfError for a file that is not
+    an ELF object aiprobe reads."""
     entry_points, anchor = LIBRARY_KINDS[kind]
     with own_descriptor(host_path) as path:
-        return _attach_at_offsets(obj, path, entry_points, anchor)
+        return _attach_at_offsets(obj, path, entry_points, anchor, launches)
 
 
-def _attach_at_offsets(obj: BpfObject, path: str, entry_points: tuple[EntryPoint, ...], anchor: str) -> list[str]:
+def _attach_at_offsets(obj: BpfObject, path: str, entry_points: tuple[EntryPoint, ...], anchor: str,
+                       launches: LaunchProbes | None) -> list[str]:
     offsets = elf.function_offsets(path, {entry.symbol for entry in entry_points})
     if anchor not in offsets:
         raise NotACudaLibrary(f"no {anchor}")
-    attached, done, links = [], set(), []
+    probed, done, sites = [], set(), []
     for entry in entry_points:
-        where = (offsets.get(entry.symbol), entry.program)
-        if where[0] is None or where in done:
+        offset = offsets.get(entry.symbol)
+        if offset is None or (offset, entry.program) in done:
             continue
-        done.add(where)
-        try:
-            links.append(obj.programs[entry.program].attach_uprobe(path, offset=where[0],
-                                                                   retprobe=entry.retprobe))
-        except BpfError:
-            for link in links:  # all or nothing: a retry must not count the same calls twice
-                obj.release(link)
-            raise
+        done.add((offset, entry.program))
+        sites.append((entry, UprobeSite(path, offset, entry.program, entry.retprobe)))
         if not entry.retprobe:
-            attached.append(entry.symbol)
-    return attached
+            probed.append(entry.symbol)
+    duty_cycled = [site for entry, site in sites if launches is not None and entry.symbol in KERNEL_LAUNCH_SYMBOLS]
+    links = attach_sites(obj, [site for _, site in sites if site not in duty_cycled])
+    try:
+        if launches is not None:
+            launches.add(path, duty_cycled)
+    except BpfError:
+        detach_links(obj, links)
+        raise
+    return probed
+
+
+@dataclass(frozen=True)
+class UprobeSite:
+    path: str
+    offset: int
+    program: str
+    retprobe: bool
+
+
+def attach_sites(obj: BpfObject, sites: Sequence[UprobeSite]) -> list[Link]:
+    """All or nothing: a retry must not count the same calls twice."""
+    links: list[Link] = []
+    try:
+        for site in sites:
+            links.append(obj.programs[site.program].attach_uprobe(site.path, offset=site.offset,
+                                                                  retprobe=site.retprobe))
+    except BpfError:
+        detach_links(obj, links)
+        raise
+    return links
+
+
+def detach_links(obj: BpfObject, links: Sequence[Link]) -> None:
+    """Detach in parallel: the kernel waits for RCU grace periods, one uprobe after another (~0.1 s
+    each here), and the threads at least queue for it together."""
+    if not links:
+        return
+    with ThreadPoolExecutor(max_workers=min(len(links), 32)) as pool:
+        list(pool.map(obj.release, links))
+
+
+# ---- the launch probes' duty cycle under the CPU budget ----
+
+# What one probed kernel launch costs the launching thread, mostly the kernel's uprobe trap
+# (benchmarks/bench_cuda.py: 5.4-9.4 us per cuLaunchKernel here; a runtime launch adds the trap of
+# its uretprobe). Rounded up; the budget multiplies it by the launch rate.
+LAUNCH_COST_NS = 10_000
+MAX_DUTY_EVERY = 64
+# Attached 1/N of each period: long enough for detaching, ~0.1 s per uprobe (benchmarks/bench_cuda.py;
+# 18 for one libcuda and one libcudart), and for a window of 1/64 of it (125 ms) to see a steady rate.
+DUTY_PERIOD = 8.0
+
+
+def launch_cpu_share(launches_per_second: float, every: int) -> float:
+    """Estimated CPU (fraction of one CPU) of the launch probes, attached 1/`every` of the time."""
+    return launches_per_second * LAUNCH_COST_NS / every / NS_PER_SECOND
+
+
+class LaunchProbes:
+    """The kernel-launch uprobes of every probed library. Without a budget, or while launches are
+    few, they stay attached. Past the budget they are attached for 1/N of each period (N a power of
+    two, see aiprobe.budget), and each process's launches while they were off are estimated from
+    its rates in the windows around (`_account`).
+    The programs count only while user space says so (bpf/cuda.bpf.c: launch_counting), so a
+    window is exactly the time between two map writes, however long attaching the uprobes and
+    detaching them (the kernel's RCU waits) take."""
+
+    def __init__(self, obj: BpfObject, cpu_budget: float | None = None, period: float = DUTY_PERIOD) -> None:
+        self._obj = obj
+        self._budget = CpuBudget(cpu_budget, MAX_DUTY_EVERY, launch_cpu_share) if cpu_budget else None
+        self.period = period
+        self.every = 1
+        self.scale = 1.0  # the last period's length over its window
+        self._lock = threading.Lock()  # sites and links
+        self._sites: list[UprobeSite] = []
+        self._descriptors: list[int] = []  # the libraries, kept open to attach again
+        self._links: list[Link] = []
+        self._on = True  # the sites are attached
+        self._epoch = 0
+        self._seen: dict[int, int] = {}  # pid -> launches seen at the last period's end
+        self._estimated: dict[int, float] = {}  # pid -> launches estimated so far
+        self._pending: dict[int, tuple[float, float]] = {}  # pid -> (launches/s in the last window, off after it)
+
+    @property
+    def budgeted(self) -> bool:
+        return self._budget is not None
+
+    @property
+    def duty_cycle(self) -> float:
+        return 1 / self.every
+
+    def estimated(self, pid: int) -> int:
+        return round(self._estimated.get(pid, 0.0))
+
+    def add(self, path: str, sites: Sequence[UprobeSite]) -> None:
+        """Sites in the library at `path` (reopened here, kept open until close())."""
+        if not sites:
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        sites = [replace(site, path=f"/proc/self/fd/{fd}") for site in sites]
+        with self._lock:
+            try:
+                if self._on:
+                    self._links += attach_sites(self._obj, sites)
+            except BpfError:
+                os.close(fd)
+                raise
+            self._sites += sites
+            self._descriptors.append(fd)
+
+    def run(self, stop: threading.Event, seen: Callable[[], dict[int, int]]) -> None:
+        """Periods until `stop`; `seen()` reads each process's launches seen so far."""
+        self._seen = seen()
+        while not stop.is_set():
+            start = time.monotonic()
+            window = self._period(stop, start)
+            self._account(seen(), time.monotonic() - start, window)
+
+    def _period(self, stop: threading.Event, start: float) -> float | None:
+        """One period; how long launches were counted, None: all of it."""
+        if self.every == 1:
+            with self._lock:
+                if not self._on:
+                    self._attach(counting=True)
+            stop.wait(self.period)
+            return None
+        with self._lock:
+            if not self._on:
+                self._attach(counting=False)
+            self._set_counting(True)
+            on_since = time.monotonic()
+        stop.wait(self.period / self.every)
+        with self._lock:
+            self._set_counting(False)
+            window = time.monotonic() - on_since
+            links, self._links, self._on = self._links, [], False
+        detach_links(self._obj, links)  # seconds of RCU waits: rescans and reads go on meanwhile
+        stop.wait(max(0.0, start + self.period - time.monotonic()))
+        return window
+
+    def _attach(self, counting: bool) -> None:
+        """Attach every site, in a new epoch (bpf/cuda.bpf.c: launch_epoch)."""
+        self._epoch += 1
+        self._write_duty(launch_epoch=self._epoch, launch_counting=int(counting))
+        self._links = attach_sites(self._obj, self._sites)
+        self._on = True
+
+    def _set_counting(self, counting: bool) -> None:
+        self._write_duty(launch_epoch=self._epoch, launch_counting=int(counting))
+
+    def _write_duty(self, **values: int) -> None:
+        """The section's variables (only user space writes them: nothing to race with)."""
+        section = next(m for name, m in self._obj.maps.items() if name.endswith(".data.launch_duty"))
+        if self._obj.btf is None:
+            raise RuntimeError("cuda.bpf.o has no BTF")
+        offsets = self._obj.btf.datasec_vars(".data.launch_duty")
+        value = section.lookup(0)
+        for name, number in values.items():
+            ctypes.c_uint32.from_buffer(value, offsets[name][0]).value = number
+        section.update(0, value)
+
+    def _account(self, seen: dict[int, int], elapsed: float, window: float | None) -> None:
+        """Each process's launches in the time the probes were off: that time times the mean of its
+        rates in the windows before and after it (so a change of rate between two windows is half
+        in each, not all in one); added a period late, once the next window is known. Then N for
+        the next period, from the rate seen in this window."""
+        counted = elapsed if window is None else window
+        off = 0.0 if window is None else elapsed - window
+        rates = {pid: max(0, count - self._seen.get(pid, 0)) / counted for pid, count in seen.items()}
+        for pid, rate in rates.items():
+            last_rate, last_off = self._pending.get(pid, (rate, 0.0))
+            if last_off:
+                self._estimated[pid] = self._estimated.get(pid, 0.0) + last_off * (last_rate + rate) / 2
+            self._pending[pid] = (rate, off)
+        self._seen, self.scale = seen, elapsed / counted
+        self._pending = {pid: pending for pid, pending in self._pending.items() if pid in seen}
+        self._estimated = {pid: n for pid, n in self._estimated.items() if pid in seen}
+        if self._budget is not None:
+            self.every = self._budget.every(sum(rates.values()), self.every)
+
+    def close(self) -> None:
+        """The links go with the object; the libraries' descriptors here."""
+        with self._lock:
+            for fd in self._descriptors:
+                os.close(fd)
+            self._descriptors = []
 
 
 # ---- records ----
@@ -539,7 +739,9 @@ class CudaProbe(Probe):
     """CUDA uprobes on every libcuda and libcudart file in use, plus the scheduler side. Libraries are
     rescanned by a background thread (stopped by `close()`); `on_attach` hears of each new one.
     `strategies` defaults to tp_btf → raw_tp → tracepoint for the scheduler side, then none.
-    `max_threads` overrides the capacity of map `threads` (live GPU-driving threads)."""
+    `max_threads` overrides the capacity of map `threads` (live GPU-driving threads).
+    `cpu_budget` (a fraction of one CPU) duty-cycles the kernel-launch probes past it, in periods
+    of `duty_period` seconds (LaunchProbes)."""
 
     spec = SPEC
 
@@ -551,8 +753,14 @@ class CudaProbe(Probe):
         on_attach: Callable[[AttachedLibrary], None] | None = None,
         strategies: Sequence[Strategy] = STRATEGIES,
         max_threads: int | None = None,
+        cpu_budget: float | None = None,
+        duty_period: float = DUTY_PERIOD,
     ) -> None:
         super().__init__()
+        self._cpu_budget = cpu_budget
+        self._duty_period = duty_period
+        self._launch_probes: LaunchProbes | None = None
+        self._duty_thread: threading.Thread | None = None
         self._strategies = strategies
         self._proc = proc
         self._interval = rescan_interval
@@ -585,9 +793,23 @@ class CudaProbe(Probe):
         self._started_ns = time.monotonic_ns()
         self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
                                  attach=_attach_scheduler)
+        self._launch_probes = LaunchProbes(self.loaded.obj, self._cpu_budget, self._duty_period)
         self.rescan()
         self._stop.clear()
         self._scan_thread = SUPERVISOR.start_thread("cuda_scan", self._scan_loop, self._stop)
+        if self._launch_probes.budgeted:
+            self._duty_thread = SUPERVISOR.start_thread("cuda_duty_cycle", self._duty_loop, self._stop)
+
+    def _duty_loop(self) -> None:
+        assert self._launch_probes is not None  # set before the thread starts
+        self._launch_probes.run(self._stop, self._launches_seen)
+
+    def _launches_seen(self) -> dict[int, int]:
+        """Each process's kernel launches the probes saw."""
+        with self._lock:
+            if self.loaded is None:
+                return {}
+            return {key.value: value.kernel_launches for key, value in self.loaded.obj.maps["processes"].items()}
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         if self._max_threads is not None:
@@ -625,7 +847,8 @@ class CudaProbe(Probe):
         library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc), kind=mapped.kind)
         self._attached_ns[mapped.key] = time.monotonic_ns()
         try:
-            library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind)
+            library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind,
+                                                  self._launch_probes)
         except BpfError as exc:  # e.g. a privilege or a busy kernel: worth another try later
             library.error = printable(str(exc))
             ATTACHMENTS.failed(SPEC.name, library.path, attach_reason(exc), library.error)
@@ -670,7 +893,7 @@ class CudaProbe(Probe):
         A process gone before the maps are read has its final values here, so its entries are
         deleted right after (and it is not reported again)."""
         with self._lock:
-            if self.loaded is None:
+            if self.loaded is None or self._launch_probes is None:
                 return CudaSnapshot([], self.sched_strategy, [])
             gone = {pid for pid in self._reported | self._process_library.keys()
                     if not os.path.exists(f"{self._proc}/{pid}")}
@@ -681,10 +904,14 @@ class CudaProbe(Probe):
             contexts = self._contexts(maps["contexts"].items(), {p.pid: p.comm for p in processes})
             self._forget(maps, gone)
             self._reported = entries.keys() - gone
-        return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts))
+            duty_cycle = self._launch_probes.duty_cycle
+        return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts), duty_cycle)
 
     def _process(self, pid: int, entry: dict[str, Any]) -> CudaProcess:
         process = process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
+        assert self._launch_probes is not None  # read() checked
+        process.estimated_launches = self._launch_probes.estimated(pid)
+        process.kernel_launches += process.estimated_launches
         runtime = self._process_runtime.get(pid)
         if runtime is not None:
             process.runtime = "static" if runtime.kind == STATIC_RUNTIME else "shared"
@@ -702,7 +929,10 @@ class CudaProbe(Probe):
         return start >= self._started_ns and (bool(entry["init_ns"]) or (attached is not None and attached <= start))
 
     def _contexts(self, items: list[tuple[Any, Any]], comms: dict[int, str]) -> list[CudaContext]:
+        """While the launch probes are duty-cycled, rates are scaled as launch counts are (an
+        estimate; a context's counts are those seen)."""
         now = time.monotonic()
+        scale = self._launch_probes.scale if self._launch_probes is not None else 1.0
         visible: dict[int, list[str] | None] = {}
         contexts, seen = [], set()
         for key, value in items:
@@ -716,7 +946,7 @@ class CudaProbe(Probe):
             added, rate = self._launches.update((pid, key.ctx), launches, now)
             contexts.append(CudaContext(pid, comms.get(pid, ""), context_name(key.ctx), entry["device"],
                                         physical_gpu(entry["device"], visible[pid]), entry["kernel_launches"],
-                                        entry["graph_launches"], rate, added > 0))
+                                        entry["graph_launches"], rate * scale, added > 0))
         self._launches.read_done(seen, now)
         return sorted(contexts, key=lambda c: (c.gpu, c.pid, c.context))
 
@@ -738,10 +968,21 @@ class CudaProbe(Probe):
             maps = [self.loaded.obj.maps[name] for name in _COUNTED_MAPS]
             return [MapUsage(m.name, sum(1 for _ in m.keys()), m.max_entries) for m in maps]
 
+    def status(self) -> ProbeStatus:
+        """As every probe's, and while over its CPU budget, how much of the time launches are counted."""
+        status = super().status()
+        if status.up and self._launch_probes is not None and self._launch_probes.every > 1:
+            status.span += (f"; kernel launches counted 1/{self._launch_probes.every} of the time, launch counts "
+                            "estimated (CPU budget)")
+        return status
+
     def close(self) -> None:
         self._stop.set()
-        if self._scan_thread is not None and self._scan_thread is not threading.current_thread():
-            self._scan_thread.join()
-        self._scan_thread = None
+        for thread in (self._scan_thread, self._duty_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+        self._scan_thread = self._duty_thread = None
         with self._lock:
             super().close()
+            if self._launch_probes is not None:
+                self._launch_probes.close()

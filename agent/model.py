@@ -331,6 +331,8 @@ class CudaProcess(Record):
     start_ticks: int = 0
     graph_launches: int = 0
     runtime_launches: int = 0  # of kernel and graph launches, those counted at libcudart's entry points
+    # Of kernel_launches, those estimated (not seen) while the launch probes were duty-cycled (CPU budget).
+    estimated_launches: int = 0
     counted_at: str = ""  # "runtime", "driver", "runtime+driver": the layers its launches were counted at
     runtime: str = ""  # "" (none seen), "shared" (a libcudart file) or "static" (linked into the executable)
     runtime_library: str = ""
@@ -399,6 +401,9 @@ class CudaSnapshot(Record):
     libraries: list[AttachedLibrary]
     contexts: list[CudaContext] = field(default_factory=list)
     gpus: list[CudaGpu] = field(default_factory=list)
+    # Fraction of the time the kernel-launch probes are attached (1: every launch counted; less:
+    # duty-cycled under the CPU budget, launch counts partly estimated).
+    launch_duty_cycle: float = 1.0
 
 
 # --- GPUs ---

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import btf
+from .budget import CpuBudget
 from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, Loaded, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
@@ -123,21 +124,14 @@ SPEC = ProbeSpec(
 TIMED_SEND_COST_NS = 600
 UNTIMED_SEND_COST_NS = 400
 MAX_SAMPLE_EVERY = 1024
-# Timing returns to finer sampling only once that would use at most this share of the budget.
-BUDGET_HYSTERESIS = 0.7
 
 
-class TimingBudget:
+class TimingBudget(CpuBudget):
     """Keeps the estimated CPU time of sendlat's programs within `cpu_budget` (a fraction of one
-    CPU): past it, 1 send in N is timed (N a power of two, at most MAX_SAMPLE_EVERY); counts and
-    bytes stay exact. N falls again as the send rate does."""
+    CPU): past it, 1 send in N is timed (N at most MAX_SAMPLE_EVERY); counts and bytes stay exact."""
 
     def __init__(self, cpu_budget: float) -> None:
-        if cpu_budget <= 0:
-            raise ValueError("cpu_budget must be positive")
-        self.cpu_budget = cpu_budget
-        self._last: dict[tuple[int, int], int] = {}  # (pid, cgroup) -> sends and failures at the last read
-        self._last_time: float | None = None
+        super().__init__(cpu_budget, MAX_SAMPLE_EVERY, self.cpu_share)
 
     @staticmethod
     def cpu_share(sends_per_second: float, every: int) -> float:
@@ -146,21 +140,7 @@ class TimingBudget:
         return sends_per_second * per_send_ns / NS_PER_SECOND
 
     def sends_per_second(self, processes: Sequence[ProcessSendLatency], now: float) -> float:
-        totals = {(p.pid, p.cgroup_id): p.count + sum(p.errors.values()) for p in processes}
-        new = sum(max(0, total - self._last.get(key, 0)) for key, total in totals.items())
-        elapsed = now - self._last_time if self._last_time is not None else 0.0
-        self._last, self._last_time = totals, now
-        return new / elapsed if elapsed > 0 else 0.0
-
-    def every(self, sends_per_second: float, current: int) -> int:
-        """1-in-N for the coming interval: the finest N within budget (the coarsest there is when
-        none is); coarser at once, finer only with room to spare."""
-        wanted = 1
-        while wanted < MAX_SAMPLE_EVERY and self.cpu_share(sends_per_second, wanted) > self.cpu_budget:
-            wanted *= 2
-        if wanted >= current or self.cpu_share(sends_per_second, wanted) <= BUDGET_HYSTERESIS * self.cpu_budget:
-            return wanted
-        return current
+        return self.rate({(p.pid, p.cgroup_id): p.count + sum(p.errors.values()) for p in processes}, now)
 
 
 # --- decoding map entries ---

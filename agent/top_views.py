@@ -206,11 +206,15 @@ def header_lines(snapshot: dict[str, Any]) -> list[str]:
     )
     lost = " ".join(f"{name}.{table}:{count}" for name, probe in (snapshot.get("probes") or {}).items()
                     for table, count in (probe.get("overflows") or {}).items())
+    # What a probe's CPU budget holds back now: the parts of its span that say so.
+    limited = "; ".join(f"{name}: {part.strip()}" for name, probe in (snapshot.get("probes") or {}).items()
+                        if probe.get("up") for part in (probe.get("span") or "").split(";") if "(CPU budget)" in part)
     return [
         f"{host.get('hostname', '?')} · kernel {host.get('kernel', '?')} · {gpus} GPU{'s' if gpus != 1 else ''}"
         f" · alerts: {states.count('firing')} firing, {states.count('pending')} pending",
         f"probes: {probes or 'none'}",
         *([f"LOST (full BPF tables: entries evicted or never stored): {lost}"] if lost else []),
+        *([f"CPU budget: {limited}"] if limited else []),
     ]
 
 

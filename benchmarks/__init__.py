@@ -6,7 +6,10 @@ program vs an empty one), because these machines are shared and absolute timings
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass
@@ -16,3 +19,37 @@ class Result:
     value: float
     unit: str
     detail: str = ""
+
+
+class Case(Protocol):
+    """Something a benchmark measures with and without: attached, then detached again."""
+
+    name: str
+
+    def attach(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+
+@contextmanager
+def attached(case: Case) -> Iterator[None]:
+    case.attach()
+    try:
+        yield
+    finally:
+        case.detach()
+
+
+def alternate(cases: Sequence[Case], rounds: int, measure: Callable[[], float]) -> dict[str, list[float]]:
+    """`measure()` under each case in turn, `rounds` times, the order reversed every other round so
+    a drift in machine load favours no case; the values by case name."""
+    runs: dict[str, list[float]] = {case.name: [] for case in cases}
+    for round_ in range(rounds):
+        for case in cases if round_ % 2 == 0 else cases[::-1]:
+            with attached(case):
+                runs[case.name].append(measure())
+    return runs
+
+
+def spread(values: list[float]) -> str:
+    return f"median of {len(values)} rounds, range {min(values):.0f}..{max(values):.0f}"

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,8 @@ from benchmarks import Result
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fake libcuda and its driver live with the test fixtures
 
-from aiprobe import libbpf  # noqa: E402
-from aiprobe.cuda import CudaProbe  # noqa: E402
+from aiprobe import elf, libbpf  # noqa: E402
+from aiprobe.cuda import DRIVER_KERNEL_LAUNCHES, CudaProbe, UprobeSite, attach_sites, detach_links  # noqa: E402
 from aiprobe.loader import BpfObject, Program  # noqa: E402
 from conftest import FIXTURE_BUILD, CBuild  # noqa: E402
 from fixtures.cuda_fake import DRIVER, RUNTIME_DRIVER, Driver, build  # noqa: E402
@@ -136,8 +138,34 @@ def _measure(libdir: Path, call: Call) -> list[Result]:
     ]
 
 
+def duty_cycle_switching(libdir: Path) -> list[Result]:
+    """What one duty cycle of the launch probes takes (agent/cuda.py LaunchProbes): attaching and
+    detaching (in parallel) the kernel-launch uprobes of one libcuda."""
+    library = str(libdir / "libcuda.so.1")
+    offsets = elf.function_offsets(library, set(DRIVER_KERNEL_LAUNCHES))
+    sites = [UprobeSite(library, offsets[symbol], "uprobe_launch_kernel", False) for symbol in DRIVER_KERNEL_LAUNCHES]
+    attach, detach = [], []
+    with BpfObject("cuda", programs=["uprobe_launch_kernel"]) as obj:
+        obj.load()
+        for _ in range(ROUNDS):
+            began = time.perf_counter()
+            links = attach_sites(obj, sites)
+            attached = time.perf_counter()
+            detach_links(obj, links)
+            attach.append(attached - began)
+            detach.append(time.perf_counter() - attached)
+    detail = f"{len(sites)} uprobes; median of {ROUNDS}, range {min(detach) * 1e3:.0f}..{max(detach) * 1e3:.0f} ms"
+    return [
+        Result("cuda", "duty cycle: attaching one libcuda's launch uprobes", statistics.median(attach) * 1e3, "ms",
+               f"{len(sites)} uprobes; median of {ROUNDS}"),
+        Result("cuda", "duty cycle: detaching them (in parallel; RCU waits)", statistics.median(detach) * 1e3, "ms",
+               detail),
+    ]
+
+
 def run() -> list[Result]:
     FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
     libdir = build(CBuild(FIXTURE_BUILD)).libdir
     with bpf_run_time_stats():
-        return [result for call in CALLS for result in _measure(libdir, call)]
+        results = [result for call in CALLS for result in _measure(libdir, call)]
+    return results + duty_cycle_switching(libdir)

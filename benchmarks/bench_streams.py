@@ -19,12 +19,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import Result
+from benchmarks import Result, alternate, attached, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -95,28 +93,6 @@ def _probe(strategy: Strategy, streams: bool) -> Case:
     return case
 
 
-@contextmanager
-def _attached(case: Case) -> Iterator[None]:
-    case.attach()
-    try:
-        yield
-    finally:
-        case.detach()
-
-
-def _alternate(cases: list[Case], rounds: int, measure: Callable[[], float]) -> dict[str, list[float]]:
-    runs: dict[str, list[float]] = {case.name: [] for case in cases}
-    for round_ in range(rounds):
-        for case in cases if round_ % 2 == 0 else cases[::-1]:
-            with _attached(case):
-                runs[case.name].append(measure())
-    return runs
-
-
-def _spread(values: list[float]) -> str:
-    return f"median of {len(values)} rounds, range {min(values):.0f}..{max(values):.0f}"
-
-
 # --- 1. the SSE server's events/s ---
 
 def _events_per_second(port: int) -> float:
@@ -137,16 +113,16 @@ def server_throughput(streaming: Case) -> list[Result]:
         # Each response's account (tests/fixtures/sse_server.py) is not needed here: drained unread.
         threading.Thread(target=server.stdout.read, daemon=True).start()
         _events_per_second(port)  # warm-up
-        runs = _alternate([Case("detached"), streaming], ROUNDS, lambda: _events_per_second(port))
+        runs = alternate([Case("detached"), streaming], ROUNDS, lambda: _events_per_second(port))
     finally:
         server.terminate()
         server.wait(timeout=10)
     ratio = statistics.median(a / d for a, d in zip(runs[streaming.name], runs["detached"], strict=True))
     return [
         Result("streams", "SSE server, nothing attached: events/s", statistics.median(runs["detached"]), "events/s",
-               _spread(runs["detached"])),
+               spread(runs["detached"])),
         Result("streams", "SSE server, sendlat + streams attached: events/s", statistics.median(runs[streaming.name]),
-               "events/s", _spread(runs[streaming.name])),
+               "events/s", spread(runs[streaming.name])),
         Result("streams", "SSE server events/s with / without the probe", ratio, "ratio",
                "median of per-round ratios; 1.0 = no slowdown"),
     ]
@@ -179,11 +155,11 @@ class Writer:
 
 
 def write_cost(cases: list[Case], streaming: Case) -> list[Result]:
-    with _attached(streaming):  # the connection is accepted while the stream logic watches
+    with attached(streaming):  # the connection is accepted while the stream logic watches
         writer = Writer()
         writer.cpu_ns_per_send()
     try:
-        runs = _alternate(cases, WRITE_ROUNDS, writer.cpu_ns_per_send)
+        runs = alternate(cases, WRITE_ROUNDS, writer.cpu_ns_per_send)
     finally:
         writer.close()
     detached = runs.pop("detached")
@@ -191,12 +167,12 @@ def write_cost(cases: list[Case], streaming: Case) -> list[Result]:
     own = [s - a for s, a in zip(added[streaming.name], added["sendlat alone"], strict=True)]
     floor = statistics.median(added["empty programs"])
     results = [Result("streams", "writer, nothing attached: CPU per send", statistics.median(detached), "ns",
-                      _spread(detached))]
+                      spread(detached))]
     results += [Result("streams", f"writer, {name}: added CPU per send", statistics.median(values), "ns",
-                       _spread(values)) for name, values in added.items()]
+                       spread(values)) for name, values in added.items()]
     results += [
         Result("streams", "stream logic's own added CPU per send (streams on - sendlat alone)",
-               statistics.median(own), "ns", _spread(own)),
+               statistics.median(own), "ns", spread(own)),
         Result("streams", "stream logic's own / empty programs' added CPU", statistics.median(own) / floor, "ratio",
                "per send of a streamed response (a chunk and a gap each)"),
     ]

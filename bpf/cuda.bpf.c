@@ -38,6 +38,15 @@ struct {
 } contexts SEC(".maps");
 
 
+/* The kernel-launch uprobes' duty cycle (agent/cuda.py, LaunchProbes), written by user space only,
+ * in a section of their own. launch_epoch is bumped each time the uprobes are attached again: a
+ * runtime launch whose uretprobe was detached while it ran never closed, and its thread's
+ * runtime_depth, left from an older attachment, is stale. launch_counting gates the kernel-launch
+ * programs, so the counting window is exactly what user space measures, however long attaching
+ * and detaching the uprobes take. */
+volatile __u32 launch_epoch SEC(".data.launch_duty") = 0;
+volatile __u32 launch_counting SEC(".data.launch_duty") = 1;
+
 /* Initial values of new entries (a gpu_process is too big for the BPF stack). */
 static struct gpu_thread zero_thread;
 static struct gpu_process zero_process;
@@ -376,6 +385,10 @@ static __always_inline void count_launch(bool graph, bool runtime)
 
 	if (!current_caller(&c))
 		return;
+	if (c.thread && c.thread->runtime_epoch != launch_epoch) {
+		c.thread->runtime_epoch = launch_epoch;
+		c.thread->runtime_depth = 0;
+	}
 	if (c.thread && c.thread->runtime_depth) { /* inside a runtime call that counted it */
 		if (runtime)
 			c.thread->runtime_depth++; /* its uretprobe pairs with this */
@@ -400,7 +413,8 @@ static __always_inline void count_launch(bool graph, bool runtime)
 SEC("uprobe")
 int BPF_KPROBE(uprobe_launch_kernel)
 {
-	count_launch(false, false);
+	if (launch_counting)
+		count_launch(false, false);
 	return 0;
 }
 
@@ -416,7 +430,8 @@ int BPF_KPROBE(uprobe_graph_launch)
 SEC("uprobe")
 int BPF_KPROBE(uprobe_runtime_launch_kernel)
 {
-	count_launch(false, true);
+	if (launch_counting)
+		count_launch(false, true);
 	return 0;
 }
 

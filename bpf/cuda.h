@@ -43,6 +43,7 @@ struct gpu_thread {
 	__u32 runtime_depth;		/* libcudart launches / cudaSetDevice in flight: a driver launch
 					 * inside one is the same launch, already counted */
 	__s32 pending_device;		/* cudaSetDevice's argument until it returns */
+	__u32 runtime_epoch;		/* launch_epoch when runtime_depth was last valid */
 	__u32 call_depth;		/* nested timed driver calls in flight (outermost is timed) */
 	__u32 call_kind;		/* enum timed_call of the outermost */
 	__u64 call_start_ns;

@@ -40,7 +40,8 @@ from aiprobe.model import CudaSnapshot
 from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
-from conftest import ROOT, fd_id, link_ids
+from aiprobe.top_views import header_lines
+from conftest import ROOT, bpftool_json, fd_id, link_ids
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
     STATIC_RUNTIME_DRIVER,
@@ -691,3 +692,49 @@ def test_an_executable_mapping_libcuda_without_libcudart_is_a_static_runtime_can
     (tmp_path / "5" / "maps").write_text(_maps_line(exe, "5600-5700") + _maps_line(driver, "7f00-7f10"))
     assert {(lib.path, lib.kind) for lib in mapped_cuda_libraries(5, tmp_path)} == \
         {(str(exe), STATIC_RUNTIME), (str(driver), DRIVER)}
+
+
+# ---- the launch probes under the CPU budget ----
+
+# Per second, paced by the driver's clock. Slow enough that the driver keeps its pace while probed on
+# this busy machine: a thread the traps starve during the windows catches up while detached, unseen.
+FAST_LAUNCHES, SLOW_LAUNCHES = 5_000, 200
+# Full counting at FAST_LAUNCHES would cost 0.05 of a CPU (LAUNCH_COST_NS): duty-cycled to 1/2 (at 1/4
+# the estimate's error reached 11% here, with the load average at 9 on 2 CPUs).
+LAUNCH_BUDGET, DUTY_PERIOD_S = 0.03, 2.0
+
+
+def _launches(probe: CudaProbe, pid: int):
+    return _process(probe.read(), pid)
+
+
+@pytest.mark.bpf
+def test_launch_probes_are_duty_cycled_past_the_budget_estimate_within_10_percent_and_count_all_again(
+        cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2, cpu_budget=LAUNCH_BUDGET, duty_period=DUTY_PERIOD_S) as probe:
+        driver = Driver(cuda_libs.libdir, "rates", FAST_LAUNCHES, SLOW_LAUNCHES)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        driver.say("go")
+        driver.expect("fast")
+        assert _wait_for(lambda: probe.read().launch_duty_cycle < 1, timeout=30), "the duty cycle never engaged"
+        assert "launch counts estimated" in probe.status().span
+        assert header_lines({"probes": {"cuda": probe.status().to_dict()}})[-1].startswith(
+            "CPU budget: cuda: kernel launches counted 1/")
+        time.sleep(8 * DUTY_PERIOD_S)  # duty-cycled periods: the estimate lags a change of rate by one
+        assert _launches(probe, driver.pid).estimated_launches > 0
+        driver.say("slow")
+        assert driver.proc.stdout.readline().startswith("slow ")
+        assert _wait_for(lambda: probe.read().launch_duty_cycle == 1, timeout=30), "full counting never returned"
+        time.sleep(2 * DUTY_PERIOD_S)  # the last time off is estimated once the next period is over
+        estimated = _launches(probe, driver.pid).estimated_launches
+        time.sleep(2 * DUTY_PERIOD_S)
+        truth = counters(driver.go())["kernel_launches"]
+        process = _process(probe.read(), driver.pid)
+        # Every period's links were closed: the kernel holds no launch link that the probe does not.
+        launch_program = fd_id(probe.loaded.obj.programs["uprobe_launch_kernel"].fd, "prog_id")
+        held = {fd_id(link.fd, "link_id") for link in probe.loaded.obj.links}
+        assert {link["id"] for link in bpftool_json("link", "show") if link.get("prog_id") == launch_program} <= held
+    assert _wait_for(lambda: not held & link_ids())
+    assert process.estimated_launches == estimated  # every launch counted since
+    assert abs(process.kernel_launches - truth) <= 0.1 * truth, (process.kernel_launches, truth)

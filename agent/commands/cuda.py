@@ -15,8 +15,9 @@ from ..formatting import Column, columns_for, table
 from ..model import AttachedLibrary, CudaSnapshot
 from ..names import printable
 
-FIELDS = ("pid", "comm", "kernel_launches", "graph_launches", "counted_at", "runtime", "context_switches", "syncs",
-          "sync_seconds_sum", "sync_p99_seconds", "runqueue_delay_p99_seconds", "involuntary_preemptions", "library")
+FIELDS = ("pid", "comm", "kernel_launches", "estimated_launches", "graph_launches", "counted_at", "runtime",
+          "context_switches", "syncs", "sync_seconds_sum", "sync_p99_seconds", "runqueue_delay_p99_seconds",
+          "involuntary_preemptions", "library")
 # The per-thread counter, titled for what it counts (not GPU time-slicing: see the GPU table).
 TITLES = {"context_switches": "THREAD CTX CHANGES"}
 CONTEXT_FIELDS = ("gpu", "pid", "comm", "context", "device", "kernel_launches", "graph_launches",
@@ -36,6 +37,9 @@ def _table(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[str]:
 
 def print_table(snapshot: CudaSnapshot) -> None:
     click.echo(f"scheduler side: {snapshot.sched_strategy or 'unavailable'}")
+    if snapshot.launch_duty_cycle < 1:
+        click.echo(f"CPU budget: kernel-launch probes attached {snapshot.launch_duty_cycle:.0%} of the time; "
+                   "kernel_launches include estimated_launches")
     processes = [process.to_dict() for process in snapshot.processes]
     for row in processes:
         row["library"] = printable(row["library"])
@@ -64,12 +68,16 @@ def _announce(library: AttachedLibrary) -> None:
 @click.command()
 @duration_option
 @strategy_option(sched.SPEC, "the scheduler side's chain (the uprobes have no alternative)")
+@click.option("--cpu-budget", type=click.FloatRange(0, 64), default=0.0, show_default=True,
+              help="Fraction of one CPU the kernel-launch uprobes may cost; past it they are duty-cycled and "
+                   "launch counts estimated (0: count every launch).")
 @json_option
 @friendly_errors
-def command(duration: float | None, strategy: str | None, as_json: bool) -> None:
+def command(duration: float | None, strategy: str | None, cpu_budget: float, as_json: bool) -> None:
     """CUDA launches, graph launches, syncs, context changes, cold start and run-queue delay per process."""
     require_privileges()
-    with CudaProbe(on_attach=_announce, strategies=strategies_with_scheduler(strategy)) as probe:
+    with CudaProbe(on_attach=_announce, strategies=strategies_with_scheduler(strategy),
+                   cpu_budget=cpu_budget or None) as probe:
         click.echo(f"aiprobe cuda: watching for processes that map {LIBRARY_PREFIX}* or libcudart* "
                    f"(scheduler side: {probe.sched_strategy or 'unavailable'})", err=True)
         for _ in ticks(duration, 1.0):
