@@ -983,6 +983,8 @@ class CudaProbe(Probe):
                 thread.join()
         self._scan_thread = self._duty_thread = None
         with self._lock:
+            if self.loaded is not None:  # in parallel: one after another, the uprobes' RCU waits take seconds
+                detach_links(self.loaded.obj, self.loaded.obj.links)
             super().close()
             if self._launch_probes is not None:
                 self._launch_probes.close()
