@@ -36,7 +36,11 @@ VNG = CACHE / "vng-venv" / "bin" / "vng"
 GUEST = ROOT / "tests" / "kernels" / "guest.sh"
 PROBES = ("flows", "sendlat", "cuda", "sched", "nvml")
 DEFAULT_SELECTION = ("-m", "kernels and bpf and not realtime")  # the rest needs no kernel: make test runs it
-VM_TIMEOUT = 1500  # seconds for one boot and its tests; emulation is ~10x slower than the host
+# Every step is bounded, so a hang is a failure with the stacks of what hung (guest.sh: hung.log),
+# never a stalled CI. Emulation is ~10x slower than the host; `aiprobe check` takes 45-150 s there.
+CHECK_SECONDS = 360
+PYTEST_SECONDS = 1200
+VM_TIMEOUT = CHECK_SECONDS + PYTEST_SECONDS + 180  # and the boot; a guest that never runs guest.sh
 VM_OPTIONS = ("--cpus", "2", "--memory", "2G")
 EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p")
 
@@ -144,12 +148,16 @@ def results_dir(name: str) -> Path:
     return path
 
 
+def guest_args(results: Path) -> list[str]:
+    return [str(results), str(CHECK_SECONDS), str(PYTEST_SECONDS)]
+
+
 def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tuple[Path, float, str]:
     """Boot the kernel, run guest.sh; its results directory, the wall time, and a problem if any."""
     release = image.name.removeprefix("vmlinuz-")
     results = results_dir(release)
     cmd = vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
-              "--", shlex.join([str(GUEST), str(results), *selection]))
+              "--", shlex.join([str(GUEST), *guest_args(results), *selection]))
     started = time.monotonic()
     problem = ""
     with (results / "console.log").open("w") as console:
@@ -164,7 +172,7 @@ def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tupl
 def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
     results = results_dir(f"host-{os.uname().release}")
     started = time.monotonic()
-    subprocess.run(["sh", str(GUEST), str(results), *selection], stdin=subprocess.DEVNULL)
+    subprocess.run(["sh", str(GUEST), *guest_args(results), *selection], stdin=subprocess.DEVNULL)
     return results, time.monotonic() - started, ""
 
 
@@ -172,6 +180,8 @@ def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
 
 
 def read_results(result: Result, results: Path) -> None:
+    if (results / "hung.log").exists():
+        result.problem = f"a step hung: stacks in {(results / 'hung.log').relative_to(ROOT)}"
     try:
         report = json.loads((results / "check.json").read_text())
         result.strategies = {name: probe["strategy"] or "-" for name, probe in report["probes"].items()}
