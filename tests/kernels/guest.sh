@@ -3,9 +3,10 @@
 # whose writes stay in the guest; RESULTS is the one directory shared read-write with the host.
 # Usage: guest.sh RESULTS CHECK_SECONDS PYTEST_SECONDS [PYTEST ARGS]. Leaves in RESULTS:
 # check.json and check.err (`aiprobe check --json`), junit.xml and pytest.log (the selection),
-# rc (pytest's status), and hung.log when a step outlived its time: every task's kernel stack,
-# then SIGABRT to its Python processes, whose faulthandler writes their threads' stacks to the
-# step's log. So a hang is a failure that says where, never a stalled CI.
+# rc (pytest's status), steps.log (each step's status and time), and hung.log when a step outlived
+# its time: every task's kernel stack, then SIGABRT to its Python processes, whose faulthandler
+# writes their threads' stacks to the step's log. So a hang is a failure that says where, never a
+# stalled CI.
 RESULTS=$1 CHECK_SECONDS=$2 PYTEST_SECONDS=$3
 shift 3
 cd "$(dirname "$0")/../.." || exit 1
@@ -40,7 +41,7 @@ dump_and_abort() {  # dump_and_abort PID STEP SECONDS
 }
 
 bounded() {  # bounded SECONDS STEP COMMAND...: the command's status (SIGABRT's when it outlived SECONDS)
-    seconds=$1 step=$2
+    seconds=$1 step=$2 started=$(date +%s)
     shift 2
     "$@" &
     pid=$!
@@ -55,6 +56,7 @@ bounded() {  # bounded SECONDS STEP COMMAND...: the command's status (SIGABRT's 
     wait "$pid"
     status=$?
     kill "$watchdog" 2>/dev/null
+    echo "$step: exit $status after $(($(date +%s) - started)) s" >> "$RESULTS/steps.log"
     return "$status"
 }
 
