@@ -34,12 +34,19 @@ IS_ROOT = os.geteuid() == 0
 # on this host.
 KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_loader", "test_check", "test_least_privilege",
                   "test_strategies"}
+# Of those, the tests of command-line output and exporter bookkeeping: no kernel-specific path (each
+# probe's strategies are exercised by the rest), and each costs 10-70 s under emulation.
+HOST_ONLY = {"test_check_text_names_every_probe", "test_unprivileged_check_prints_one_line_and_exits_1",
+             "test_flow_series_add_up_to_the_interface_at_every_scrape_while_flows_churn",
+             "test_cli_json_after_duration", "test_cli_json_rate_is_the_last_intervals_rate_by_iperf3",
+             "test_cli_bad_input_is_one_line", "test_cli_json_document_for_one_pid",
+             "test_cli_rejects_a_missing_pid_in_one_line"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs root to load BPF programs (CI runs as root)")
     for item in items:
-        if item.module.__name__ in KERNEL_MODULES:
+        if item.module.__name__ in KERNEL_MODULES and item.originalname not in HOST_ONLY:
             item.add_marker(pytest.mark.kernels)
         if "bpf" in item.keywords and not IS_ROOT:
             item.add_marker(skip)
