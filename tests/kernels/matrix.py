@@ -19,18 +19,22 @@ Exit status 1 when a test failed or a kernel did not report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "build" / "kernels"
@@ -135,16 +139,31 @@ def vng_env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{VNG.parent}:{os.environ['PATH']}"}
 
 
+def run_vm(cmd: list[str], timeout: float, output: int | IO[str]) -> bool:
+    """Run vng in a session of its own; False when it outlived `timeout`, after killing its whole
+    session (qemu included: killing vng alone would leave a guest running behind the next one)."""
+    vm = subprocess.Popen(cmd, env=vng_env(), stdin=subprocess.DEVNULL, stdout=output,
+                          stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    try:
+        vm.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(vm.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                vm.wait(timeout=10)
+        return False
+
+
 def kvm_works(image: Path) -> bool:
     """Whether a guest boots under KVM here: nested KVM may abort (failed to set MSR) or hang."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False
-    try:
-        probe = subprocess.run(vng(image, (), "--", "true"), env=vng_env(), capture_output=True, text=True,
-                               timeout=60, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return False
-    return "script exited with code 0" in probe.stdout + probe.stderr
+    with tempfile.TemporaryFile("w+") as output:
+        finished = run_vm(vng(image, (), "--", "true"), 60, output)
+        output.seek(0)
+        return finished and "script exited with code 0" in output.read()
 
 
 def results_dir(name: str) -> Path:
@@ -166,11 +185,9 @@ def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tupl
               "--", shlex.join([str(GUEST), *guest_args(results), *selection]))
     started = time.monotonic()
     problem = ""
-    with (results / "console.log").open("w") as console:
-        try:
-            subprocess.run(cmd, env=vng_env(), stdout=console, stderr=subprocess.STDOUT, timeout=VM_TIMEOUT,
-                           stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
+    # Appending: qemu's own messages and the guest's console share the file without overwriting.
+    with (results / "console.log").open("a") as console:
+        if not run_vm(cmd, VM_TIMEOUT, console):
             problem = f"no result within {VM_TIMEOUT} s"
     return results, time.monotonic() - started, problem
 
