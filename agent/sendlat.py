@@ -58,7 +58,8 @@ SPEC = ProbeSpec(
         ),
         Strategy(
             "kprobe", programs=("sendlat_kprobe", "sendlat_kretprobe"), features=("kprobe", "ringbuf"),
-            span="tcp_sendmsg entry to return (kprobe/kretprobe)",
+            span="tcp_sendmsg entry to return (kprobe/kretprobe); no unwritable time (socket storage is for "
+                 "BTF programs)",
         ),
         # Only TCP sends pay for these two tracepoints; the span starts with the socket locked.
         Strategy(

@@ -49,13 +49,19 @@ def kernel_series() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def running_probes(config: Config) -> Iterator[dict[str, Probe]]:
-    """The config's probes, started through the registry's factories as the agent starts them."""
+    """The config's probes, started through the registry's factories as the agent starts them; one
+    that runs inside another may be unavailable under that one's strategy (streams under kprobe)."""
     running: dict[str, Probe] = {}
     try:
         for probe_spec in selected(config.probes):
             probe = probe_spec.factory(config, running)
+            try:
+                probe.start()
+            except ProbeUnavailable:
+                if probe_spec.runs_with is None:
+                    raise
+                continue
             running[probe_spec.name] = probe
-            probe.start()
         yield running
     finally:
         for probe in reversed(running.values()):
