@@ -26,7 +26,7 @@ run: setup
 	$(SUDO) $(BIN)/aiprobe top
 
 test: setup lint
-	$(BIN)/pytest -ra
+	$(BIN)/pytest -ra $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks

@@ -25,7 +25,7 @@ FEATURE_OBJECT = "features"
 
 # Order is the order `aiprobe check` prints.
 FEATURES = (
-    "btf", "fentry", "kprobe", "tp_btf", "tcp_send_tp", "raw_tp", "tracepoint", "uprobe",
+    "btf", "fentry", "kprobe", "tp_btf", "tcp_send_tp", "sock_length_tp", "raw_tp", "tracepoint", "uprobe",
     "xdp", "xdp_native", "xdp_generic", "xdp_link", "tc", "tcx", "tc_clsact", "ringbuf", "map_batch",
 )
 
@@ -51,6 +51,7 @@ _HINTS = {
     "probe_fentry": "the kernel refuses BPF trampolines (built without function tracer / direct calls)",
     "probe_kprobe": "no kprobe PMU and no kprobe_events (kernel built without CONFIG_KPROBES)",
     "probe_tcp_send_tp": "no tcp:tcp_sendmsg_locked tracepoint",
+    "probe_sock_length_tp": "no sock:sock_send_length / sock_recv_length tracepoints (6.3+)",
 }
 
 
@@ -168,6 +169,7 @@ def probe_features() -> dict[str, Feature]:
         "kprobe": _program("probe_kprobe"),
         "tp_btf": _program("probe_tp_btf"),
         "tcp_send_tp": _program("probe_tcp_send_tp"),
+        "sock_length_tp": _program("probe_sock_length_tp"),
         "raw_tp": _program("probe_raw_tp"),
         "tracepoint": _program("probe_tracepoint"),
         "uprobe": _uprobe(),

@@ -59,13 +59,14 @@ SPEC = ProbeSpec(
         ),
         Strategy(
             "kprobe", programs=("sendlat_kprobe", "sendlat_kretprobe"), features=("kprobe", "ringbuf"),
-            span="tcp_sendmsg entry to return (kprobe/kretprobe)",
+            span="tcp_sendmsg entry to return (kprobe/kretprobe); no unwritable time (socket storage is for "
+                 "BTF programs)",
         ),
         # Only TCP sends pay for these two tracepoints; the span starts with the socket locked.
         Strategy(
             "tracepoint",
             programs=("sendlat_tcp_send_start", "sendlat_tcp_send_end", *RECEIVE_SIDE["tracepoint"]),
-            features=("tp_btf", "tcp_send_tp", "ringbuf"),
+            features=("tp_btf", "tcp_send_tp", "sock_length_tp", "ringbuf"),
             span="first copy into the socket (tcp:tcp_sendmsg_locked) to the return of the TCP socket's sendmsg "
                  "(sock:sock_send_length); misses syscall entry and lock_sock waits; counts every TCP sendmsg of "
                  "user threads, times those that reach the copy loop on sockets without kTLS or another "
@@ -75,7 +76,7 @@ SPEC = ProbeSpec(
         Strategy(
             "syscall",
             programs=("sendlat_sys_enter", "sendlat_sock_send_length", *RECEIVE_SIDE["syscall"]),
-            features=("tp_btf", "ringbuf"),
+            features=("tp_btf", "sock_length_tp", "ringbuf"),
             span="send syscall entry (write, writev, sendto, sendmsg, sendmmsg) to the return of the "
                  "TCP socket's sendmsg (sys_enter to sock:sock_send_length)",
         ),

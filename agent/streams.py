@@ -44,8 +44,9 @@ RECEIVE_SIDE = {
 }
 STRATEGIES = (
     Strategy("fentry", programs=RECEIVE_SIDE["fentry"], features=("fentry",), span=_SPAN),
-    Strategy("tracepoint", programs=RECEIVE_SIDE["tracepoint"], features=("tp_btf", "tcp_send_tp"), span=_SPAN),
-    Strategy("syscall", programs=RECEIVE_SIDE["syscall"], features=("tp_btf",),
+    Strategy("tracepoint", programs=RECEIVE_SIDE["tracepoint"], features=("tp_btf", "tcp_send_tp", "sock_length_tp"),
+             span=_SPAN),
+    Strategy("syscall", programs=RECEIVE_SIDE["syscall"], features=("tp_btf", "sock_length_tp"),
              span=_SPAN + "; protocols unread (no message at syscall entry)"),
 )
 

@@ -84,8 +84,11 @@ static __always_inline __u32 hist_slot(__u64 value_ns)
 
 static __always_inline void hist_add(struct hist *h, __u64 value_ns)
 {
-	__u32 slot = hist_slot(value_ns);
+	__u64 slot = hist_slot(value_ns);
 
+	/* The check must be on the register that indexes: 6.1's verifier does not carry a bound over
+	 * to a 32-bit copy, and the compiler checked one copy and indexed with another. */
+	barrier_var(slot);
 	if (slot < HIST_SLOTS)
 		__sync_fetch_and_add(&h->slots[slot], 1);
 	__sync_fetch_and_add(&h->count, 1);

@@ -48,6 +48,10 @@ int BPF_PROG(probe_tp_btf) { hit(); return 0; }
 SEC("tp_btf/tcp_sendmsg_locked")
 int BPF_PROG(probe_tcp_send_tp) { hit(); return 0; }
 
+/* sock:sock_send_length came with sock:sock_recv_length (6.3): one probe answers for both. */
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(probe_sock_length_tp) { hit(); return 0; }
+
 SEC("raw_tp/sched_switch")
 int probe_raw_tp(void *ctx) { hit(); return 0; }
 

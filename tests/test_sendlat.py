@@ -316,6 +316,8 @@ PAUSE_SECONDS = 2.0
 
 @pytest.mark.bpf
 def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe: SendLatencyProbe) -> None:
+    if probe.strategy == "kprobe":
+        pytest.skip("kprobe: no unwritable time (socket storage is for BTF programs)")
     server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fixtures" / "sendlat_asyncio.py"),
                                str(ASYNCIO_BYTES)], stdout=subprocess.PIPE, text=True)
     try:

@@ -2,7 +2,8 @@
 this host), and every strategy of each chain forced once, through the config's `[strategies]` and
 the commands' `--strategy`, where the kernel has its hook. The exactness tests of each strategy are
 in the probes' own suites (tests/test_sendlat.py, test_flows.py, test_cuda.py), which force every
-strategy of their chain the same way."""
+strategy of their chain the same way; streams runs inside sendlat's programs, so each of its
+strategies is forced through sendlat's and shown counting a Server-Sent Events response here."""
 
 from __future__ import annotations
 
@@ -10,24 +11,32 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 
 import pytest
 from aiprobe.config import Config, ConfigError, from_dict
 from aiprobe.loader import ProbeUnavailable
-from aiprobe.probes import Probe, selected, spec, specs
+from aiprobe.probes import Probe, plan, selected, spec, specs, strategies_named
+from aiprobe.sendlat import SendLatencyProbe
+from aiprobe.streams import StreamsProbe
 from conftest import VethPair
 from fixtures.sendlat_peer import build, sender_cmd, sink
 
 # What each probe must pick, by kernel series (major, minor). Debian 12's kernels are what
-# `make test-kernels` boots; 6.18 is CI's own host (no kprobes, fentry refused).
+# `make test-kernels` boots; 6.18 is CI's own host (no kprobes, fentry refused). streams runs in
+# sendlat's programs (its strategy is sendlat's); sched in cuda's. nvml's one strategy needs a
+# library, not a kernel (tests/test_nvml.py, test_least_privilege.py).
+ALWAYS = {"cuda": "uprobe", "sched": "tp_btf", "netstat": "procfs"}
 EXPECTED = {
-    (6, 1): {"sendlat": "fentry", "flows": "clsact", "sched": "tp_btf"},  # no TCX before 6.6
-    (6, 12): {"sendlat": "fentry", "flows": "tcx", "sched": "tp_btf"},
-    (6, 18): {"sendlat": "tracepoint", "flows": "tcx", "sched": "tp_btf"},
+    (6, 1): {"sendlat": "fentry", "streams": "fentry", "flows": "clsact", **ALWAYS},  # no TCX before 6.6
+    (6, 12): {"sendlat": "fentry", "streams": "fentry", "flows": "tcx", **ALWAYS},
+    (6, 18): {"sendlat": "tracepoint", "streams": "tracepoint", "flows": "tcx", **ALWAYS},
 }
 FORCEABLE = [(name, strategy.name) for name in ("flows", "sendlat", "sched") for strategy in spec(name).strategies]
+SSE_EVENTS = 20
 # How a kernel says it lacks a hook: no such BTF type or tracepoint (ESRCH, ENOENT), or a program
 # type it refuses (fentry here: EPERM at load).
 LACKS_HOOK = re.compile(r"No such process|No such file or directory|Operation not permitted")
@@ -40,13 +49,19 @@ def kernel_series() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def running_probes(config: Config) -> Iterator[dict[str, Probe]]:
-    """The config's probes, started through the registry's factories as the agent starts them."""
+    """The config's probes, started through the registry's factories as the agent starts them; one
+    that runs inside another may be unavailable under that one's strategy (streams under kprobe)."""
     running: dict[str, Probe] = {}
     try:
         for probe_spec in selected(config.probes):
             probe = probe_spec.factory(config, running)
+            try:
+                probe.start()
+            except ProbeUnavailable:
+                if probe_spec.runs_with is None:
+                    raise
+                continue
             running[probe_spec.name] = probe
-            probe.start()
         yield running
     finally:
         for probe in reversed(running.values()):
@@ -87,12 +102,15 @@ def test_strategy_option_offers_the_chain_and_refuses_other_names(aiprobe_cli: l
 
 
 @pytest.mark.bpf
-def test_each_probe_picks_the_strategy_expected_on_this_kernel(veth: VethPair) -> None:
+def test_each_probe_picks_the_strategy_expected_on_this_kernel(veth: VethPair, kernel_features: dict) -> None:
     expected = EXPECTED.get(kernel_series())
     if expected is None:
         pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to EXPECTED")
+    # What `aiprobe check` offers, then what the agent's probes run (cuda's names its scheduler side).
+    assert {name: plan(spec(name), kernel_features).strategy for name in expected} == expected
     with running_probes(probes_config(veth)) as running:
-        assert {name: running[name].status().strategy for name in expected} == expected
+        assert {name: running[name].status().strategy for name in expected} == \
+            {**expected, "cuda": f"uprobe+{expected['sched']}"}
 
 
 def skip_unless_the_kernel_has(probe: str, strategy: str, kernel_features: dict) -> None:
@@ -141,3 +159,47 @@ def test_sendlat_command_with_each_strategy_counts_every_send(aiprobe_cli: list[
     assert document["strategy"] == strategy
     [process] = document["processes"]
     assert (process["pid"], process["count"], process["bytes"]) == (sender.pid, 7, 2100)
+
+
+def serve_events(listener: socket.socket, events: int) -> None:
+    """One HTTP/1.1 Server-Sent Events response, as inference servers write it: the request read,
+    the headers alone, one write per event, chunked encoding's last chunk."""
+    connection, _ = listener.accept()
+    with connection:
+        connection.recv(4096)
+        connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                           b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(events):
+            event = f"id: {i}\ndata: token\n\n".encode()
+            connection.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+        connection.sendall(b"0\r\n\r\n")
+
+
+def read_response(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as client:
+        client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
+        response = b""
+        while not response.endswith(b"0\r\n\r\n") and (data := client.recv(65536)):
+            response += data
+        return response
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("strategy", [s.name for s in spec("streams").strategies])
+def test_streams_under_each_strategy_counts_every_chunk_of_a_response(kernel_features: dict, strategy: str) -> None:
+    skip_unless_the_kernel_has("streams", strategy, kernel_features)
+    sendlat = SendLatencyProbe(per_flow=False, strategies=strategies_named(spec("sendlat"), strategy))
+    with sendlat, StreamsProbe(sendlat) as streams, socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        server = threading.Thread(target=serve_events, args=(listener, SSE_EVENTS))
+        server.start()
+        response = read_response(port)
+        server.join(timeout=60)
+        endpoints = [e for e in streams.read().endpoints if e.pid == os.getpid() and e.port == port]
+        assert streams.status().strategy == strategy
+    assert response.count(b"id: ") == SSE_EVENTS
+    [endpoint] = endpoints
+    # syscall reads no protocol (no message at syscall entry): every write of the response is a chunk.
+    protocol, chunks = ("tcp", SSE_EVENTS + 2) if strategy == "syscall" else ("sse", SSE_EVENTS)
+    assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks, endpoint.gaps) == \
+        (protocol, 1, 1, chunks, chunks - 1)

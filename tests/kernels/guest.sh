@@ -1,11 +1,67 @@
 #!/bin/sh
-# Runs inside a virtme-ng guest (see matrix.py): this repository is an overlay whose writes stay in
-# the guest; RESULTS is the one directory shared read-write with the host. Leaves there:
-# check.json (`aiprobe check --json`), junit.xml and pytest.log (the selection), rc (pytest's status).
-RESULTS=$1
-shift
+# Runs inside a virtme-ng guest (see matrix.py), and on the host: this repository is an overlay
+# whose writes stay in the guest; RESULTS is the one directory shared read-write with the host.
+# Usage: guest.sh RESULTS CHECK_SECONDS PYTEST_SECONDS [PYTEST ARGS]. Leaves in RESULTS:
+# check.json and check.err (`aiprobe check --json`), junit.xml and pytest.log (the selection),
+# rc (pytest's status), steps.log (each step's status and time), and hung.log when a step outlived
+# its time: every task's kernel stack, then SIGABRT to its Python processes, whose faulthandler
+# writes their threads' stacks to the step's log. So a hang is a failure that says where, never a
+# stalled CI.
+RESULTS=$1 CHECK_SECONDS=$2 PYTEST_SECONDS=$3
+shift 3
 cd "$(dirname "$0")/../.." || exit 1
+export PYTHONFAULTHANDLER=1
+
+descendants() {
+    for child in $(pgrep -P "$1"); do
+        echo "$child"
+        descendants "$child"
+    done
+}
+
+dump_and_abort() {  # dump_and_abort PID STEP SECONDS
+    {
+        echo "== $2 still running after $3 s; its processes:"
+        for pid in $1 $(descendants "$1"); do
+            echo "-- pid $pid: $(tr '\0' ' ' < /proc/"$pid"/cmdline 2>/dev/null)"
+            for task in /proc/"$pid"/task/*; do
+                echo "   task ${task##*/} $(cat "$task"/comm 2>/dev/null) wchan=$(cat "$task"/wchan 2>/dev/null)"
+                sed 's/^/     /' "$task"/stack 2>/dev/null
+            done
+        done
+    } >> "$RESULTS/hung.log" 2>&1
+    for pid in $(descendants "$1") $1; do
+        case "$(cat /proc/"$pid"/comm 2>/dev/null)" in python* | aiprobe | pytest) kill -ABRT "$pid" 2>/dev/null ;; esac
+    done
+    for _ in 1 2 3 4 5 6 7 8 9 10; do  # time to write the stacks, then whatever is left goes
+        kill -0 "$1" 2>/dev/null || return
+        sleep 1
+    done
+    kill -KILL "$1" $(descendants "$1") 2>/dev/null
+}
+
+bounded() {  # bounded SECONDS STEP COMMAND...: the command's status (SIGABRT's when it outlived SECONDS)
+    seconds=$1 step=$2 started=$(date +%s)
+    shift 2
+    "$@" &
+    pid=$!
+    (
+        trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM
+        sleep "$seconds" &
+        sleeper=$!
+        wait "$sleeper"
+        kill -0 "$pid" 2>/dev/null && dump_and_abort "$pid" "$step" "$seconds"
+    ) &
+    watchdog=$!
+    wait "$pid"
+    status=$?
+    kill "$watchdog" 2>/dev/null
+    echo "$step: exit $status after $(($(date +%s) - started)) s" >> "$RESULTS/steps.log"
+    return "$status"
+}
+
 ip link set lo up
-.venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
-.venv/bin/pytest -p no:cacheprovider -ra --durations=25 --junitxml="$RESULTS/junit.xml" "$@" > "$RESULTS/pytest.log" 2>&1
+bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
+bounded "$PYTEST_SECONDS" pytest .venv/bin/pytest -p no:cacheprovider -ra --durations=25 \
+    --junitxml="$RESULTS/junit.xml" "$@" > "$RESULTS/pytest.log" 2>&1
 echo $? > "$RESULTS/rc"
