@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,13 @@ _PERCPU_MAP_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 _BATCH_CHUNK = 4096
 _ENOTSUPP = 524  # kernel-internal errno for 'operation not supported'
 _LOG_BUF_SIZE = 4 << 20
+# Maps that several objects declare alike (from one header) to share: an object declaring one reuses
+# (bpf_map__reuse_fd) the map of a loaded object that holds it, else makes its own for later ones to
+# reuse, so either may load first and each runs alone. The kernel frees the map with its last holder:
+# nothing pinned, nothing left behind.
+SHARED_MAPS = frozenset({"cuda_sync_time"})  # bpf/cuda_sync.h: cuda writes it, streams (in sendlat) reads it
+_shared_holders: dict[str, list[BpfObject]] = {}  # map name -> loaded objects holding it
+_shared_lock = threading.Lock()
 
 
 class ProbeUnavailable(RuntimeError):
@@ -464,8 +472,21 @@ class BpfObject:
             self.btf.ctype(type_id).from_address(base + offset).value = value
 
     def load(self) -> None:
-        libbpf.call("bpf_object__load", self._ptr)
+        shared = [m for m in self.maps.values() if m.name in SHARED_MAPS]
+        with _shared_lock:
+            for own in shared:
+                holders = _shared_holders.get(own.name)
+                if holders:
+                    libbpf.call("bpf_map__reuse_fd", own._ptr, holders[0].maps[own.name].fd)
+            libbpf.call("bpf_object__load", self._ptr)
+            for own in shared:
+                _shared_holders.setdefault(own.name, []).append(self)
         self.loaded = True
+
+    def sharing(self, map_name: str) -> list[str]:
+        """The other loaded objects (their names) that hold this object's map `map_name` (SHARED_MAPS)."""
+        with _shared_lock:
+            return [holder.name for holder in _shared_holders.get(map_name, []) if holder is not self]
 
     def own(self, resource: Link | RingBuffer) -> Any:
         """Tie a link or ring buffer to this object's lifetime."""
@@ -490,6 +511,10 @@ class BpfObject:
         while self._owned:
             self._owned.pop().close()
         uprobe_events.remove_pending()
+        with _shared_lock:
+            for holders in _shared_holders.values():
+                if self in holders:
+                    holders.remove(self)
         ptr, self._ptr = self._ptr, None
         if ptr:
             libbpf.lib().bpf_object__close(ptr)

@@ -280,6 +280,7 @@ class StreamStall(Record):
     unwritable_seconds: float  # the socket was full during the gap
     blocked_send_seconds: float  # the write ending the gap blocked (timed sends only)
     runqueue_seconds: float  # the writing thread waited runnable for a CPU
+    cuda_sync_seconds: float  # a thread of the process was inside a CUDA synchronization (cuda probe)
     container: str = field(default="host", metadata=JOINED)
 
 
@@ -293,6 +294,7 @@ class StreamsSnapshot(Record):
     lost_stalls: int = 0  # stall events lost since start
     uncounted_streams: int = 0  # responses beyond the endpoint table's capacity, since start
     untimed_h2_streams: int = 0  # HTTP/2 streams beyond the streams timed at once on a connection, since start
+    cuda_syncs_seen: bool = False  # the cuda probe runs: stalls spent in CUDA synchronizations are `gpu`
 
 
 @dataclass

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
 CAUSES = ("server", "network", "cpu", "gpu")
 MAX_PENDING_STALLS = 65536
+GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
+NO_GPU_CAUSE = "no gpu cause: the cuda probe is not running"
 _SPAN = ("request: the server's last read before it writes (HTTP/2: the client's last frame on the stream); "
          "response: its writes, from the first body byte (an HTTP/1.x headers-only write and chunked encoding's "
          "last chunk are not chunks; HTTP/2: DATA frames, by stream) until the next request, the last chunk, "
@@ -81,6 +83,7 @@ def _stall(event: dict[str, Any]) -> StreamStall:
         unwritable_seconds=event["unwritable_ns"] / NS_PER_SECOND,
         blocked_send_seconds=event["blocked_send_ns"] / NS_PER_SECOND,
         runqueue_seconds=event["runqueue_ns"] / NS_PER_SECOND,
+        cuda_sync_seconds=event["cuda_sync_ns"] / NS_PER_SECOND,
     )
 
 
@@ -141,7 +144,13 @@ class StreamsProbe(Probe):
         if loaded is None or self._ring is None:
             return ProbeStatus(False, reason="not started")
         span = next(s.span for s in STRATEGIES if s.name == loaded.strategy.name)
-        return ProbeStatus(True, loaded.strategy.name, span)
+        gpu = GPU_CAUSE if self.cuda_syncs_seen() else NO_GPU_CAUSE
+        return ProbeStatus(True, loaded.strategy.name, f"{span}; {gpu}")
+
+    def cuda_syncs_seen(self) -> bool:
+        """Whether the cuda probe runs beside: it writes the synchronization times that make stalls `gpu`
+        (map cuda_sync_time, shared; without it the map is the streams' own, and stays empty)."""
+        return "cuda" in self._obj().sharing("cuda_sync_time")
 
     def _on_stall(self, data: bytes) -> None:
         if len(self._pending) >= MAX_PENDING_STALLS:
@@ -175,6 +184,7 @@ class StreamsProbe(Probe):
             stall_threshold_seconds=self.stall_threshold_ms / 1e3,
             endpoints=endpoints, stalls=stalls, lost_stalls=counters.lookup(0).value + self._dropped,
             uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
+            cuda_syncs_seen=self.cuda_syncs_seen(),
         )
 
     @property
