@@ -251,7 +251,8 @@ SPEC = ProbeSpec(
                "Request received to the last write, of responses that ended.", StreamEndpoint,
                "duration_histogram", STREAM_LABELS, sum_field="duration_sum_seconds", per_identity=True),
         Family("aiprobe_stream_stalls_total", "counter",
-               "Gaps between writes above the stall threshold, by cause (network, cpu, gpu, server).",
+               "Gaps between writes above the stall threshold, by cause: network (the socket was full), cpu "
+               "(the writer waited for a CPU), gpu (the process was inside a CUDA synchronization), server.",
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
                expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
     ),
