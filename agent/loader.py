@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from . import elf, libbpf, uprobe_events
-from .btf import Btf
+from .btf import Btf, decode
 from .libbpf import BpfError
 
 _PERCPU_MAP_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
@@ -419,6 +419,44 @@ class RingBuffer:
         ptr, self._ptr = self._ptr, None
         if ptr:
             libbpf.lib().ring_buffer__free(ptr)
+
+
+EventRecord = TypeVar("EventRecord")
+
+
+class RingRecords(Generic[EventRecord]):
+    """The events of ring buffer `ring` (each a struct `event`, read through the object's BTF) as
+    records, kept until taken: at most `limit`, the rest counted in `dropped` (a reader that falls
+    behind loses events, never memory). The ring is the object's: it is freed with it."""
+
+    def __init__(self, obj: BpfObject, ring: str, event: str, record: Callable[[dict[str, Any]], EventRecord],
+                 limit: int) -> None:
+        if obj.btf is None:
+            raise RuntimeError(f"{obj.name}.bpf.o carries no BTF")
+        self._event_type = obj.btf.struct_ctype(event)
+        self._record = record
+        self._limit = limit
+        self._pending: list[EventRecord] = []
+        self.dropped = 0
+        self.ring = obj.ring_buffer(ring, self._on_event)
+
+    def _on_event(self, data: bytes) -> None:
+        if len(self._pending) >= self._limit:
+            self.dropped += 1
+            return
+        self._pending.append(self._record(decode(self._event_type.from_buffer_copy(data))))
+
+    def poll(self, timeout_ms: int = 0) -> list[EventRecord]:
+        """Wait up to timeout_ms for events; the new records (take() returns them too)."""
+        before = len(self._pending)
+        self.ring.poll(timeout_ms)
+        return self._pending[before:]
+
+    def take(self) -> list[EventRecord]:
+        """The records not taken yet, those of events still in the ring included."""
+        self.poll(0)
+        records, self._pending = self._pending, []
+        return records
 
 
 class BpfObject:

@@ -197,8 +197,8 @@ class FlowSendStats(Record):
 
 
 @dataclass
-class SlowSend(Record):
-    """One send slower than the threshold."""
+class SocketEvent(Record):
+    """What a kernel event on a TCP connection says of where it happened: thread, process, connection."""
 
     pid: int
     tid: int
@@ -208,6 +208,12 @@ class SlowSend(Record):
     local_port: int
     remote_address: str
     remote_port: int
+
+
+@dataclass
+class SlowSend(SocketEvent):
+    """One send slower than the threshold."""
+
     bytes: int
     duration_seconds: float
 
@@ -260,17 +266,9 @@ class StreamEndpoint(Record):
 
 
 @dataclass
-class StreamStall(Record):
+class StreamStall(SocketEvent):
     """One gap between two writes of a response above the threshold, with the evidence of its cause."""
 
-    pid: int
-    tid: int
-    comm: str
-    cgroup_id: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
     protocol: str
     stream_id: int  # the HTTP/2 stream; 0: the connection's response (HTTP/1.x, TLS, TCP)
     gap_seconds: float

@@ -72,4 +72,13 @@ static __always_inline void hist_add(struct hist *h, __u64 value_ns)
 	__sync_fetch_and_add(&h->sum_ns, value_ns);
 }
 
+/* Adds one to entry `index` of `counters`, an array map of __u64 (counts of what went uncounted). */
+static __always_inline void count_in(void *counters, __u32 index)
+{
+	__u64 *value = bpf_map_lookup_elem(counters, &index);
+
+	if (value)
+		__sync_fetch_and_add(value, 1);
+}
+
 #endif /* AIPROBE_COMMON_H */

@@ -170,11 +170,7 @@ static struct hist zero_hist;
 
 static __always_inline void count(enum sendlat_counter index)
 {
-	__u32 key = index;
-	__u64 *value = bpf_map_lookup_elem(&counters, &key);
-
-	if (value)
-		__sync_fetch_and_add(value, 1);
+	count_in(&counters, index);
 }
 
 /* The entry of `key` in a stats map, created from `zero` on first use. */

@@ -204,11 +204,7 @@ static struct stream_stats zero_stream_stats;
 
 static __always_inline void stream_count(enum stream_counter index)
 {
-	__u32 key = index;
-	__u64 *value = bpf_map_lookup_elem(&stream_counters, &key);
-
-	if (value)
-		__sync_fetch_and_add(value, 1);
+	count_in(&stream_counters, index);
 }
 
 /* The stats of the socket's endpoint, created (named after the current process) on first use. */

@@ -110,7 +110,8 @@ def endpoint_of(probe: StreamsProbe, server: subprocess.Popen) -> tuple[StreamEn
     time.sleep(0.2)  # the last chunk's write ends the response; let the reader see everything
     snapshot = probe.read()
     mine = [e for e in snapshot.endpoints if e.pid == server.pid and e.port == server.port]
-    assert len(mine) == 1, f"expected one endpoint of pid {server.pid} port {server.port}: {mine}"
+    assert len(mine) == 1, f"expected one endpoint of pid {server.pid} port {server.port}: {mine} " \
+                           f"({snapshot.uncounted_streams} streams uncounted, the endpoint table full)"
     snapshot.stalls = [s for s in snapshot.stalls if s.pid == server.pid and s.local_port == server.port]
     return mine[0], snapshot
 
