@@ -164,8 +164,10 @@ def test_pause_spent_in_a_cuda_synchronization_stalls_the_stream_with_cause_gpu(
     assert events == EVENTS
     assert snapshot.cuda_syncs_seen
     assert truth.device_syncs == process.device_syncs == 1  # the fake driver's count, the cuda probe's
-    assert endpoint.stalls == {"server": 0, "network": 0, "cpu": 0, "gpu": 1}
-    (stall,) = snapshot.stalls
+    # A loaded machine may add stalls of its own, with their cpu evidence (seen at a load of 6 on 2 CPUs).
+    assert {cause: count for cause, count in endpoint.stalls.items() if cause != "cpu"} == \
+        {"server": 0, "network": 0, "gpu": 1}
+    (stall,) = [s for s in snapshot.stalls if s.cause != "cpu"]
     assert (stall.cause, stall.chunk, stall.protocol) == ("gpu", PAUSE_AT + 1, "sse")
     entered, returned = truth.sync
     assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
