@@ -2,7 +2,10 @@
 
 `FlowsProbe` attaches tc programs (TCX, clsact where the kernel lacks it) to both directions of
 every selected interface (following interfaces that come and go), and `read()` turns the flow table
-into `FlowRecord`s with rates over the interval since the previous read.
+into `FlowRecord`s with rates over the interval since the previous read. Several aiprobes may watch
+one interface (the agent, an engineer's `aiprobe flows`): TCX links stack; under clsact each has a
+filter handle of its own, and only a filter of ours whose program no process holds (left by a killed
+run: netlink attachments outlive their process) is removed.
 
 Why tc and not XDP by default: tc leaves the data path as it is. Ingress tc sees skbs after GRO
 (one program run per batch of segments, each counted), egress tc sees them before GSO, and neither
@@ -24,13 +27,16 @@ and the frames no flow could hold, so they stay exact and monotonic: the numbers
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .features import network_features
@@ -128,8 +134,9 @@ SPEC = ProbeSpec(
 )
 # Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
 TC_MODES = tuple(s.name for s in SPEC.strategies)
-# Our clsact filters' identity: only a filter with both, running our program, is ever removed.
-TC_HANDLE = 0xA1B0
+# Our clsact filters' identity: priority TC_PRIORITY, one handle of TC_HANDLES per aiprobe running
+# on the interface. Only a filter with both, running our program that no process holds, is ever removed.
+TC_HANDLES = range(0xA1B0, 0xA1B0 + 16)
 TC_PRIORITY = 0xA1B0
 
 DEFAULT_MAX_FLOWS = 16384
@@ -211,7 +218,11 @@ def foreign_xdp_holders() -> list[str]:
     return held
 
 
-def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) -> Link | None:
+# Why each hook of one interface failed, (reason label, detail): counted and logged once per attempt.
+_Failures = list[tuple[str, str]]
+
+
+def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment, failures: _Failures) -> Link | None:
     """Native mode only: generic XDP runs on skbs after GRO, slower than tc and blind to the
     segments of a batch. Never over someone else's program."""
     try:
@@ -219,41 +230,90 @@ def _attach_xdp(program: Program, link: LinkInfo, state: InterfaceAttachment) ->
     except BpfError as exc:
         reason = _foreign_xdp_reason(link.index, exc) if exc.errno in _FOREIGN_XDP else f"native XDP: {exc}"
         state.xdp_refused = f"{reason}; ingress counted at tc"
-        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.xdp_refused)
+        failures.append((attach_reason(exc), state.xdp_refused))
         return None
     state.ingress = "xdp"
     return attached
 
 
-def remove_stale_tc_filter(link: LinkInfo, direction: str) -> None:
-    """A filter with our handle and priority that runs our program was left by a run that could not
-    detach (SIGKILL, crash): netlink attachments outlive their process. Remove it, say so; refuse
-    to touch one that runs anything else."""
-    prog_id = tc_clsact_query(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
+def programs_held_by_processes() -> set[int]:
+    """Ids of the BPF programs that live processes hold descriptors of (their fdinfo's `prog_id:`)."""
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError, StopIteration):  # processes and descriptors come and go
+            if os.readlink(fd) == "anon_inode:bpf-prog":
+                fdinfo = (fd.parent.parent / "fdinfo" / fd.name).read_text()
+                held.add(int(next(line for line in fdinfo.splitlines() if line.startswith("prog_id:")).split()[1]))
+    return held
+
+
+class _HeldPrograms:
+    """Whether a process holds a program. A clsact filter keeps its program loaded after its process
+    is gone: one no process holds is a leftover, one still held belongs to a running aiprobe. A scan
+    reads every process's descriptors, so a hit in a recent scan is trusted (one scan for a running
+    aiprobe's filters on many interfaces) while a miss is always scanned again (a program loaded a
+    moment ago is never taken for a leftover)."""
+
+    TRUST_SECONDS = 10.0
+
+    def __init__(self) -> None:
+        self._scan: tuple[float, frozenset[int]] = (float("-inf"), frozenset())
+
+    def __contains__(self, prog_id: int) -> bool:
+        at, ids = self._scan
+        if prog_id in ids and time.monotonic() - at < self.TRUST_SECONDS:
+            return True
+        self._scan = (time.monotonic(), frozenset(programs_held_by_processes()))
+        return prog_id in self._scan[1]
+
+
+PROGRAMS_HELD = _HeldPrograms()
+
+
+def _claim_tc_handle(link: LinkInfo, direction: str, handle: int) -> bool:
+    """Whether our filter may go at this handle: there is none, or one of ours that no process holds
+    any more (left by a run that could not detach: SIGKILL, crash), removed here. A filter running
+    another program, or ours held by a live aiprobe (the agent, `aiprobe flows`), is left alone."""
+    prog_id = tc_clsact_query(link.index, direction, handle=handle, priority=TC_PRIORITY)
     if prog_id is None:
-        return
-    owner = program_name(prog_id)
-    if owner is not None and owner != TC_PROGRAM_OF[direction]:
-        raise BpfError(errno.EEXIST, f"clsact {direction} handle {TC_HANDLE:#x} priority {TC_PRIORITY} on "
-                       f"{link.name} runs another program ({owner!r}, id {prog_id})")
-    tc_clsact_detach(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
-    log.warning("removed a stale aiprobe tc %s filter (program id %d) from %s, left by an earlier run",
-                direction, prog_id, link.name)
+        return True
+    if program_name(prog_id) != TC_PROGRAM_OF[direction] or prog_id in PROGRAMS_HELD:
+        return False
+    with contextlib.suppress(BpfError):  # ENOENT: another aiprobe starting now removed it first
+        tc_clsact_detach(link.index, direction, handle=handle, priority=TC_PRIORITY)
+    log.warning("removed a stale aiprobe tc %s filter (handle %#x, program id %d) from %s, left by an earlier run",
+                direction, handle, prog_id, link.name)
+    return True
+
+
+def attach_tc_clsact(program: Program, link: LinkInfo, direction: str) -> Link:
+    """Our own filter, at the first of TC_HANDLES that is free or held by a leftover: each aiprobe on
+    an interface has its own, so none removes or replaces another's."""
+    for handle in TC_HANDLES:
+        if not _claim_tc_handle(link, direction, handle):
+            continue
+        try:
+            return program.attach_tc_clsact(link.index, direction, handle=handle, priority=TC_PRIORITY)
+        except BpfError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            # Another aiprobe took this handle between our look and our attach: try the next one.
+    raise BpfError(errno.EBUSY, f"clsact {direction} on {link.name}: all {len(TC_HANDLES)} aiprobe filter "
+                   f"handles (priority {TC_PRIORITY:#x}) run live programs")
 
 
 def _attach_tc(obj: BpfObject, link: LinkInfo, mode: str, direction: str,
-               state: InterfaceAttachment) -> Link | None:
+               state: InterfaceAttachment, failures: _Failures) -> Link | None:
     program = obj.programs[TC_PROGRAM_OF[direction]]
     attached: Link
     try:
         if mode == "tcx":
             attached = program.attach_tcx(link.index, direction)
         else:
-            remove_stale_tc_filter(link, direction)
-            attached = program.attach_tc_clsact(link.index, direction, handle=TC_HANDLE, priority=TC_PRIORITY)
+            attached = attach_tc_clsact(program, link, direction)
     except BpfError as exc:
         state.error = "; ".join(e for e in (state.error, f"{direction}: {exc}") if e)
-        ATTACHMENTS.failed(SPEC.name, link.name, attach_reason(exc), state.error)
+        failures.append((attach_reason(exc), f"{direction}: {exc}"))
         return None
     setattr(state, direction, mode)
     return attached
@@ -277,13 +337,16 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
     if not link.ethernet:
         state.error = "not an Ethernet interface: frames carry no Ethernet header"
         return _Attached(state, [])
-    links = [_attach_tc(obj, link, tc_mode, "egress", state)]
+    failures: _Failures = []
+    links = [_attach_tc(obj, link, tc_mode, "egress", state, failures)]
     if xdp_wanted:
         state.xdp_refused = xdp_refusal(link)
         if not state.xdp_refused:
-            links.append(_attach_xdp(obj.programs[XDP_PROGRAM], link, state))
+            links.append(_attach_xdp(obj.programs[XDP_PROGRAM], link, state, failures))
     if state.ingress is None:
-        links.append(_attach_tc(obj, link, tc_mode, "ingress", state))
+        links.append(_attach_tc(obj, link, tc_mode, "ingress", state, failures))
+    if failures:
+        ATTACHMENTS.failed(SPEC.name, link.name, failures[0][0], "; ".join(detail for _, detail in failures))
     return _Attached(state, [x for x in links if x is not None])
 
 
@@ -411,7 +474,8 @@ class FlowsProbe(Probe):
                 return
             if link.up and self.filter.wants(link):
                 self._attached[link.index] = self._attach(self.loaded.obj, link, self.loaded.strategy.name)
-                log.info("attached to %s", self._attached[link.index].state.describe())
+                if not _retryable(self._attached[link.index].state):  # a failure was logged, with its retry
+                    log.info("attached to %s", self._attached[link.index].state.describe())
 
     def _attach(self, obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
         attached = _attach_interface(obj, link, tc_mode, self.filter.wants_xdp(link))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pyroute2 import IPRoute
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 
 from .names import printable
@@ -30,6 +30,12 @@ NETLINK_ROUTE = 0
 RTMGRP_LINK = 0x1
 _POLL_SECONDS = 0.2
 _RECV_BYTES = 1 << 16
+RTM_NEWLINK, RTM_GETLINK = 16, 18
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+_REQUEST_BYTES = 32  # struct nlmsghdr + struct ifinfomsg
+_DUMP_RECV_BYTES = 1 << 18  # a dump's datagrams hold many interfaces each
+_REPLY_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -55,15 +61,37 @@ def _link_info(msg: Any) -> LinkInfo:  # a pyroute2 ifinfmsg
     )
 
 
+def _get_links(index: int = 0) -> list[Any]:
+    """RTM_GETLINK on a plain rtnetlink socket: every interface (index 0: a dump) or the one with
+    this index (none if it is gone). Not pyroute2's IPRoute: it builds an asyncio loop per use,
+    which prints a traceback to stderr when the process runs out of file descriptors."""
+    flags = NLM_F_REQUEST | (0 if index else NLM_F_DUMP)
+    request = struct.pack("=IHHII", _REQUEST_BYTES, RTM_GETLINK, flags, 1, 0) + \
+        struct.pack("=BxHiII", socket.AF_UNSPEC, 0, index, 0, 0)  # struct ifinfomsg
+    marshal, links = MarshalRtnl(), []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE) as sock:
+        sock.settimeout(_REPLY_SECONDS)
+        sock.sendto(request, (0, 0))
+        while True:
+            for msg in marshal.parse(sock.recv(_DUMP_RECV_BYTES)):
+                kind = msg["header"]["type"]
+                if kind == NLMSG_ERROR and msg["header"].get("error") is not None:
+                    if index and msg["header"]["error"].code == errno.ENODEV:
+                        return []
+                    raise OSError(msg["header"]["error"].code, f"RTM_GETLINK: {msg['header']['error']}")
+                if kind == RTM_NEWLINK:
+                    links.append(msg)
+                if kind == NLMSG_DONE or (index and links):
+                    return links
+
+
 def current_links() -> list[LinkInfo]:
-    with IPRoute() as ipr:
-        return [_link_info(msg) for msg in ipr.get_links()]
+    return [_link_info(msg) for msg in _get_links()]
 
 
 def xdp_program_id(index: int) -> int | None:
     """The id of the XDP program attached to an interface (by anyone), None if there is none."""
-    with IPRoute() as ipr:
-        links = ipr.get_links(index)
+    links = _get_links(index)
     xdp = links[0].get_attr("IFLA_XDP") if links else None
     prog_id = xdp.get_attr("IFLA_XDP_PROG_ID") if xdp else None
     return prog_id or None

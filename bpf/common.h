@@ -12,6 +12,26 @@
  * ring-buffer records by struct name: BTF_EXPORT(slow_send_event); */
 #define BTF_EXPORT(name) const volatile struct name *__btf_export_##name __attribute__((unused))
 
+/* Adds 1 to entry `index` of a probe's counters (an ARRAY of __u64). */
+static __always_inline void counter_inc(void *counters, __u32 index)
+{
+	__u64 *value = bpf_map_lookup_elem(counters, &index);
+
+	if (value)
+		__sync_fetch_and_add(value, 1);
+}
+
+/* The entry of `key` in a stats map, created from `zero` on first use; NULL when the map is full. */
+static __always_inline void *lookup_or_init(void *map, const void *key, const void *zero)
+{
+	void *value = bpf_map_lookup_elem(map, key);
+
+	if (value)
+		return value;
+	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(map, key);
+}
+
 /* Log-linear histogram of durations (HdrHistogram-style): 16 sub-buckets per power of two, so a
  * bucket is at most 1/16 (6.25%) wider than its lower bound and a quantile interpolated inside it is
  * within that of the truth. Durations are counted in units of 2^-14 ms (61.03515625 ns): then every
@@ -70,15 +90,6 @@ static __always_inline void hist_add(struct hist *h, __u64 value_ns)
 		__sync_fetch_and_add(&h->slots[slot], 1);
 	__sync_fetch_and_add(&h->count, 1);
 	__sync_fetch_and_add(&h->sum_ns, value_ns);
-}
-
-/* Adds one to entry `index` of `counters`, an array map of __u64 (counts of what went uncounted). */
-static __always_inline void count_in(void *counters, __u32 index)
-{
-	__u64 *value = bpf_map_lookup_elem(counters, &index);
-
-	if (value)
-		__sync_fetch_and_add(value, 1);
 }
 
 #endif /* AIPROBE_COMMON_H */

@@ -11,9 +11,10 @@
  *   the host pays for) up to sock:sock_send_length. All four end in end_send().
  *
  * Cost: this runs on every TCP send of the host, so the hot path is a few loads and atomics around
- * two clock reads. A thread's state lives in task storage (no hash lookup, freed with the thread) and
- * caches its process's index into the `procs` array (an array lookup is a bounds check), re-reading
- * its cgroup id only when its css_set changes. Counts are exact; the latency histogram times every
+ * two clock reads; each program makes three helper calls (the current task, its storage, the clock),
+ * where the empty programs of `make bench` make none. A thread's state lives in task storage (no
+ * hash lookup, freed with the thread) and caches its process's index into the `procs` array (an
+ * array lookup is a bounds check), re-reading its cgroup id only when its css_set changes. Counts are exact; the latency histogram times every
  * send, or 1 in `sample_every` per thread when user space sets it (the per-thread counter makes the
  * sample a fixed fraction of each thread's sends). */
 #include "vmlinux.h"
@@ -168,28 +169,14 @@ BTF_EXPORT(slow_send_event);
 static struct sendlat_flow_stats zero_flow;
 static struct hist zero_hist;
 
-static __always_inline void count(enum sendlat_counter index)
-{
-	count_in(&counters, index);
-}
-
-/* The entry of `key` in a stats map, created from `zero` on first use. */
-static __always_inline void *lookup_or_init(void *map, const void *key, const void *zero)
-{
-	void *value = bpf_map_lookup_elem(map, key);
-
-	if (value)
-		return value;
-	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
-	return bpf_map_lookup_elem(map, key);
-}
-
 /* --- the calling thread and its process --- */
 
-/* The calling thread's state, created on its first send; NULL for threads not measured. */
-static __always_inline struct sendlat_thread *current_thread(void)
+/* The calling thread's state, created on its first send; NULL for threads not measured. `task` is
+ * the current task: each program takes it once (bpf_get_current_task_btf) and passes it on, as a
+ * helper call costs more than its work where returns go through a mitigation thunk (SRSO safe RET:
+ * the AMD dev box). */
+static __always_inline struct sendlat_thread *current_thread(struct task_struct *task)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
 	struct sendlat_thread *thread = bpf_task_storage_get(&threads, task, NULL, BPF_LOCAL_STORAGE_GET_F_CREATE);
 
 	if (!thread)
@@ -239,9 +226,9 @@ static __always_inline __u32 proc_index(__u32 tgid, __u64 cgroup_id)
 }
 
 /* The statistics of the thread's process, in its current cgroup. */
-static __always_inline struct sendlat_proc_stats *proc_of(struct sendlat_thread *thread)
+static __always_inline struct sendlat_proc_stats *proc_of(struct sendlat_thread *thread, struct task_struct *task)
 {
-	__u64 css_set = (__u64)bpf_get_current_task_btf()->cgroups, cgroup_id;
+	__u64 css_set = (__u64)task->cgroups, cgroup_id;
 	__u32 index;
 
 	if (thread->recheck_in && css_set == thread->css_set) {
@@ -310,7 +297,7 @@ static __always_inline void emit_slow_send(struct sendlat_flow_key *flow, struct
 	struct slow_send_event *event = bpf_ringbuf_reserve(&slow_sends, sizeof(*event), 0);
 
 	if (!event) {
-		count(COUNTER_LOST_EVENTS);
+		counter_inc(&counters, COUNTER_LOST_EVENTS);
 		return;
 	}
 	event->flow = *flow;
@@ -418,15 +405,15 @@ static __always_inline void failed_send(struct sendlat_thread *thread, struct se
 
 /* A TCP sendmsg of `thread` on `sk` returned `ret` (bytes, or -errno); `start_ns` is its start
  * when timed, else 0. */
-static __always_inline void end_send(struct sendlat_thread *thread, struct sock *sk, bool trusted, long ret,
-				     __u64 start_ns)
+static __always_inline void end_send(struct sendlat_thread *thread, struct task_struct *task, struct sock *sk,
+				     bool trusted, long ret, __u64 start_ns)
 {
-	struct sendlat_proc_stats *stats = proc_of(thread);
+	struct sendlat_proc_stats *stats = proc_of(thread, task);
 	__u64 duration_ns = 0;
 	bool slow;
 
 	if (!stats) {
-		count(COUNTER_PROCS_FULL);
+		counter_inc(&counters, COUNTER_PROCS_FULL);
 		return;
 	}
 	if (trusted)
@@ -459,7 +446,7 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct sock 
 SEC("fentry/tcp_sendmsg")
 int BPF_PROG(sendlat_fentry, struct sock *sk, struct msghdr *msg)
 {
-	struct sendlat_thread *thread = current_thread();
+	struct sendlat_thread *thread = current_thread(bpf_get_current_task_btf());
 
 	if (thread) {
 		stream_send_begin(sk, msg);
@@ -471,17 +458,18 @@ int BPF_PROG(sendlat_fentry, struct sock *sk, struct msghdr *msg)
 SEC("fexit/tcp_sendmsg")
 int BPF_PROG(sendlat_fexit, struct sock *sk, struct msghdr *msg, size_t size, int ret)
 {
-	struct sendlat_thread *thread = current_thread();
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct sendlat_thread *thread = current_thread(task);
 
 	if (thread)
-		end_send(thread, sk, true, ret, thread->start_ns);
+		end_send(thread, task, sk, true, ret, thread->start_ns);
 	return 0;
 }
 
 SEC("kprobe/tcp_sendmsg")
 int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
 {
-	struct sendlat_thread *thread = current_thread();
+	struct sendlat_thread *thread = current_thread(bpf_get_current_task_btf());
 
 	if (thread) {
 		thread->sk = (__u64)sk;
@@ -493,10 +481,11 @@ int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
 SEC("kretprobe/tcp_sendmsg")
 int BPF_KRETPROBE(sendlat_kretprobe, int ret)
 {
-	struct sendlat_thread *thread = current_thread();
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct sendlat_thread *thread = current_thread(task);
 
 	if (thread)
-		end_send(thread, (struct sock *)thread->sk, false, ret, thread->start_ns);
+		end_send(thread, task, (struct sock *)thread->sk, false, ret, thread->start_ns);
 	return 0;
 }
 
@@ -515,17 +504,23 @@ int BPF_KRETPROBE(sendlat_kretprobe, int ret)
  * ends at the thread's next TCP sendmsg end, timed only when it is on the open socket (a sockmap
  * redirect opens on the target and ends on the source: not timed). */
 
+/* The verifier inlines bpf_rdonly_cast (6.2+; the tracepoint is 6.11+), where bpf_skc_to_tcp_sock is
+ * a helper call (see current_thread). The tracepoint fires in tcp_sendmsg_locked only, on full TCP
+ * sockets: the cast is sound. */
+extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym __weak;
+
 static __always_inline bool has_upper_layer(struct sock *sk)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	struct inet_connection_sock *icsk =
+		bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct inet_connection_sock));
 
-	return !tp || tp->inet_conn.icsk_ulp_ops;
+	return icsk->icsk_ulp_ops;
 }
 
 SEC("tp_btf/tcp_sendmsg_locked")
 int BPF_PROG(sendlat_tcp_send_start, struct sock *sk, struct msghdr *msg)
 {
-	struct sendlat_thread *thread = current_thread();
+	struct sendlat_thread *thread = current_thread(bpf_get_current_task_btf());
 
 	/* A later turn of the copy loop of the send already open. */
 	if (!thread || thread->sk == (__u64)sk || has_upper_layer(sk))
@@ -545,13 +540,14 @@ SEC("tp_btf/sock_send_length")
 int BPF_PROG(sendlat_tcp_send_end, struct sock *sk, int ret, int flags)
 {
 	struct sendlat_thread *thread;
+	struct task_struct *task;
 	__u64 start_ns;
 
-	if (!is_tcp(sk) || !(thread = current_thread()))
+	if (!is_tcp(sk) || !(thread = current_thread(task = bpf_get_current_task_btf())))
 		return 0;
 	start_ns = thread->sk == (__u64)sk ? thread->start_ns : 0;
 	thread->sk = 0;	/* closed either way: a send open on another socket never ends here */
-	end_send(thread, sk, true, ret, start_ns);
+	end_send(thread, task, sk, true, ret, start_ns);
 	return 0;
 }
 
@@ -567,7 +563,7 @@ int BPF_PROG(sendlat_sys_enter, struct pt_regs *regs, long id)
 {
 	struct sendlat_thread *thread;
 
-	if (!is_send_syscall(id) || !(thread = current_thread()))
+	if (!is_send_syscall(id) || !(thread = current_thread(bpf_get_current_task_btf())))
 		return 0;
 	thread->syscall_nr = id;
 	start_send(thread);
@@ -578,17 +574,18 @@ SEC("tp_btf/sock_send_length")
 int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 {
 	struct sendlat_thread *thread;
+	struct task_struct *task;
 	struct pt_regs *regs;
 	__u64 start_ns;
 
-	if (!is_tcp(sk) || !(thread = current_thread()))
+	if (!is_tcp(sk) || !(thread = current_thread(task = bpf_get_current_task_btf())))
 		return 0;
 	/* Timed only from its own syscall's entry: the start may be left from an earlier syscall (a
 	 * write to a file never reaches here), and a send from elsewhere (sendfile, io_uring) was
 	 * not timed from its start. */
-	regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+	regs = (struct pt_regs *)bpf_task_pt_regs(task);
 	start_ns = SYSCALL_NR(regs) == thread->syscall_nr ? thread->start_ns : 0;
-	end_send(thread, sk, true, ret, start_ns);
+	end_send(thread, task, sk, true, ret, start_ns);
 	/* sendmmsg sends several messages in one syscall: time the next one from here. */
 	if (start_ns)
 		thread->start_ns = bpf_ktime_get_ns();

@@ -204,7 +204,7 @@ static struct stream_stats zero_stream_stats;
 
 static __always_inline void stream_count(enum stream_counter index)
 {
-	count_in(&stream_counters, index);
+	counter_inc(&stream_counters, index);
 }
 
 /* The stats of the socket's endpoint, created (named after the current process) on first use. */

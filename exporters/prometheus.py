@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -121,16 +122,17 @@ def _getters(family: Family) -> list[Any]:
     return [getter for _, getter in family.expand] if family.expand else [family.value]
 
 
-def _values(family: Family, record: Any) -> list[float] | None:
+def _values(family: Family, record: Any) -> array[float] | None:
     """The numbers one record adds to its label set (histograms: sum, then bucket counts); None when
-    the probe could not fill them."""
+    the probe could not fill them. An array: the delta engine keeps them per source until the next
+    refresh, thousands of sources under process churn."""
     if family.kind == "histogram":
         buckets = value_of(record, family.value)
-        return [float(getattr(record, family.sum_field)), *(float(count) for _, count in buckets)]
+        return array("d", [getattr(record, family.sum_field), *(count for _, count in buckets)])
     values = [value_of(record, getter) for getter in _getters(family)]
     if any(value is None for value in values):
         return None
-    return [float(value) * family.scale for value in values]
+    return array("d", [float(value) * family.scale for value in values])
 
 
 def _prometheus_buckets(bounds: Sequence[float], counts: Sequence[float]) -> list[tuple[str, float]]:
@@ -223,7 +225,15 @@ class _FamilyView:
 
     def _per_identity(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
         """Counters and histograms through the delta engine."""
+        self.absorb(records)
+        return list(self.totals.sums.items())
+
+    def absorb(self, records: list[Any]) -> None:
+        """Adds the records' increases to the delta engine's totals (counters and histograms; a
+        record fed twice adds nothing the second time)."""
         family = self.family
+        if self.series is not None or not (family.per_identity or family.kind == "histogram"):
+            return
         for record in records:
             values = _values(family, record)
             if values is None:
@@ -232,7 +242,6 @@ class _FamilyView:
                 self.bounds = [le for le, _ in value_of(record, family.value)]
             self.totals.add(self._label_values(record), record.identity(), values)
         self.totals.end_round()
-        return list(self.totals.sums.items())
 
 
 class AgentCollector(Collector):
@@ -260,6 +269,15 @@ class AgentCollector(Collector):
             if readings is not None and readings is not self._rendered:
                 self._families, self._rendered = self._render(readings), readings
             return list(self._families)
+
+    def absorb(self, readings: Readings) -> None:
+        """Feeds one refresh's counters to the delta engine, scraped or not. A source gone by the next
+        scrape (a process that exited is reported by the one refresh after its exit) must still add
+        its last increase; building the families waits for a scrape."""
+        with self._lock:
+            for view in self._views:
+                view.absorb(readings.of(view.family.record))
+            self.processes.end_round()
 
     def update(self, readings: Readings) -> None:
         with self._lock:

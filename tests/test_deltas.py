@@ -84,3 +84,16 @@ def test_send_bytes_total_through_a_cgroup_move_and_pid_reuse() -> None:
     reused = dataclasses.replace(after, start_ticks=9, bytes=50)  # pid 7 again, a new process
     collector.update(sends(reused))
     assert send_bytes_total(collector) == 1550
+
+
+def test_a_process_seen_by_one_unscraped_refresh_still_counts_at_the_next_scrape() -> None:
+    """A short-lived process's counts are read once, by the refresh after it exited; /metrics renders
+    at scrape time, so that refresh must reach the delta engine even when no scrape follows it."""
+    latest: list[Readings] = []
+    collector = AgentCollector(Config(), build_info={}, source=lambda: latest[-1])
+    process = ProcessSendLatency(7, "app", 100, 1, 1000, 0.0, None, None, [], start_ticks=5)
+    for readings in (sends(process), sends()):  # two refreshes, the process gone by the second
+        latest.append(readings)
+        collector.absorb(readings)
+    assert send_bytes_total(collector) == 1000
+    assert send_bytes_total(collector) == 1000  # scraped again: nothing counted twice

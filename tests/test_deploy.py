@@ -290,6 +290,8 @@ def test_configmap_is_a_valid_agent_config_on_the_served_port(base: list[dict]) 
     assert [p["port"] for p in service["spec"]["ports"] if p["name"] == "metrics"] == [port]
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")["mountPath"]
     assert container["args"] == ["agent", "--config", f"{mount}/aiprobe.toml"]
+    # The snapshot API (every process, pod and flow of the node) is not served to the network by default.
+    assert config.snapshot_api == "local" and not any(a.startswith("--web.config") for a in container["args"])
 
 
 # --- Dockerfile (no container engine here) ---
@@ -361,3 +363,10 @@ def test_vagrantfile_is_ruby_and_provisions_with_the_readme_commands() -> None:
     commands = set(re.findall(r"\bmake (\w+)", provision))
     assert "test" in commands and commands <= readme_make_targets()
     assert "apt-get install -y -qq make" in provision  # the README's step for images without make
+
+
+def test_every_document_the_deploy_files_point_to_exists() -> None:
+    """Manifests and READMEs name the documents that explain them (e.g. deploy/kubernetes/README.md)."""
+    named = {path for file in (ROOT / "deploy").rglob("*") if file.is_file()
+             for path in re.findall(r"\b(?:deploy|docs)/[\w./-]+\.md\b", file.read_text(errors="replace"))}
+    assert named and all((ROOT / path).is_file() for path in named), sorted(named)

@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
-from aiprobe.flows import MIN_RATE_WINDOW_NS, SPEC, TC_HANDLE, FlowsProbe
+from aiprobe.flows import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, FlowsProbe
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject
 from aiprobe.model import FlowRecord, FlowsSnapshot
@@ -501,47 +502,134 @@ def test_foreign_xdp_program_is_left_attached_and_tc_counts_both_ways(veth: Veth
     assert wait_until(lambda: programs_on(veth.host) == {"probe_xdp"})
 
 
-# --- the clsact fallback ---
+# --- the clsact fallback: several aiprobes on one interface, leftovers of killed ones ---
 
-KILLED_CLSACT = """
-import sys, time
+CLSACT_INSTANCE = """
+import json, sys
 from aiprobe.flows import FlowsProbe
-probe = FlowsProbe([sys.argv[1]], strategy="clsact")
-probe.start()
-print(probe.attachments()[0].egress, flush=True)
-time.sleep(60)
+with FlowsProbe([sys.argv[1]], strategy="clsact") as probe:
+    print(probe.attachments()[0].egress, flush=True)
+    for _ in sys.stdin:  # each line: print the interface totals; end of input: detach and exit
+        print(json.dumps({t.direction: [t.packets, t.bytes] for t in probe.read().interfaces}), flush=True)
 """
 
 
-def _egress_filters(interface: str) -> str:
-    return run(["tc", "filter", "show", "dev", interface, "egress"]).stdout
+class ClsactInstance:
+    """An aiprobe flows probe forced onto clsact, in a process of its own (its filter outlives a SIGKILL)."""
+
+    def __init__(self, interface: str) -> None:
+        self.interface = interface
+        self.process = subprocess.Popen([sys.executable, "-c", CLSACT_INSTANCE, interface], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "clsact"
+
+    def counted_and_wire(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """(packets, bytes) per direction as this instance counted them and as the interface's own
+        counters say, read with no frame in between."""
+        while True:
+            wire = _wire(self.interface)
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+            counted = json.loads(self.process.stdout.readline())
+            if _wire(self.interface) == wire:
+                return counted, wire
+
+    def exit(self) -> None:
+        self.process.stdin.close()
+        assert self.process.wait(timeout=30) == 0
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
-def test_clsact_fallback_counts_and_removes_stale_filters_only(veth: VethPair, caplog) -> None:
-    # A filter that is not ours, on the same clsact qdisc: it must survive everything below.
+def _wire(interface: str) -> dict[str, list[int]]:
+    return {"egress": [_stat(interface, "tx_packets"), _stat(interface, "tx_bytes")],
+            "ingress": [_stat(interface, "rx_packets"), _stat(interface, "rx_bytes")]}
+
+
+def _delta(after: dict[str, list[int]], before: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {d: [a - b for a, b in zip(after[d], before[d], strict=True)] for d in DIRECTIONS}
+
+
+def _send_both_ways(veth: VethPair) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _ in range(COUNT):
+            sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+    send = "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n" \
+           f"for _ in range({COUNT}): s.sendto(bytes({UDP_PAYLOAD}), (sys.argv[1], 9))"
+    veth.ns_run([sys.executable, "-c", send, veth.host_ip4])
+
+
+def _assert_counts_the_wire(instances: list[ClsactInstance], veth: VethPair) -> None:
+    """Each instance counts exactly what the interface counters count, both ways, while traffic flows."""
+    before = [i.counted_and_wire() for i in instances]
+    _send_both_ways(veth)
+    for instance, (counted_before, wire_before) in zip(instances, before, strict=True):
+        counted, wire = instance.counted_and_wire()
+        moved = _delta(wire, wire_before)
+        assert all(moved[d][0] >= COUNT for d in DIRECTIONS), moved
+        assert _delta(counted, counted_before) == moved
+
+
+def _filters(interface: str) -> str:
+    return "".join(run(["tc", "filter", "show", "dev", interface, d]).stdout for d in DIRECTIONS)
+
+
+def _our_handles(interface: str) -> list[str]:
+    return sorted(h for h in re.findall(r"handle (0x[0-9a-f]+)", _filters(interface))
+                  if int(h, 16) in TC_HANDLES)
+
+
+def test_clsact_instances_side_by_side_each_keep_counting_and_leave_nothing(veth: VethPair) -> None:
+    """Two aiprobes on one interface under clsact (a kernel without TCX, `aiprobe flows` beside the
+    agent): each has its own filter, neither takes the other's for a leftover, and the one that
+    stays keeps counting exactly what the interface counters count after the other exits."""
+    first = ClsactInstance(veth.host)
+    second = ClsactInstance(veth.host)
+    try:
+        assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2 + [hex(TC_HANDLES[1])] * 2
+        _assert_counts_the_wire([first, second], veth)
+        first.exit()
+        assert _our_handles(veth.host) == [hex(TC_HANDLES[1])] * 2
+        _assert_counts_the_wire([second], veth)
+        second.exit()
+    finally:
+        for instance in (first, second):
+            if instance.process.poll() is None:
+                instance.kill()
+    assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
+
+
+def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(veth: VethPair, caplog) -> None:
+    """A SIGKILLed aiprobe leaves its clsact filters (netlink attachments outlive their process; bpf_links
+    do not): the next start removes them and only them, not a live aiprobe's, not another tool's."""
     run(["tc", "qdisc", "add", "dev", veth.host, "clsact"])
     run(["tc", "filter", "add", "dev", veth.host, "egress", "prio", "7", "protocol", "all", "u32", "match",
          "u32", "0", "0"])
-    killed = subprocess.Popen([sys.executable, "-c", KILLED_CLSACT, veth.host], stdout=subprocess.PIPE, text=True)
-    assert killed.stdout.readline().strip() == "clsact"
-    killed.kill()
-    killed.wait()
-    ours = f"handle 0x{TC_HANDLE:x}"
-    assert ours in _egress_filters(veth.host)  # netlink attachments outlive a SIGKILL ...
-    assert wait_until(lambda: programs_on(veth.host) == OUR_TC_PROGRAMS, timeout=3)  # ... bpf_links do not
-
-    with caplog.at_level(logging.WARNING, logger="aiprobe.flows"), \
-            FlowsProbe([veth.host], strategy="clsact") as probe:
-        assert all(f"removed a stale aiprobe tc {d} filter" in caplog.text for d in ("ingress", "egress"))
-        assert _egress_filters(veth.host).count(ours) == 1
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            for _ in range(COUNT):
-                sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
-            port = sock.getsockname()[1]
-        flow = _flow(probe.read(), "egress", "udp", port, 9)
-        assert (flow.packets, flow.bytes) == (COUNT, COUNT * (42 + UDP_PAYLOAD))
-    filters = _egress_filters(veth.host)
-    assert ours not in filters and "pref 7 u32" in filters
+    live = ClsactInstance(veth.host)
+    killed = ClsactInstance(veth.host)
+    try:
+        killed.kill()
+        assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2 + [hex(TC_HANDLES[1])] * 2
+        with caplog.at_level(logging.WARNING, logger="aiprobe.flows"), \
+                FlowsProbe([veth.host], strategy="clsact") as probe:
+            removed = [r.getMessage() for r in caplog.records if "removed a stale aiprobe tc" in r.getMessage()]
+            assert len(removed) == 2 and all(f"handle {hex(TC_HANDLES[1])}" in m for m in removed), removed
+            assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2 + [hex(TC_HANDLES[1])] * 2
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                for _ in range(COUNT):
+                    sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+                port = sock.getsockname()[1]
+            flow = _flow(probe.read(), "egress", "udp", port, 9)
+            assert (flow.packets, flow.bytes) == (COUNT, COUNT * (42 + UDP_PAYLOAD))
+            _assert_counts_the_wire([live], veth)
+        live.exit()
+    finally:
+        if live.process.poll() is None:
+            live.kill()
+    assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
+    assert "pref 7 u32" in _filters(veth.host)
 
 
 # --- malformed frames through BPF_PROG_TEST_RUN ---

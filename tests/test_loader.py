@@ -61,6 +61,21 @@ def test_map_operations_and_batch_lookup() -> None:
         assert err.value.errno == 7  # E2BIG
 
 
+def test_batch_lookup_of_big_values_takes_several_batches_and_misses_nothing() -> None:
+    """sendlat's `unwritable` holds 3.5 KiB histograms: a batch's buffer is bounded, so 700 entries
+    take several batches."""
+    with BpfObject("sendlat", programs=["sendlat_empty_start"]) as obj:
+        obj.load()
+        waits = obj.maps["unwritable"]
+        for index in range(700):
+            value = waits.value_type()
+            value.count, value.slots[index % 433] = index, 1
+            waits.update(index, value)
+        entries = {key.value: value for key, value in waits.items()}
+        assert sorted(entries) == list(range(700))
+        assert all(value.count == index and value.slots[index % 433] == 1 for index, value in entries.items())
+
+
 def test_uprobe_events_arrive_through_ring_buffer() -> None:
     events: list[dict] = []
     with BpfObject("features", programs=["probe_uprobe"]) as obj:

@@ -101,11 +101,13 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
         for name, status in agent.status.items():
             log.info("probe %s: %s", name, status.strategy if status.up else f"unavailable ({status.reason})")
         agent.refresh()
+        collector.absorb(agent.readings)
         server.start()
         log.info("serving %s://%s/metrics (pid %d)", "https" if server.tls else "http",
                  endpoint(config.listen_address[0], server.port), os.getpid())
         for _ in ticks(None, config.interval_seconds):
             agent.refresh()
+            collector.absorb(agent.readings)
             if pusher is not None:
                 pusher.update(agent.alerts, changed=False)  # keeps resends current
     finally:
