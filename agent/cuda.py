@@ -794,6 +794,10 @@ class CudaProbe(Probe):
         self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
                                  attach=_attach_scheduler)
         self._launch_probes = LaunchProbes(self.loaded.obj, self._cpu_budget, self._duty_period)
+        # Shared with streams (bpf/cuda_sync.h), the map may outlive an earlier cuda probe, whose open
+        # synchronizations would never close: counts start anew.
+        sync_time = self.loaded.obj.maps["cuda_sync_time"]
+        sync_time.delete_keys(list(sync_time.keys()))
         self.rescan()
         self._stop.clear()
         self._scan_thread = SUPERVISOR.start_thread("cuda_scan", self._scan_loop, self._stop)
@@ -954,6 +958,7 @@ class CudaProbe(Probe):
         """Delete the entries of processes that are gone. Their threads' entries normally went as
         each thread exited; without a scheduler side (no sched_process_exit) they go here."""
         maps["processes"].delete_keys(pids)
+        maps["cuda_sync_time"].delete_keys(pids)
         maps["threads"].delete_keys(key for key, thread in maps["threads"].items() if thread.tgid in pids)
         maps["contexts"].delete_keys(key for key in maps["contexts"].keys() if key.tgid in pids)
         for pid in pids:

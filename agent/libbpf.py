@@ -189,6 +189,7 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_map__value_size", c_uint32, [c_void_p]),
     ("bpf_map__max_entries", c_uint32, [c_void_p]),
     ("bpf_map__set_max_entries", c_int, [c_void_p, c_uint32]),
+    ("bpf_map__reuse_fd", c_int, [c_void_p, c_int]),
     ("bpf_map__btf_key_type_id", c_uint32, [c_void_p]),
     ("bpf_map__btf_value_type_id", c_uint32, [c_void_p]),
     ("bpf_map__initial_value", c_void_p, [c_void_p, POINTER(c_size_t)]),

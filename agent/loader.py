@@ -11,13 +11,14 @@ import contextlib
 import ctypes
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from . import elf, libbpf, uprobe_events
-from .btf import Btf
+from .btf import Btf, decode
 from .libbpf import BpfError
 
 _PERCPU_MAP_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
@@ -29,6 +30,13 @@ _BATCH_BYTES = 1 << 20
 _MIN_BATCH = 64
 _ENOTSUPP = 524  # kernel-internal errno for 'operation not supported'
 _LOG_BUF_SIZE = 4 << 20
+# Maps that several objects declare alike (from one header) to share: an object declaring one reuses
+# (bpf_map__reuse_fd) the map of a loaded object that holds it, else makes its own for later ones to
+# reuse, so either may load first and each runs alone. The kernel frees the map with its last holder:
+# nothing pinned, nothing left behind.
+SHARED_MAPS = frozenset({"cuda_sync_time"})  # bpf/cuda_sync.h: cuda writes it, streams (in sendlat) reads it
+_shared_holders: dict[str, list[BpfObject]] = {}  # map name -> loaded objects holding it
+_shared_lock = threading.Lock()
 
 
 class ProbeUnavailable(RuntimeError):
@@ -419,6 +427,44 @@ class RingBuffer:
             libbpf.lib().ring_buffer__free(ptr)
 
 
+EventRecord = TypeVar("EventRecord")
+
+
+class RingRecords(Generic[EventRecord]):
+    """The events of ring buffer `ring` (each a struct `event`, read through the object's BTF) as
+    records, kept until taken: at most `limit`, the rest counted in `dropped` (a reader that falls
+    behind loses events, never memory). The ring is the object's: it is freed with it."""
+
+    def __init__(self, obj: BpfObject, ring: str, event: str, record: Callable[[dict[str, Any]], EventRecord],
+                 limit: int) -> None:
+        if obj.btf is None:
+            raise RuntimeError(f"{obj.name}.bpf.o carries no BTF")
+        self._event_type = obj.btf.struct_ctype(event)
+        self._record = record
+        self._limit = limit
+        self._pending: list[EventRecord] = []
+        self.dropped = 0
+        self.ring = obj.ring_buffer(ring, self._on_event)
+
+    def _on_event(self, data: bytes) -> None:
+        if len(self._pending) >= self._limit:
+            self.dropped += 1
+            return
+        self._pending.append(self._record(decode(self._event_type.from_buffer_copy(data))))
+
+    def poll(self, timeout_ms: int = 0) -> list[EventRecord]:
+        """Wait up to timeout_ms for events; the new records (take() returns them too)."""
+        before = len(self._pending)
+        self.ring.poll(timeout_ms)
+        return self._pending[before:]
+
+    def take(self) -> list[EventRecord]:
+        """The records not taken yet, those of events still in the ring included."""
+        self.poll(0)
+        records, self._pending = self._pending, []
+        return records
+
+
 class BpfObject:
     """One opened .bpf.o. Use as a context manager: links, ring buffers and the object close together.
 
@@ -470,8 +516,21 @@ class BpfObject:
             self.btf.ctype(type_id).from_address(base + offset).value = value
 
     def load(self) -> None:
-        libbpf.call("bpf_object__load", self._ptr)
+        shared = [m for m in self.maps.values() if m.name in SHARED_MAPS]
+        with _shared_lock:
+            for own in shared:
+                holders = _shared_holders.get(own.name)
+                if holders:
+                    libbpf.call("bpf_map__reuse_fd", own._ptr, holders[0].maps[own.name].fd)
+            libbpf.call("bpf_object__load", self._ptr)
+            for own in shared:
+                _shared_holders.setdefault(own.name, []).append(self)
         self.loaded = True
+
+    def sharing(self, map_name: str) -> list[str]:
+        """The other loaded objects (their names) that hold this object's map `map_name` (SHARED_MAPS)."""
+        with _shared_lock:
+            return [holder.name for holder in _shared_holders.get(map_name, []) if holder is not self]
 
     def own(self, resource: Link | RingBuffer) -> Any:
         """Tie a link or ring buffer to this object's lifetime."""
@@ -496,6 +555,10 @@ class BpfObject:
         while self._owned:
             self._owned.pop().close()
         uprobe_events.remove_pending()
+        with _shared_lock:
+            for holders in _shared_holders.values():
+                if self in holders:
+                    holders.remove(self)
         ptr, self._ptr = self._ptr, None
         if ptr:
             libbpf.lib().bpf_object__close(ptr)

@@ -197,8 +197,8 @@ class FlowSendStats(Record):
 
 
 @dataclass
-class SlowSend(Record):
-    """One send slower than the threshold."""
+class SocketEvent(Record):
+    """What a kernel event on a TCP connection says of where it happened: thread, process, connection."""
 
     pid: int
     tid: int
@@ -208,6 +208,12 @@ class SlowSend(Record):
     local_port: int
     remote_address: str
     remote_port: int
+
+
+@dataclass
+class SlowSend(SocketEvent):
+    """One send slower than the threshold."""
+
     bytes: int
     duration_seconds: float
 
@@ -260,17 +266,9 @@ class StreamEndpoint(Record):
 
 
 @dataclass
-class StreamStall(Record):
+class StreamStall(SocketEvent):
     """One gap between two writes of a response above the threshold, with the evidence of its cause."""
 
-    pid: int
-    tid: int
-    comm: str
-    cgroup_id: int
-    local_address: str
-    local_port: int
-    remote_address: str
-    remote_port: int
     protocol: str
     stream_id: int  # the HTTP/2 stream; 0: the connection's response (HTTP/1.x, TLS, TCP)
     gap_seconds: float
@@ -280,6 +278,7 @@ class StreamStall(Record):
     unwritable_seconds: float  # the socket was full during the gap
     blocked_send_seconds: float  # the write ending the gap blocked (timed sends only)
     runqueue_seconds: float  # the writing thread waited runnable for a CPU
+    cuda_sync_seconds: float  # a thread of the process was inside a CUDA synchronization (cuda probe)
     container: str = field(default="host", metadata=JOINED)
 
 
@@ -293,6 +292,7 @@ class StreamsSnapshot(Record):
     lost_stalls: int = 0  # stall events lost since start
     uncounted_streams: int = 0  # responses beyond the endpoint table's capacity, since start
     untimed_h2_streams: int = 0  # HTTP/2 streams beyond the streams timed at once on a connection, since start
+    cuda_syncs_seen: bool = False  # the cuda probe runs: stalls spent in CUDA synchronizations are `gpu`
 
 
 @dataclass

@@ -96,8 +96,8 @@ RULES: dict[str, RuleSpec] = {
         "sum by (instance, process, container, cause) (increase(aiprobe_stream_stalls_total[1m]))",
         "token streams of {{ $labels.process }} stall (cause: {{ $labels.cause }})",
         "Gaps between writes of streamed responses above stream_stall_threshold_ms. The cause label says "
-        "why: network (the socket was full), cpu (the writer waited for a CPU), server (the application "
-        "was slow to produce)."),
+        "why: network (the socket was full), cpu (the writer waited for a CPU), gpu (the process was inside "
+        "a CUDA synchronization), server (the application was slow to produce)."),
 }
 
 

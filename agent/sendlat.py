@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from . import btf
 from .budget import CpuBudget
 from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .loader import BpfObject, Loaded, Strategy, load_first
+from .loader import BpfObject, Loaded, RingRecords, Strategy, load_first
 from .metrics import PROCESS_LABELS, Family
 from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .names import comm_text, ip_text
@@ -215,10 +215,7 @@ class SendLatencyProbe(Probe):
         self.pid = pid
         self.per_flow = per_flow
         self._strategies = tuple(strategies) if strategies is not None else SPEC.strategies
-        self._ring: Any = None
-        self._event_type: Any = None  # the ctypes struct of a slow_send_event (from the object's BTF)
-        self._pending: list[SlowSend] = []
-        self._dropped = 0
+        self._slow_sends: RingRecords[SlowSend] | None = None
         self._entries: dict[str, int] = {}  # map name -> entries at the last read
         self._starts = StartTimes()
         self.sample_every = 1
@@ -229,11 +226,8 @@ class SendLatencyProbe(Probe):
             return
         self.loaded = load_first(SPEC.name, OBJECT, self._strategies, configure=self._configure)
         try:
-            obj = self.loaded.obj
-            if obj.btf is None:
-                raise RuntimeError(f"{OBJECT}.bpf.o carries no BTF")
-            self._event_type = obj.btf.struct_ctype("slow_send_event")
-            self._ring = obj.ring_buffer("slow_sends", self._on_slow_send)
+            self._slow_sends = RingRecords(self.loaded.obj, "slow_sends", "slow_send_event", _slow_send,
+                                           MAX_PENDING_SLOW_SENDS)
         except BaseException:
             self.close()
             raise
@@ -241,12 +235,6 @@ class SendLatencyProbe(Probe):
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0,
                        count_flows=self.per_flow)
-
-    def _on_slow_send(self, data: bytes) -> None:
-        if len(self._pending) >= MAX_PENDING_SLOW_SENDS:
-            self._dropped += 1
-            return
-        self._pending.append(_slow_send(btf.decode(self._event_type.from_buffer_copy(data))))
 
     def set_sample_every(self, every: int) -> None:
         """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
@@ -271,17 +259,16 @@ class SendLatencyProbe(Probe):
     def poll(self, timeout_ms: int = 0) -> list[SlowSend]:
         """Wait up to timeout_ms for slow sends; returns the new ones (read() returns them too)."""
         self._loaded()
-        before = len(self._pending)
-        self._ring.poll(timeout_ms)
-        return self._pending[before:]
+        assert self._slow_sends is not None  # made with the object
+        return self._slow_sends.poll(timeout_ms)
 
     def read(self) -> SendLatencySnapshot:
         """Everything counted since start. Entries of processes that have exited are reported this
         once and then deleted, so the maps (and the cost of reading them) follow live processes."""
         loaded = self._loaded()
         obj = loaded.obj
-        self.poll(0)
-        slow_sends, self._pending = self._pending, []
+        assert self._slow_sends is not None
+        slow_sends = self._slow_sends.take()
         processes = self._read_processes(obj)
         self._starts.keep_only({p.pid for p in processes})
         if self._budget is not None:
@@ -329,9 +316,10 @@ class SendLatencyProbe(Probe):
         return [(key, value) for _, key, value in entries]
 
     def events_lost(self) -> int:
+        dropped = self._slow_sends.dropped if self._slow_sends is not None else 0
         if self.loaded is None:
-            return self._dropped
-        return int(self.loaded.obj.maps["counters"].lookup(0).value) + self._dropped
+            return dropped
+        return int(self.loaded.obj.maps["counters"].lookup(0).value) + dropped
 
     def status(self) -> ProbeStatus:
         """As every probe's, and while over its CPU budget, how much of the traffic it times."""
@@ -349,5 +337,5 @@ class SendLatencyProbe(Probe):
         return [MapUsage(name, self._entries.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
 
     def close(self) -> None:
-        self._ring = None  # freed with the object
+        self._slow_sends = None  # its ring is freed with the object
         super().close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import btf
 from .btf import Btf
 from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .loader import BpfObject, ProbeUnavailable, Strategy
+from .loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
 from .metrics import PROCESS_LABELS, Family
 from .model import MapUsage, ProbeStatus, StreamEndpoint, StreamsSnapshot, StreamStall
 from .names import comm_text, ip_text
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
 CAUSES = ("server", "network", "cpu", "gpu")
 MAX_PENDING_STALLS = 65536
+GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
+NO_GPU_CAUSE = "no gpu cause: the cuda probe is not running"
 _SPAN = ("request: the server's last read before it writes (HTTP/2: the client's last frame on the stream); "
          "response: its writes, from the first body byte (an HTTP/1.x headers-only write and chunked encoding's "
          "last chunk are not chunks; HTTP/2: DATA frames, by stream) until the next request, the last chunk, "
@@ -82,6 +84,7 @@ def _stall(event: dict[str, Any]) -> StreamStall:
         unwritable_seconds=event["unwritable_ns"] / NS_PER_SECOND,
         blocked_send_seconds=event["blocked_send_ns"] / NS_PER_SECOND,
         runqueue_seconds=event["runqueue_ns"] / NS_PER_SECOND,
+        cuda_sync_seconds=event["cuda_sync_ns"] / NS_PER_SECOND,
     )
 
 
@@ -97,10 +100,7 @@ class StreamsProbe(Probe):
             raise ValueError("stall_threshold_ms must be positive")
         self._host = host
         self.stall_threshold_ms = stall_threshold_ms
-        self._ring: Any = None
-        self._event_type: type | None = None
-        self._pending: list[StreamStall] = []
-        self._dropped = 0
+        self._stalls: RingRecords[StreamStall] | None = None
         self._entries = 0
         self._starts = StartTimes()
 
@@ -122,8 +122,7 @@ class StreamsProbe(Probe):
             raise ProbeUnavailable("streams", {"streams": "runs inside the sendlat probe, which is not running"})
         if host.strategy.name not in RECEIVE_SIDE:
             raise ProbeUnavailable("streams", {host.strategy.name: "needs socket storage (BTF programs)"})
-        self._event_type = self._btf().struct_ctype("stream_stall_event")
-        self._ring = host.obj.ring_buffer("stream_stalls", self._on_stall)
+        self._stalls = RingRecords(host.obj, "stream_stalls", "stream_stall_event", _stall, MAX_PENDING_STALLS)
         self._set(stall_threshold_ns=round(self.stall_threshold_ms * 1e6), streams_enabled=1)
 
     def _set(self, **values: int) -> None:
@@ -139,31 +138,31 @@ class StreamsProbe(Probe):
 
     def status(self) -> ProbeStatus:
         loaded = self._host.loaded if self._host is not None else None
-        if loaded is None or self._ring is None:
+        if loaded is None or self._stalls is None:
             return ProbeStatus(False, reason="not started")
         span = next(s.span for s in STRATEGIES if s.name == loaded.strategy.name)
-        return ProbeStatus(True, loaded.strategy.name, span)
+        gpu = GPU_CAUSE if self.cuda_syncs_seen() else NO_GPU_CAUSE
+        return ProbeStatus(True, loaded.strategy.name, f"{span}; {gpu}")
 
-    def _on_stall(self, data: bytes) -> None:
-        if len(self._pending) >= MAX_PENDING_STALLS:
-            self._dropped += 1
-            return
-        event_type: Any = self._event_type
-        self._pending.append(_stall(btf.decode(event_type.from_buffer_copy(data))))
+    def cuda_syncs_seen(self) -> bool:
+        """Whether the cuda probe runs beside: it writes the synchronization times that make stalls `gpu`
+        (map cuda_sync_time, shared; without it the map is the streams' own, and stays empty)."""
+        return "cuda" in self._obj().sharing("cuda_sync_time")
+
+    def _stall_records(self) -> RingRecords[StreamStall]:
+        if self._stalls is None:
+            raise RuntimeError("StreamsProbe is not started")
+        return self._stalls
 
     def poll(self, timeout_ms: int = 0) -> list[StreamStall]:
         """Wait up to timeout_ms for stalls; returns the new ones (read() returns them too)."""
-        self._obj()
-        before = len(self._pending)
-        self._ring.poll(timeout_ms)
-        return self._pending[before:]
+        return self._stall_records().poll(timeout_ms)
 
     def read(self) -> StreamsSnapshot:
         """Everything counted since start; endpoints of exited processes are reported once more, then
         deleted."""
         obj = self._obj()
-        self.poll(0)
-        stalls, self._pending = self._pending, []
+        stalls = self._stall_records().take()
         stats = obj.maps["stream_stats"]
         entries = [(raw, btf.decode(raw), btf.decode(value)) for raw, value in stats.items()]
         self._entries = len(entries)
@@ -174,8 +173,9 @@ class StreamsProbe(Probe):
         return StreamsSnapshot(
             strategy=self.strategy or "", span=self.status().span,
             stall_threshold_seconds=self.stall_threshold_ms / 1e3,
-            endpoints=endpoints, stalls=stalls, lost_stalls=counters.lookup(0).value + self._dropped,
+            endpoints=endpoints, stalls=stalls, lost_stalls=self.events_lost(),
             uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
+            cuda_syncs_seen=self.cuda_syncs_seen(),
         )
 
     @property
@@ -188,7 +188,7 @@ class StreamsProbe(Probe):
             lost: int = self._obj().maps["stream_counters"].lookup(0).value
         except RuntimeError:
             lost = 0
-        return lost + self._dropped
+        return lost + (self._stalls.dropped if self._stalls is not None else 0)
 
     def map_usage(self) -> list[MapUsage]:
         try:
@@ -199,10 +199,10 @@ class StreamsProbe(Probe):
 
     def close(self) -> None:
         """Switch the stream logic off in the host's object (it stays loaded with sendlat)."""
-        if self._ring is not None and self._host is not None and self._host.loaded is not None:
+        if self._stalls is not None and self._host is not None and self._host.loaded is not None:
             self._set(streams_enabled=0)
-            self._host.loaded.obj.release(self._ring)
-        self._ring = None
+            self._host.loaded.obj.release(self._stalls.ring)
+        self._stalls = None
         self._host = None
 
 
@@ -242,7 +242,8 @@ SPEC = ProbeSpec(
                "Request received to the last write, of responses that ended.", StreamEndpoint,
                "duration_histogram", STREAM_LABELS, sum_field="duration_sum_seconds", per_identity=True),
         Family("aiprobe_stream_stalls_total", "counter",
-               "Gaps between writes above the stall threshold, by cause (network, cpu, gpu, server).",
+               "Gaps between writes above the stall threshold, by cause: network (the socket was full), cpu "
+               "(the writer waited for a CPU), gpu (the process was inside a CUDA synchronization), server.",
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
                expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
     ),

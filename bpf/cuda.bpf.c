@@ -13,6 +13,7 @@
 #include <bpf/bpf_tracing.h>
 #include "common.h"
 #include "cuda.h"
+#include "cuda_sync.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -496,6 +497,37 @@ int BPF_KRETPROBE(uretprobe_runtime_set_device, long rc)
 /* ---- synchronizations: only the outermost call is timed, in case one is implemented through
  * another (cuCtxSynchronize through cuStreamSynchronize, the runtime's through the driver's) ---- */
 
+/* A thread of `tgid` enters its outermost synchronization: the process is inside one from now on,
+ * unless another of its threads already was (map `cuda_sync_time` keeps the union, for streams). */
+static __always_inline void process_sync_enter(__u32 tgid, __u64 now)
+{
+	struct cuda_sync_time fresh = {}, *sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
+
+	if (!sync) {
+		bpf_map_update_elem(&cuda_sync_time, &tgid, &fresh, BPF_NOEXIST);
+		sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
+		if (!sync)
+			return;	/* map full: the process's syncs are not seen by streams */
+	}
+	if (__sync_fetch_and_add(&sync->inside, 1) == 0)
+		sync->since_ns = now;
+}
+
+/* ... and leaves it (returned, or the thread exited inside it): the last one out closes the interval.
+ * A thread entering between the count's drop and the read of since_ns shortens that one interval. */
+static __always_inline void process_sync_exit(__u32 tgid, __u64 now)
+{
+	struct cuda_sync_time *sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
+	__u64 since;
+
+	if (!sync || !sync->inside || __sync_fetch_and_add(&sync->inside, -1) != 1)
+		return;
+	since = sync->since_ns;
+	sync->since_ns = 0;
+	if (since && since < now)
+		__sync_fetch_and_add(&sync->total_ns, now - since);
+}
+
 static __always_inline void sync_enter(__u32 kind)
 {
 	struct caller c;
@@ -503,6 +535,7 @@ static __always_inline void sync_enter(__u32 kind)
 	if (current_thread(&c) && c.thread->sync_depth++ == 0) {
 		c.thread->sync_kind = kind;
 		c.thread->sync_start_ns = bpf_ktime_get_ns();
+		process_sync_enter(c.thread->tgid, c.thread->sync_start_ns);
 	}
 }
 
@@ -536,14 +569,16 @@ int BPF_KRETPROBE(uretprobe_sync_exit)
 	struct gpu_thread *t = current_thread_entry();
 	struct gpu_process *p;
 	__u32 kind;
-	__u64 ns;
+	__u64 ns, now;
 
 	if (!t || !t->sync_depth || --t->sync_depth)
 		return 0;
+	now = bpf_ktime_get_ns();
+	process_sync_exit(t->tgid, now);
 	p = bpf_map_lookup_elem(&processes, &t->tgid);
 	kind = t->sync_kind;
 	if (p && t->sync_start_ns && kind < SYNC_KINDS) {
-		ns = bpf_ktime_get_ns() - t->sync_start_ns;
+		ns = now - t->sync_start_ns;
 		hist_add(&p->sync, ns);
 		__sync_fetch_and_add(&p->sync_count[kind], 1);
 		__sync_fetch_and_add(&p->sync_ns[kind], ns);
@@ -599,7 +634,12 @@ static __always_inline void on_switch(__u32 prev_pid, bool prev_runnable, __u32 
 static __always_inline void on_exit(void)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct gpu_thread *t = bpf_map_lookup_elem(&threads, &tid);
 
+	if (!t)
+		return;
+	if (t->sync_depth)	/* exits inside a synchronization: its process is out of it */
+		process_sync_exit(t->tgid, bpf_ktime_get_ns());
 	bpf_map_delete_elem(&threads, &tid);
 }
 

@@ -15,9 +15,13 @@
  * last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each
  * stream is a response of its own: the frame headers of each write, and of each read of the client,
  * walked with bpf_loop (the verifier sees one frame), say which streams they are for. docs/streams.md
- * has the rules. Include after sendlat's maps: it uses left_full() and SYSCALL_NR(). */
+ * has the rules. Include after sendlat's maps: it uses left_full() and SYSCALL_NR(). A stall's GPU
+ * evidence is its process's time inside CUDA synchronizations, from the map the cuda probe writes
+ * (cuda_sync.h): each write notes the process's total, the write ending a gap takes the difference. */
 #ifndef AIPROBE_STREAMS_H
 #define AIPROBE_STREAMS_H
+
+#include "cuda_sync.h"
 
 #define TCP_ESTABLISHED 1
 #define TCP_SYN_RECV 3
@@ -39,7 +43,7 @@ enum stall_cause {
 	STALL_SERVER,		/* none of the others: the application was slow to produce */
 	STALL_NETWORK,		/* the socket was full (EAGAIN, a partial or a blocked send) */
 	STALL_CPU,		/* the writing thread waited runnable for a CPU */
-	STALL_GPU,		/* set by user space from the CUDA probe, never here */
+	STALL_GPU,		/* the process was inside a CUDA synchronization (map cuda_sync_time) */
 	STALL_CAUSE_MAX,
 };
 
@@ -83,6 +87,7 @@ struct stream_stall_event {
 	__u64 unwritable_ns;	/* the socket was full (since an EAGAIN or a partial send) */
 	__u64 blocked_send_ns;	/* the ending send itself blocked (timed sends only) */
 	__u64 runqueue_ns;	/* the writing thread waited runnable (same thread as the last write) */
+	__u64 cuda_sync_ns;	/* a thread of the process was inside a CUDA synchronization */
 	char comm[16];
 };
 
@@ -95,6 +100,7 @@ struct stream_timing {
 	__u64 request_ns;	/* last request bytes received */
 	__u64 last_write_ns;
 	__u64 run_delay_ns;	/* writer's sched_info.run_delay at its last write */
+	__u64 cuda_sync_ns;	/* its process's time inside CUDA synchronizations then (cuda_sync_ns()) */
 	__u32 writer_tid;
 	__u32 chunks;		/* 0: no body byte written yet */
 };
@@ -198,11 +204,7 @@ static struct stream_stats zero_stream_stats;
 
 static __always_inline void stream_count(enum stream_counter index)
 {
-	__u32 key = index;
-	__u64 *value = bpf_map_lookup_elem(&stream_counters, &key);
-
-	if (value)
-		__sync_fetch_and_add(value, 1);
+	counter_inc(&stream_counters, index);
 }
 
 /* The stats of the socket's endpoint, created (named after the current process) on first use. */
@@ -685,7 +687,7 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 				       struct stream_stats *stats, __u32 stream_id, __u64 now, __u64 gap, __u64 start_ns)
 {
 	struct stream_stall_event *event;
-	__u64 since;
+	__u64 since, network, sync_now;
 	__u8 cause = STALL_SERVER;
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
@@ -698,11 +700,19 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 	event->unwritable_ns = s->full_since_ns ? now - since : 0;
 	event->blocked_send_ns = start_ns ? at_most(now - start_ns, gap) : 0;
 	event->runqueue_ns = tid == t->writer_tid ? at_most(run_delay_of_current() - t->run_delay_ns, gap) : 0;
-	/* A cause explains a stall when it covers at least half of it; the larger one wins. */
-	if (event->unwritable_ns + event->blocked_send_ns >= gap / 2)
+	sync_now = cuda_sync_ns(s->key.tgid, now);
+	/* Less than at the last write: the cuda probe restarted, its counts anew. */
+	event->cuda_sync_ns = sync_now > t->cuda_sync_ns ? at_most(sync_now - t->cuda_sync_ns, gap) : 0;
+	/* A cause explains a stall when its evidence covers at least half of it. Evidence overlaps (a
+	 * socket stays full while the process synchronizes): the largest explains the stall, and on a
+	 * tie the first of network, cpu, gpu. None: the server was slow to produce. */
+	network = event->unwritable_ns + event->blocked_send_ns;
+	if (network >= gap / 2)
 		cause = STALL_NETWORK;
-	if (event->runqueue_ns >= gap / 2 && event->runqueue_ns > event->unwritable_ns + event->blocked_send_ns)
+	if (event->runqueue_ns >= gap / 2 && event->runqueue_ns > network)
 		cause = STALL_CPU;
+	if (event->cuda_sync_ns >= gap / 2 && event->cuda_sync_ns > network && event->cuda_sync_ns > event->runqueue_ns)
+		cause = STALL_GPU;
 	__sync_fetch_and_add(&stats->stalls[cause], 1);
 	event->cause = cause;
 	event->tgid = s->key.tgid;
@@ -760,37 +770,57 @@ static __always_inline void timing_write(struct sock *sk, struct stream_socket *
 	t->last_write_ns = now;
 	t->writer_tid = (__u32)bpf_get_current_pid_tgid();
 	t->run_delay_ns = run_delay_of_current();
+	t->cuda_sync_ns = cuda_sync_ns(s->key.tgid, now);
 }
 
-/* An HTTP/2 write: a chunk of each stream it carries DATA for; the streams it ends end. Bytes are
- * the write's, counted once (with its first stream). The endpoint's entry is made at the first DATA,
- * when the protocol (http2 or grpc) is known. */
+/* An HTTP/2 write, through bpf_loop (one frame per turn: the verifier sees one turn, not H2_FRAMES
+ * copies of the timing and stall code). */
+struct h2_write {
+	struct sock *sk;
+	struct stream_socket *s;
+	struct stream_stats *stats;	/* NULL until the first DATA */
+	__u64 cgroup_id;
+	__u64 now;
+	__u64 start_ns;
+	long ret;
+	__u32 tgid;
+};
+
+static long h2_write_frame(__u32 i, struct h2_write *w)
+{
+	struct stream_socket *s = w->s;
+	struct h2_stream *stream;
+	__u8 carries;
+
+	if (i >= s->frames || i >= H2_FRAMES)
+		return 1;
+	carries = s->frame_carries[i];
+	stream = h2_stream(s, s->frame_stream[i], carries & H2_CARRIES_DATA);
+	if (!stream)
+		return 0;
+	/* Several frames of one stream in one write are one chunk. */
+	if ((carries & H2_CARRIES_DATA) && !(stream->t.chunks && stream->t.last_write_ns == w->now) &&
+	    (w->stats || (w->stats = endpoint_of(w->sk, s, w->tgid, w->cgroup_id)))) {
+		timing_write(w->sk, s, &stream->t, w->stats, stream->id, w->ret, w->now, w->start_ns);
+		w->ret = 0;
+	}
+	if (carries & H2_CARRIES_END) {
+		timing_end(s, &stream->t);
+		stream->id = 0;
+	}
+	return 0;
+}
+
+/* A chunk of each stream the write carries DATA for; the streams it ends end. Bytes are the write's,
+ * counted once (with its first stream). The endpoint's entry is made at the first DATA, when the
+ * protocol (http2 or grpc) is known. */
 static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, __u32 tgid, __u64 cgroup_id,
 				     long ret, __u64 now, __u64 start_ns)
 {
-	struct stream_stats *stats = NULL;
-	struct h2_stream *stream;
-	__u32 n = s->frames;
-	bool data;
+	struct h2_write w = { .sk = sk, .s = s, .cgroup_id = cgroup_id, .now = now, .start_ns = start_ns,
+			      .ret = ret, .tgid = tgid };
 
-	for (int i = 0; i < H2_FRAMES; i++) {
-		if (i >= n)
-			break;
-		data = s->frame_carries[i] & H2_CARRIES_DATA;
-		stream = h2_stream(s, s->frame_stream[i], data);
-		if (!stream)
-			continue;
-		/* Several frames of one stream in one write are one chunk. */
-		if (data && !(stream->t.chunks && stream->t.last_write_ns == now) &&
-		    (stats || (stats = endpoint_of(sk, s, tgid, cgroup_id)))) {
-			timing_write(sk, s, &stream->t, stats, stream->id, ret, now, start_ns);
-			ret = 0;
-		}
-		if (s->frame_carries[i] & H2_CARRIES_END) {
-			timing_end(s, &stream->t);
-			stream->id = 0;
-		}
-	}
+	bpf_loop(H2_FRAMES, h2_write_frame, &w, 0);
 }
 
 /* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret`; `start_ns`: its start if timed. */

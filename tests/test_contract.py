@@ -15,7 +15,7 @@ from aiprobe.probes import specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Calls whose first string argument names a map or a program.
-_NAMING_CALLS = {"ring_buffer": "maps", "_read_and_prune": "maps", "_program": "programs"}
+_NAMING_CALLS = {"ring_buffer": "maps", "RingRecords": "maps", "_read_and_prune": "maps", "_program": "programs"}
 
 
 def names_looked_up(module_name: str) -> dict[str, set[str]]:

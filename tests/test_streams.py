@@ -26,11 +26,14 @@ import grpc
 import httpx
 import pytest
 from aiprobe.config import ConfigError, from_dict
+from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.cuda import CudaProbe
 from aiprobe.histogram import HIST_SLOTS
 from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe, _endpoint
-from conftest import free_port
+from conftest import free_port, wait_until
+from fixtures.cuda_fake import FakeCuda, build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
 GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
@@ -68,6 +71,8 @@ class Account:
 
     handled: float
     events: list[float]
+    sync: list[float] | None = None  # [entered, returned]: the pause spent inside cuCtxSynchronize
+    device_syncs: int | None = None  # the fake driver's own count of them
 
     @property
     def ttfb(self) -> float:  # from the handler's start: the request was read just before
@@ -105,7 +110,8 @@ def endpoint_of(probe: StreamsProbe, server: subprocess.Popen) -> tuple[StreamEn
     time.sleep(0.2)  # the last chunk's write ends the response; let the reader see everything
     snapshot = probe.read()
     mine = [e for e in snapshot.endpoints if e.pid == server.pid and e.port == server.port]
-    assert len(mine) == 1, f"expected one endpoint of pid {server.pid} port {server.port}: {mine}"
+    assert len(mine) == 1, f"expected one endpoint of pid {server.pid} port {server.port}: {mine} " \
+                           f"({snapshot.uncounted_streams} streams uncounted, the endpoint table full)"
     snapshot.stalls = [s for s in snapshot.stalls if s.pid == server.pid and s.local_port == server.port]
     return mine[0], snapshot
 
@@ -131,6 +137,41 @@ def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -
     (stall,) = snapshot.stalls
     assert (stall.cause, stall.chunk, stall.protocol) == ("server", PAUSE_AT + 1, "sse")
     assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
+    assert stall.unwritable_seconds == stall.cuda_sync_seconds == 0
+    assert not snapshot.cuda_syncs_seen
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(cbuild) -> FakeCuda:
+    return build(cbuild)
+
+
+def test_pause_spent_in_a_cuda_synchronization_stalls_the_stream_with_cause_gpu(
+        probe: StreamsProbe, fake_cuda: FakeCuda) -> None:
+    libcuda = str(fake_cuda.libdir / "libcuda.so.1")
+    assert not probe.read().cuda_syncs_seen  # alone: a map of its own, which nothing writes
+    with (CudaProbe(strategies=[s for s in CUDA_STRATEGIES if s.name == "uprobe"]) as cuda,
+          sse_server("--pause-at", str(PAUSE_AT), "--pause-ms", str(PAUSE * 1e3), "--libcuda", libcuda) as server):
+        assert wait_until(lambda: cuda.rescan() or any(lib.path == libcuda and not lib.error
+                                                         for lib in cuda.libraries))
+        probe.read()
+        with httpx.stream("GET", f"http://127.0.0.1:{server.port}/stream", timeout=30) as response:
+            events = sum(chunk.count(b"id: ") for chunk in response.iter_raw())
+        endpoint, snapshot = endpoint_of(probe, server)
+        truth = server_account(server)
+        (process,) = [p for p in cuda.read().processes if p.pid == server.pid]
+    assert not probe.read().cuda_syncs_seen  # the cuda probe is gone: no gpu cause, and it says so
+    assert events == EVENTS
+    assert snapshot.cuda_syncs_seen
+    assert truth.device_syncs == process.device_syncs == 1  # the fake driver's count, the cuda probe's
+    # A loaded machine may add stalls of its own, with their cpu evidence (seen at a load of 6 on 2 CPUs).
+    assert {cause: count for cause, count in endpoint.stalls.items() if cause != "cpu"} == \
+        {"server": 0, "network": 0, "gpu": 1}
+    (stall,) = [s for s in snapshot.stalls if s.cause != "cpu"]
+    assert (stall.cause, stall.chunk, stall.protocol) == ("gpu", PAUSE_AT + 1, "sse")
+    entered, returned = truth.sync
+    assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
+    assert stall.cuda_sync_seconds == pytest.approx(returned - entered, rel=0.05)
     assert stall.unwritable_seconds == 0
 
 

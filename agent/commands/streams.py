@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import click
 
 from ..cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
+from ..cuda import STRATEGIES as CUDA_STRATEGIES
+from ..cuda import CudaProbe
 from ..formatting import columns_for, record_table, table
+from ..loader import ProbeUnavailable
 from ..model import StreamEndpoint, StreamStall
 from ..names import endpoint
 from ..sendlat import SendLatencyProbe
@@ -37,6 +41,13 @@ def endpoint_rows(endpoints: list[StreamEndpoint]) -> list[dict[str, object]]:
             for e in sorted(endpoints, key=lambda e: (e.port, e.protocol, e.pid))]
 
 
+def _cuda_syncs(stack: contextlib.ExitStack) -> None:
+    """The cuda probe's uprobes alone (no scheduler programs: only syncs are wanted), so stalls spent in
+    CUDA synchronizations get cause gpu; without them (the status line says so) none does."""
+    with contextlib.suppress(ProbeUnavailable):
+        stack.enter_context(CudaProbe(strategies=[s for s in CUDA_STRATEGIES if s.name == "uprobe"]))
+
+
 @click.command()
 @duration_option
 @click.option("--threshold-ms", type=click.FloatRange(min=0, min_open=True), default=250.0, show_default=True,
@@ -46,7 +57,10 @@ def endpoint_rows(endpoints: list[StreamEndpoint]) -> list[dict[str, object]]:
 def command(duration: float | None, threshold_ms: float, as_json: bool) -> None:
     """Token streams of TCP servers: time to first byte, gaps between chunks, stalls and their cause."""
     require_privileges()
-    with SendLatencyProbe(per_flow=False) as host, StreamsProbe(host, stall_threshold_ms=threshold_ms) as probe:
+    with contextlib.ExitStack() as stack:
+        host = stack.enter_context(SendLatencyProbe(per_flow=False))
+        probe = stack.enter_context(StreamsProbe(host, stall_threshold_ms=threshold_ms))
+        _cuda_syncs(stack)
         status = probe.status()
         click.echo(f"Tracing responses of TCP servers ({status.strategy}: {status.span}); Ctrl-C to end.", err=True)
         if not as_json:
