@@ -685,11 +685,12 @@ class _Member:
 class TopFlows:
     """The series of one flow counter ("bytes" or "packets"): at most K flows with their own series,
     sticky (a flow keeps its series until it has ranked outside the top K by bytes/s for
-    TOP_K_HOLD_SECONDS, or left the flow table), counting from when the flow got its series, so its
-    rate is exact from the first sample and it takes nothing from `other`. `other` per interface and
-    direction is the interface counter minus those series: the series sum to the interface counter
-    in raw values at every read, and `other` never decreases (a flow that loses its series hands its
-    count to `other`; one that gets a series starts at 0)."""
+    TOP_K_HOLD_SECONDS, gone idle outside it, or left the flow table: idle flows waiting to expire
+    would otherwise hold every series while new ones churn past a steady flow), counting from when
+    the flow got its series, so its rate is exact from the first sample and it takes nothing from
+    `other`. `other` per interface and direction is the interface counter minus those series: the
+    series sum to the interface counter in raw values at every read, and `other` never decreases (a
+    flow that loses its series hands its count to `other`; one that gets a series starts at 0)."""
 
     def __init__(self, k: int, field: str) -> None:
         self.k = k
@@ -719,7 +720,8 @@ class TopFlows:
                 member.out_since = None
             elif member.out_since is None:
                 member.out_since = now
-            if ident not in live or (member.out_since is not None and now - member.out_since >= TOP_K_HOLD_SECONDS):
+            if ident not in live or (member.out_since is not None and (
+                    now - member.out_since >= TOP_K_HOLD_SECONDS or not live[ident].bytes_per_second)):
                 del self._members[ident]
         for ident in ranked[: self.k]:
             if len(self._members) >= self.k:
