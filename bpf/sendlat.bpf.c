@@ -504,17 +504,13 @@ int BPF_KRETPROBE(sendlat_kretprobe, int ret)
  * ends at the thread's next TCP sendmsg end, timed only when it is on the open socket (a sockmap
  * redirect opens on the target and ends on the source: not timed). */
 
-/* The verifier inlines bpf_rdonly_cast (6.2+; the tracepoint is 6.11+), where bpf_skc_to_tcp_sock is
- * a helper call (see current_thread). The tracepoint fires in tcp_sendmsg_locked only, on full TCP
- * sockets: the cast is sound. */
-extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym __weak;
-
+/* bpf_rdonly_cast would save this helper call, but libbpf 1.1 (Debian 12's) cannot leave a kfunc
+ * unresolved, and 6.1 has none: the whole object, every strategy, would fail to load there. */
 static __always_inline bool has_upper_layer(struct sock *sk)
 {
-	struct inet_connection_sock *icsk =
-		bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct inet_connection_sock));
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 
-	return icsk->icsk_ulp_ops;
+	return !tp || tp->inet_conn.icsk_ulp_ops;
 }
 
 SEC("tp_btf/tcp_sendmsg_locked")
