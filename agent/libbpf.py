@@ -205,6 +205,7 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_prog_query", c_int, [c_int, c_int, c_uint32, c_void_p, c_void_p, POINTER(c_uint32)]),
     ("bpf_prog_get_fd_by_id", c_int, [c_uint32]),
     ("bpf_obj_get_info_by_fd", c_int, [c_int, c_void_p, POINTER(c_uint32)]),
+    ("bpf_enable_stats", c_int, [c_int]),
     ("btf__load_vmlinux_btf", c_void_p, []),
     ("btf__free", None, [c_void_p]),
     ("btf__type_by_id", POINTER(BtfType), [c_void_p, c_uint32]),

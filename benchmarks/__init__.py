@@ -6,10 +6,16 @@ program vs an empty one), because these machines are shared and absolute timings
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
+
+from aiprobe import libbpf
+
+BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
 
 
 @dataclass
@@ -53,3 +59,23 @@ def alternate(cases: Sequence[Case], rounds: int, measure: Callable[[], float]) 
 
 def spread(values: list[float]) -> str:
     return f"median of {len(values)} rounds, range {min(values):.0f}..{max(values):.0f}"
+
+
+@contextmanager
+def bpf_stats() -> Iterator[None]:
+    """The kernel's BPF run-time statistics on for the block (they add two clock reads to every
+    program run, so never while timing anything else); off again when the process exits, too."""
+    fd = libbpf.call("bpf_enable_stats", BPF_STATS_RUN_TIME)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def bpf_run_time_ns(program_fds: Iterable[int]) -> int:
+    """The programs' total run time so far, while bpf_stats() is on (from their fdinfo)."""
+    total = 0
+    for fd in program_fds:
+        with open(f"/proc/self/fdinfo/{fd}") as fdinfo:
+            total += int(re.search(r"^run_time_ns:\s*(\d+)", fdinfo.read(), re.M).group(1))
+    return total

@@ -1,18 +1,25 @@
 """sendlat overhead on its worst case: one process making blocking 64-byte send() calls over
-loopback TCP, against the floor: empty programs on the default strategy's two hooks
-(tcp:tcp_sendmsg_locked and sock:sock_send_length), which this benchmark loads itself.
+loopback TCP, against two references on the default strategy's two hooks (tcp:tcp_sendmsg_locked and
+sock:sock_send_length), which this benchmark loads itself: empty programs (the floor, issue 17's
+yardstick) and programs that only read the clock, once on each hook (the least any exact timing of
+every send does).
 
 Every case is loaded once and attached only for its own batches, so one sender process on one
-connection runs batch after batch with nothing attached, the empty programs, or one sendlat case,
-in an order that alternates each round: the cases differ only in what is attached, and a drift in
-the machine's load reaches them all alike. Cases: each strategy that runs on this kernel,
+connection runs batch after batch with nothing attached, a reference, or one sendlat case, in an
+order that alternates each round: the cases differ only in what is attached, and a drift in the
+machine's load reaches them all alike. The sender and the sink are pinned to CPUs of their own,
+which halves the spread between batches. Cases: each strategy that runs on this kernel,
 unfiltered as the agent runs it (no per-flow counters); the default one also with per-flow counters
 (`aiprobe sendlat`) and with timing sampled 1 in SAMPLED.
 
-The figure is the sender's CPU time added per send (where the programs run), as a median over the
-rounds of (attached - detached) in the same round, and its ratio to what the empty programs add
-(issue 17: <= 1.5). The send loop amplifies any cost: a slower send makes loopback TCP merge fewer
-sends per segment, and each segment costs microseconds of sender CPU."""
+Two figures per case:
+- the sender's CPU time added per send (where the programs run), as a median over the rounds of
+  (attached - detached) in the same round, and its ratio to what each reference adds. The send loop
+  amplifies any cost: a slower send makes loopback TCP merge fewer sends per segment, and each
+  segment costs microseconds of sender CPU.
+- the programs' own run time per send (the kernel's BPF run-time statistics, on for a pass of their
+  own after the CPU rounds, as they add two clock reads to every program run).
+"""
 
 from __future__ import annotations
 
@@ -20,11 +27,10 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import Result
+from benchmarks import Result, alternate, attached, bpf_run_time_ns, bpf_stats, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the C peer and its build live with the test fixtures
@@ -37,11 +43,16 @@ from fixtures.sendlat_peer import build, sink  # noqa: E402
 BATCH = int(os.environ.get("SENDLAT_BENCH_BATCH", "20000"))
 SIZE = 64
 ROUNDS = int(os.environ.get("SENDLAT_BENCH_ROUNDS", "100"))
+STATS_ROUNDS = 5
 SAMPLED = 16
-EMPTY = Strategy("empty", programs=("sendlat_empty_start", "sendlat_empty_end"))
 DEFAULT = "tracepoint"  # the strategy this kernel picks (no fentry, no kprobes)
 DETACHED = "detached"
 FLOOR = "empty programs"
+CLOCKS = "clock reads only"
+REFERENCES = {
+    FLOOR: Strategy("empty", programs=("sendlat_empty_start", "sendlat_empty_end")),
+    CLOCKS: Strategy("clock", programs=("sendlat_clock_start", "sendlat_clock_end")),
+}
 
 
 @dataclass
@@ -49,11 +60,15 @@ class Case:
     name: str
     probe: SendLatencyProbe | None  # None: nothing attached
 
+    def _programs(self) -> list:
+        if self.probe is None:
+            return []
+        obj = self.probe.loaded.obj
+        return [obj.programs[name] for name in self.probe.loaded.strategy.programs]
+
     def attach(self) -> None:
-        if self.probe is not None:
-            obj = self.probe.loaded.obj
-            for program in self.probe.loaded.strategy.programs:
-                obj.programs[program].attach()
+        for program in self._programs():
+            program.attach()
 
     def detach(self) -> None:
         if self.probe is not None:
@@ -61,13 +76,17 @@ class Case:
             for link in obj.links:
                 obj.release(link)
 
+    def run_time_ns(self) -> int:
+        return bpf_run_time_ns(program.fd for program in self._programs())
+
 
 class Sender:
     """One sender process on one connection, running a batch of sends when asked."""
 
-    def __init__(self, peer: str, port: int) -> None:
+    def __init__(self, peer: str, port: int, cpu: int) -> None:
         self._process = subprocess.Popen([peer, "batches", "127.0.0.1", str(port), str(SIZE), "send"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        os.sched_setaffinity(self._process.pid, {cpu})
 
     def cpu_ns_per_send(self) -> float:
         self._process.stdin.write(f"{BATCH}\n")
@@ -91,7 +110,7 @@ def _loaded(strategy: Strategy, *, per_flow: bool = False, sample_every: int = 1
 
 
 def _cases() -> list[Case]:
-    cases = [Case(DETACHED, None), Case(FLOOR, _loaded(EMPTY))]
+    cases = [Case(DETACHED, None)] + [Case(name, _loaded(strategy)) for name, strategy in REFERENCES.items()]
     for strategy in SPEC.strategies:
         cases.append(Case(strategy.name, _loaded(strategy)))
         if strategy.name == DEFAULT:
@@ -103,53 +122,63 @@ def _cases() -> list[Case]:
     return runnable
 
 
-def _measure(sender: Sender, cases: list[Case]) -> dict[str, list[float]]:
-    """CPU ns per send of each case's batch, per round."""
+def _run_times(sender: Sender, cases: list[Case]) -> dict[str, list[float]]:
+    """BPF run time per send of each case's programs, per round (a batch each)."""
     runs: dict[str, list[float]] = {case.name: [] for case in cases}
-    for round_ in range(ROUNDS):
-        for case in cases if round_ % 2 == 0 else cases[::-1]:
-            case.attach()
-            try:
-                runs[case.name].append(sender.cpu_ns_per_send())
-            finally:
-                case.detach()
+    with bpf_stats():
+        for _ in range(STATS_ROUNDS):
+            for case in cases:
+                with attached(case):
+                    before = case.run_time_ns()
+                    sender.cpu_ns_per_send()
+                    runs[case.name].append((case.run_time_ns() - before) / BATCH)
     return runs
 
 
-def _spread(values: list[float], fmt: Callable[[float], str] = lambda v: f"{v:.0f}") -> str:
-    return f"median of {len(values)} rounds, range {fmt(min(values))}..{fmt(max(values))}"
+def _ratios(figures: dict[str, list[float]], what: str, target: str = "") -> list[Result]:
+    """Each case's median `what` over each reference's (and the clock reads' over the empty programs')."""
+    results = []
+    for reference in REFERENCES:
+        base = statistics.median(figures[reference])
+        for name, values in figures.items():
+            if name == reference or (name in REFERENCES and reference == CLOCKS):
+                continue
+            results.append(Result("sendlat", f"{name}: {what} vs {reference}", statistics.median(values) / base,
+                                  "ratio", target if reference == FLOOR and name not in REFERENCES else ""))
+    return results
 
 
-def _results(runs: dict[str, list[float]]) -> list[Result]:
-    detached = runs.pop(DETACHED)
-    added = {name: [a - d for a, d in zip(values, detached, strict=True)] for name, values in runs.items()}
-    floor = statistics.median(added[FLOOR])
+def _results(cpu: dict[str, list[float]], run_time: dict[str, list[float]]) -> list[Result]:
+    detached = cpu.pop(DETACHED)
+    run_time.pop(DETACHED)
+    added = {name: [a - d for a, d in zip(values, detached, strict=True)] for name, values in cpu.items()}
     results = [Result("sendlat", "detached: sender CPU time per send", statistics.median(detached), "ns",
-                      _spread(detached))]
+                      spread(detached))]
     for name, values in added.items():
         results.append(Result("sendlat", f"{name}: added CPU time per send", statistics.median(values), "ns",
-                              _spread(values)))
-    for name, values in added.items():
-        if name != FLOOR:
-            results.append(Result("sendlat", f"{name}: added CPU / empty programs' added CPU",
-                                  statistics.median(values) / floor, "ratio", "target <= 1.5 (issue 17)"))
-    return results
+                              spread(values)))
+        results.append(Result("sendlat", f"{name}: BPF run time per send", statistics.median(run_time[name]), "ns",
+                              spread(run_time[name])))
+    return results + _ratios(added, "added CPU", "target <= 1.5 (issue 17)") + _ratios(run_time, "BPF run time")
 
 
 def run() -> list[Result]:
     FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
     peer = build(CBuild(FIXTURE_BUILD))
+    cpus = sorted(os.sched_getaffinity(0))
     cases = _cases()
     try:
         with sink(peer, "127.0.0.1") as to:
-            sender = Sender(peer, to.port)
+            os.sched_setaffinity(to.process.pid, {cpus[0]})
+            sender = Sender(peer, to.port, cpus[-1])
             try:
                 sender.cpu_ns_per_send()  # warm-up: connection, page cache, CPU frequency
-                runs = _measure(sender, cases)
+                cpu = alternate(cases, ROUNDS, sender.cpu_ns_per_send)
+                run_time = _run_times(sender, cases)
             finally:
                 sender.close()
     finally:
         for case in cases:
             if case.probe is not None:
                 case.probe.close()
-    return _results(runs)
+    return _results(cpu, run_time)
