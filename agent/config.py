@@ -248,8 +248,12 @@ def _validate_strategies(table: Any) -> dict[str, str]:
 
     if not isinstance(table, dict):
         raise ConfigError("strategies: expected a table of probe = strategy")
-    known = {spec.name: spec for spec in specs() if len(spec.strategies) > 1}
+    known = {spec.name: spec for spec in specs() if len(spec.strategies) > 1 and not spec.follows_strategy}
+    hosts = {spec.name: spec.runs_with for spec in specs() if spec.follows_strategy}
     for probe, name in table.items():
+        if probe in hosts:
+            raise ConfigError(f"strategies.{probe}: {probe} runs on {hosts[probe]}'s strategy; "
+                              f"set strategies.{hosts[probe]}")
         if probe not in known:
             raise ConfigError(f"strategies.{probe}: not a probe with a choice of strategies "
                               f"(those: {', '.join(known)})")

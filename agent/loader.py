@@ -196,10 +196,13 @@ class Program:
             libbpf.call("bpf_tc_hook_create", ctypes.byref(hook))
         opts = libbpf.sized(libbpf.TcOpts, prog_fd=self.fd, handle=handle, priority=priority)
         libbpf.call("bpf_tc_attach", ctypes.byref(hook), ctypes.byref(opts))
+        ours = _program_info(self.fd).id
 
         def detach() -> None:
             with contextlib.suppress(BpfError):  # the interface may be gone already
-                tc_clsact_detach(ifindex, direction, handle=handle, priority=priority)
+                # Still ours? If our filter was removed by hand, another aiprobe may have the handle now.
+                if tc_clsact_query(ifindex, direction, handle=handle, priority=priority) == ours:
+                    tc_clsact_detach(ifindex, direction, handle=handle, priority=priority)
 
         return self._obj.own(Link(f"{self.name} clsact/{direction} ifindex {ifindex}", detach))
 
@@ -258,12 +261,16 @@ def program_name(prog_id: int) -> str | None:
         return None
     fd = libbpf.check_rc(rc, f"open program id {prog_id}")
     try:
-        info = libbpf.BpfProgInfo()
-        size = ctypes.c_uint32(ctypes.sizeof(info))
-        libbpf.call("bpf_obj_get_info_by_fd", fd, ctypes.byref(info), ctypes.byref(size))
-        return info.name.decode(errors="replace")
+        return _program_info(fd).name.decode(errors="replace")
     finally:
         os.close(fd)
+
+
+def _program_info(fd: int) -> libbpf.BpfProgInfo:
+    info = libbpf.BpfProgInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    libbpf.call("bpf_obj_get_info_by_fd", fd, ctypes.byref(info), ctypes.byref(size))
+    return info
 
 
 class Map:

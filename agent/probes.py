@@ -98,6 +98,8 @@ class ProbeSpec:
     metrics: tuple[Family, ...] = ()
     # Runs inside another probe (sched's programs live in cuda's object): selected with it.
     runs_with: str | None = None
+    # Runs on that probe's strategy (streams is part of sendlat's programs): not chosen on its own.
+    follows_strategy: bool = False
     # Cheap host-wide counters that run whatever the config selects.
     always: bool = False
     # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.

@@ -224,6 +224,7 @@ SPEC = ProbeSpec(
     order=25,
     factory=_from_config,
     runs_with="sendlat",
+    follows_strategy=True,
     config_keys=("stream_stall_threshold_ms",),
     command="aiprobe.commands.streams:command",
     metrics=(

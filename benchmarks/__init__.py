@@ -7,8 +7,7 @@ program vs an empty one), because these machines are shared and absolute timings
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -63,8 +62,8 @@ def spread(values: list[float]) -> str:
 
 @contextmanager
 def bpf_stats() -> Iterator[None]:
-    """The kernel's BPF run-time statistics on for the block (they add two clock reads to every
-    program run, so never while timing anything else); off again when the process exits, too."""
+    """The kernel's BPF run-time statistics on for the block: every program run, host-wide, then pays
+    two more clock reads, so never while timing anything else. Off again when the process exits, too."""
     fd = libbpf.call("bpf_enable_stats", BPF_STATS_RUN_TIME)
     try:
         yield
@@ -72,10 +71,8 @@ def bpf_stats() -> Iterator[None]:
         os.close(fd)
 
 
-def bpf_run_time_ns(program_fds: Iterable[int]) -> int:
-    """The programs' total run time so far, while bpf_stats() is on (from their fdinfo)."""
-    total = 0
-    for fd in program_fds:
-        with open(f"/proc/self/fdinfo/{fd}") as fdinfo:
-            total += int(re.search(r"^run_time_ns:\s*(\d+)", fdinfo.read(), re.M).group(1))
-    return total
+def bpf_run_stats(program_fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a program so far, counted while bpf_stats() is on (its fdinfo)."""
+    with open(f"/proc/self/fdinfo/{program_fd}") as fdinfo:
+        fields = dict(line.split(":", 1) for line in fdinfo.read().splitlines() if ":" in line)
+    return int(fields["run_time_ns"]), int(fields["run_cnt"])

@@ -14,21 +14,18 @@ one trap per hit, as for most functions of a real library."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import Result
+from benchmarks import Result, bpf_run_stats, bpf_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fake libcuda and its driver live with the test fixtures
 
-from aiprobe import elf, libbpf  # noqa: E402
+from aiprobe import elf  # noqa: E402
 from aiprobe.cuda import DRIVER_KERNEL_LAUNCHES, CudaProbe, UprobeSite, attach_sites, detach_links  # noqa: E402
 from aiprobe.loader import BpfObject, Program  # noqa: E402
 from conftest import FIXTURE_BUILD, CBuild  # noqa: E402
@@ -38,25 +35,12 @@ CALLS_DETACHED = 5_000_000
 CALLS_ATTACHED = 200_000  # each probed call costs a trap: fewer calls for a similar run time
 ROUNDS = 5
 RATES = (10_000, 100_000)  # launches per second
-BPF_STATS_RUN_TIME = 0
-
-
-@contextlib.contextmanager
-def bpf_run_time_stats() -> Iterator[None]:
-    """The kernel times every BPF program run while the returned fd is open (all programs, so
-    only for the length of a benchmark)."""
-    fd = libbpf.check_rc(libbpf.lib().bpf_enable_stats(BPF_STATS_RUN_TIME), "enable BPF run-time stats")
-    try:
-        yield
-    finally:
-        os.close(fd)
 
 
 def ns_per_run(program: Program) -> float:
-    """The program's mean run time so far, from its fdinfo (run_time_ns / run_cnt)."""
-    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/self/fdinfo/{program.fd}").read_text().splitlines()
-                  if ":\t" in line)
-    return int(fields["run_time_ns"]) / max(int(fields["run_cnt"]), 1)
+    """The program's mean run time so far (run_time_ns / run_cnt)."""
+    run_time_ns, runs = bpf_run_stats(program.fd)
+    return run_time_ns / max(runs, 1)
 
 
 @dataclass(frozen=True)
@@ -166,6 +150,6 @@ def duty_cycle_switching(libdir: Path) -> list[Result]:
 def run() -> list[Result]:
     FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
     libdir = build(CBuild(FIXTURE_BUILD)).libdir
-    with bpf_run_time_stats():
+    with bpf_stats():
         results = [result for call in CALLS for result in _measure(libdir, call)]
     return results + duty_cycle_switching(libdir)

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import Result, alternate, attached, bpf_run_time_ns, bpf_stats, spread
+from benchmarks import Result, alternate, attached, bpf_run_stats, bpf_stats, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the C peer and its build live with the test fixtures
@@ -77,7 +77,7 @@ class Case:
                 obj.release(link)
 
     def run_time_ns(self) -> int:
-        return bpf_run_time_ns(program.fd for program in self._programs())
+        return sum(bpf_run_stats(program.fd)[0] for program in self._programs())
 
 
 class Sender:

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
-from aiprobe.flows import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, FlowsProbe
+from aiprobe.flows import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
 from aiprobe.libbpf import BpfError
-from aiprobe.loader import BpfObject
+from aiprobe.loader import BpfObject, tc_clsact_detach
 from aiprobe.model import FlowRecord, FlowsSnapshot
 from aiprobe.top_views import header_lines
 from conftest import VethPair, programs_on, run, unique, wait_until
@@ -473,7 +473,7 @@ def test_cli_bad_input_is_one_line(aiprobe_cli: list[str]) -> None:
 
 FOREIGN_XDP = """
 import ctypes, sys
-from aiprobe.loader import BpfObject
+from aiprobe.loader import BpfObject, tc_clsact_detach
 obj = BpfObject("features", programs=["probe_xdp"])
 obj.load()
 # A netlink attachment (as ip link / xdp-loader make): it outlives this process.
@@ -630,6 +630,27 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
             live.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
     assert "pref 7 u32" in _filters(veth.host)
+
+
+def test_clsact_exit_leaves_the_filter_of_another_instance_that_took_its_handle(veth: VethPair) -> None:
+    """Someone removes an aiprobe's filters by hand and another aiprobe takes the freed handle: the
+    first one's exit removes only filters that still run its own program."""
+    first = ClsactInstance(veth.host)
+    second = None
+    try:
+        for direction in DIRECTIONS:
+            tc_clsact_detach(veth.host_ifindex, direction, handle=TC_HANDLES[0], priority=TC_PRIORITY)
+        second = ClsactInstance(veth.host)
+        assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2
+        first.exit()
+        assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2
+        _assert_counts_the_wire([second], veth)
+        second.exit()
+    finally:
+        for instance in (first, second):
+            if instance is not None and instance.process.poll() is None:
+                instance.kill()
+    assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
 
 
 # --- malformed frames through BPF_PROG_TEST_RUN ---

@@ -82,7 +82,9 @@ def test_config_strategies_are_checked_against_each_probes_chain() -> None:
         ({"sendlat": "kprobes"}, "strategies.sendlat: sendlat has no strategy 'kprobes' "
                                  "(its chain: fentry, kprobe, tracepoint, syscall)"),
         ({"gpu": "x"}, "strategies.gpu: not a probe with a choice of strategies (those: "
-                       + ", ".join(s.name for s in specs() if len(s.strategies) > 1) + ")"),
+                       + ", ".join(s.name for s in specs() if len(s.strategies) > 1 and not s.follows_strategy)
+                       + ")"),
+        ({"streams": "fentry"}, "strategies.streams: streams runs on sendlat's strategy; set strategies.sendlat"),
         ({"flows": 1}, "strategies.flows: expected a string, got 1"),
     ]:
         with pytest.raises(ConfigError) as exc:
