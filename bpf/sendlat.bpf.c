@@ -14,11 +14,14 @@
  * two clock reads; each program makes three helper calls (the current task, its storage, the clock),
  * where the empty programs of `make bench` make none and its clock-only programs one. On the dev box
  * (AMD, SRSO safe RET: every helper call pays a return thunk) a helper call costs ~20 ns and a clock
- * read ~50 ns, so the two clock reads alone double what the empty programs cost. A thread's state lives in task storage (no
- * hash lookup, freed with the thread) and caches its process's index into the `procs` array (an
- * array lookup is a bounds check), re-reading its cgroup id only when its css_set changes. Counts are exact; the latency histogram times every
- * send, or 1 in `sample_every` per thread when user space sets it (the per-thread counter makes the
- * sample a fixed fraction of each thread's sends). */
+ * read ~50 ns, so the two clock reads alone double what the empty programs cost. A thread's state
+ * lives in task storage (no hash lookup, freed with the thread; per-CPU state would be cheaper but
+ * loses a send that blocks and moves to another CPU, the slow ones) and caches its process's index
+ * into the `procs` array (an array lookup is a bounds check), re-reading its cgroup id only when its
+ * css_set changes. Counts are exact; the latency histogram times every send, or 1 in `sample_every`
+ * per thread when user space sets it (the per-thread counter makes the sample a fixed fraction of
+ * each thread's sends).
+ */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
@@ -510,8 +513,9 @@ int BPF_KRETPROBE(sendlat_kretprobe, int ret)
 /* Whether `sk` has an upper-layer protocol. Reading icsk_ulp_ops takes a helper call (30 ns here;
  * bpf_rdonly_cast would be free, but libbpf 1.1, Debian 12's, cannot leave a kfunc unresolved and 6.1
  * has none). So each thread remembers the protocol ops (sk_prot) of the last socket it found without
- * one: attaching an upper layer (kTLS, espintcp, or sockmap's takeover) gives the socket other ops,
- * so a socket on the remembered ops has none. */
+ * one: kTLS and espintcp give the socket their own ops when they attach, so a socket on the
+ * remembered ops has none. (MPTCP subflows keep TCP's ops, but MPTCP does not send through
+ * tcp_sendmsg_locked, and their sends never end here.) */
 static __always_inline bool has_upper_layer(struct sendlat_thread *thread, struct sock *sk)
 {
 	__u64 prot = (__u64)sk->__sk_common.skc_prot;
