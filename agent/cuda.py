@@ -33,7 +33,6 @@ process (device -1) until a thread makes a context current again.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import threading
@@ -565,15 +564,7 @@ class LaunchProbes:
         self._write_duty(launch_epoch=self._epoch, launch_counting=int(counting))
 
     def _write_duty(self, **values: int) -> None:
-        """The section's variables (only user space writes them: nothing to race with)."""
-        section = next(m for name, m in self._obj.maps.items() if name.endswith(".data.launch_duty"))
-        if self._obj.btf is None:
-            raise RuntimeError("cuda.bpf.o has no BTF")
-        offsets = self._obj.btf.datasec_vars(".data.launch_duty")
-        value = section.lookup(0)
-        for name, number in values.items():
-            ctypes.c_uint32.from_buffer(value, offsets[name][0]).value = number
-        section.update(0, value)
+        self._obj.set_data(".data.launch_duty", **values)
 
     def _account(self, seen: dict[int, int], elapsed: float, window: float | None) -> None:
         """Each process's launches in the time the probes were off: that time times the mean of its

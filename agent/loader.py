@@ -522,6 +522,21 @@ class BpfObject:
             offset, type_id = variables[var]
             self.btf.ctype(type_id).from_address(base + offset).value = value
 
+    def set_data(self, section: str, **values: int) -> None:
+        """Set globals of a writable data section (`.data`, `.data.<name>`) of the loaded object: the
+        programs' run-time settings. The whole section is written back, so it must hold only
+        variables user space writes (settings get a section of their own)."""
+        data = next((m for m in self.maps.values() if m.name.endswith(section)), None)
+        if data is None or self.btf is None:
+            raise KeyError(f"{self.name}.bpf.o has no {section}")
+        variables = self.btf.datasec_vars(section)
+        buffer = data.lookup(0)
+        for var, value in values.items():
+            offset, type_id = variables[var]
+            ctype: Any = self.btf.ctype(type_id)
+            ctype.from_buffer(buffer, offset).value = value
+        data.update(0, buffer)
+
     def load(self) -> None:
         shared = [m for m in self.maps.values() if m.name in SHARED_MAPS]
         with _shared_lock:

@@ -9,7 +9,6 @@ turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` pri
 
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import time
@@ -240,15 +239,8 @@ class SendLatencyProbe(Probe):
         """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
         if every < 1:
             raise ValueError("sample_every must be at least 1")
-        obj = self._loaded().obj
-        data = next(m for name, m in obj.maps.items() if name.endswith(".data"))
-        if obj.btf is None:
-            raise RuntimeError(f"{OBJECT}.bpf.o has no BTF")
-        offset, _ = obj.btf.datasec_vars(".data")["sample_every"]
-        # `sample_every` is the section's only variable: nothing else writes it concurrently.
-        section = data.lookup(0)
-        ctypes.c_uint32.from_buffer(section, offset).value = every
-        data.update(0, section)
+        # `sample_every` is the only variable of .data: nothing else writes it concurrently.
+        self._loaded().obj.set_data(".data", sample_every=every)
         self.sample_every = every
 
     def _loaded(self) -> Loaded:

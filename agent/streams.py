@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import btf
-from .btf import Btf
 from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from .loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
 from .metrics import PROCESS_LABELS, Family
@@ -110,12 +109,6 @@ class StreamsProbe(Probe):
             raise RuntimeError("StreamsProbe is not started")
         return loaded.obj
 
-    def _btf(self) -> Btf:
-        btf_info = self._obj().btf
-        if btf_info is None:
-            raise RuntimeError("sendlat.bpf.o carries no BTF")
-        return btf_info
-
     def start(self) -> None:
         host = self._host.loaded if self._host is not None else None
         if host is None:
@@ -127,14 +120,7 @@ class StreamsProbe(Probe):
 
     def _set(self, **values: int) -> None:
         """Write variables of the object's `.data.streams` section (stream settings only live there)."""
-        section_map, info = self._obj().maps[".data.streams"], self._btf()
-        variables = info.datasec_vars(".data.streams")
-        section = section_map.lookup(0)
-        for name, value in values.items():
-            offset, type_id = variables[name]
-            ctype: Any = info.ctype(type_id)
-            ctype.from_buffer(section, offset).value = value
-        section_map.update(0, section)
+        self._obj().set_data(".data.streams", **values)
 
     def status(self) -> ProbeStatus:
         loaded = self._host.loaded if self._host is not None else None
