@@ -103,13 +103,9 @@ static __always_inline bool current_caller(struct caller *c)
 static __always_inline struct gpu_context *context_entry(__u32 tgid, __u64 ctx, __s32 device)
 {
 	struct gpu_context_key key = { .tgid = tgid, .ctx = ctx };
-	struct gpu_context *entry = bpf_map_lookup_elem(&contexts, &key);
 	struct gpu_context fresh = { .device = device };
 
-	if (entry)
-		return entry;
-	bpf_map_update_elem(&contexts, &key, &fresh, BPF_NOEXIST);
-	return bpf_map_lookup_elem(&contexts, &key);
+	return lookup_or_init(&contexts, &key, &fresh);
 }
 
 /* `ctx` belongs to `device` (seen at its creation or retain). */
@@ -501,14 +497,10 @@ int BPF_KRETPROBE(uretprobe_runtime_set_device, long rc)
  * unless another of its threads already was (map `cuda_sync_time` keeps the union, for streams). */
 static __always_inline void process_sync_enter(__u32 tgid, __u64 now)
 {
-	struct cuda_sync_time fresh = {}, *sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
+	struct cuda_sync_time fresh = {}, *sync = lookup_or_init(&cuda_sync_time, &tgid, &fresh);
 
-	if (!sync) {
-		bpf_map_update_elem(&cuda_sync_time, &tgid, &fresh, BPF_NOEXIST);
-		sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
-		if (!sync)
-			return;	/* map full: the process's syncs are not seen by streams */
-	}
+	if (!sync)
+		return;	/* map full: the process's syncs are not seen by streams */
 	if (__sync_fetch_and_add(&sync->inside, 1) == 0)
 		sync->since_ns = now;
 }
