@@ -57,8 +57,10 @@ REFERENCES = {
 
 @dataclass
 class Case:
+    """One started SendLatencyProbe whose strategy's programs are attached only while measured."""
+
     name: str
-    probe: SendLatencyProbe | None  # None: nothing attached
+    probe: SendLatencyProbe | None = None  # None: nothing attached
 
     def _programs(self) -> list:
         if self.probe is None:

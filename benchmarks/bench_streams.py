@@ -32,12 +32,14 @@ from aiprobe.sendlat import SPEC, SendLatencyProbe  # noqa: E402
 from aiprobe.streams import StreamsProbe  # noqa: E402
 from conftest import free_port  # noqa: E402
 
+from benchmarks.bench_sendlat import FLOOR, REFERENCES  # noqa: E402
+from benchmarks.bench_sendlat import Case as SendlatCase  # noqa: E402
+
 SSE_SERVER = ROOT / "tests" / "fixtures" / "sse_server.py"
 EVENTS = int(os.environ.get("STREAMS_BENCH_EVENTS", "3000"))
 ROUNDS = int(os.environ.get("STREAMS_BENCH_ROUNDS", "8"))
 BATCH = int(os.environ.get("STREAMS_BENCH_BATCH", "20000"))
 WRITE_ROUNDS = int(os.environ.get("STREAMS_BENCH_WRITE_ROUNDS", "40"))
-EMPTY = Strategy("empty", programs=("sendlat_empty_start", "sendlat_empty_end"))
 DEFAULT = next(s for s in SPEC.strategies if s.name == "tracepoint")
 
 # A writer: accepts one connection, reads its request, then per line on stdin makes that many 64-byte
@@ -59,27 +61,14 @@ for line in sys.stdin:
 
 
 @dataclass
-class Case:
-    name: str
-    host: SendLatencyProbe | None = None
+class Case(SendlatCase):
     streams: StreamsProbe | None = None
-
-    def attach(self) -> None:
-        if self.host is not None:
-            for program in self.host.loaded.strategy.programs:
-                self.host.loaded.obj.programs[program].attach()
-
-    def detach(self) -> None:
-        if self.host is not None:
-            obj = self.host.loaded.obj
-            for link in obj.links:
-                obj.release(link)
 
     def close(self) -> None:
         if self.streams is not None:
             self.streams.close()
-        if self.host is not None:
-            self.host.close()
+        if self.probe is not None:
+            self.probe.close()
 
 
 def _probe(strategy: Strategy, streams: bool) -> Case:
@@ -165,7 +154,7 @@ def write_cost(cases: list[Case], streaming: Case) -> list[Result]:
     detached = runs.pop("detached")
     added = {name: [v - d for v, d in zip(values, detached, strict=True)] for name, values in runs.items()}
     own = [s - a for s, a in zip(added[streaming.name], added["sendlat alone"], strict=True)]
-    floor = statistics.median(added["empty programs"])
+    floor = statistics.median(added[FLOOR])
     results = [Result("streams", "writer, nothing attached: CPU per send", statistics.median(detached), "ns",
                       spread(detached))]
     results += [Result("streams", f"writer, {name}: added CPU per send", statistics.median(values), "ns",
@@ -180,8 +169,8 @@ def write_cost(cases: list[Case], streaming: Case) -> list[Result]:
 
 
 def run() -> list[Result]:
-    empty = _probe(EMPTY, streams=False)
-    empty.name = "empty programs"
+    empty = _probe(REFERENCES[FLOOR], streams=False)
+    empty.name = FLOOR
     alone = _probe(DEFAULT, streams=False)
     alone.name = "sendlat alone"
     streaming = _probe(DEFAULT, streams=True)
