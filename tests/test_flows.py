@@ -539,6 +539,7 @@ class ClsactInstance:
         assert self.process.wait(timeout=30) == 0
 
     def kill(self) -> None:
+        """SIGKILL (nothing if it has exited already)."""
         self.process.kill()
         self.process.wait()
 
@@ -596,8 +597,7 @@ def test_clsact_instances_side_by_side_each_keep_counting_and_leave_nothing(veth
         second.exit()
     finally:
         for instance in (first, second):
-            if instance.process.poll() is None:
-                instance.kill()
+            instance.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
 
 
@@ -626,8 +626,7 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
             _assert_counts_the_wire([live], veth)
         live.exit()
     finally:
-        if live.process.poll() is None:
-            live.kill()
+        live.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
     assert "pref 7 u32" in _filters(veth.host)
 
@@ -648,7 +647,7 @@ def test_clsact_exit_leaves_the_filter_of_another_instance_that_took_its_handle(
         second.exit()
     finally:
         for instance in (first, second):
-            if instance is not None and instance.process.poll() is None:
+            if instance is not None:
                 instance.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
 
