@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.containers import cgroup2_root
-from conftest import VethPair, free_port, programs_on, unique, wait_until
+from conftest import VethPair, free_port, programs_on, run, unique, wait_until
 from fixtures.cuda_fake import build
 from servers import AIPROBE, Agent, http_get
 from test_agent import tcp_sink
@@ -459,8 +459,8 @@ def test_an_idle_connection_flood_under_a_low_file_limit_leaves_the_agent_measur
                                text=True)
         try:
             answered = []
-            run_ip(["link", "add", added, "type", "veth", "peer", "name", added_peer])
-            run_ip(["link", "set", added, "up"])
+            run(["ip", "link", "add", added, "type", "veth", "peer", "name", added_peer])
+            run(["ip", "link", "set", added, "up"])
             assert wait_until(lambda: programs_on(added) == ours, timeout=10), agent.log.read_text()[-2000:]
             while wrk.poll() is None:
                 started = time.monotonic()
@@ -491,10 +491,6 @@ def test_an_idle_connection_flood_under_a_low_file_limit_leaves_the_agent_measur
     assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]
 
 
-def run_ip(args: list[str]) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 def open_files_limit(pid: int, soft: int | str) -> None:
     subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={soft}:"], check=True)
 
@@ -521,8 +517,8 @@ def test_running_out_of_file_descriptors_fails_healthz_is_counted_and_heals(tmp_
         try:
             assert healthz_kept() == 200
             open_files_limit(agent.process.pid, len(os.listdir(f"/proc/{agent.process.pid}/fd")))
-            run_ip(["link", "add", added, "type", "veth", "peer", "name", added_peer])
-            run_ip(["link", "set", added, "up"])
+            run(["ip", "link", "add", added, "type", "veth", "peer", "name", added_peer])
+            run(["ip", "link", "set", added, "up"])
             assert wait_until(lambda: healthz_kept() == 503, timeout=30, interval=0.5), agent.log.read_text()[-2000:]
             assert programs_on(added) == set()
             open_files_limit(agent.process.pid, 4096)
@@ -561,10 +557,10 @@ def test_flows_attached_nowhere_is_down_with_its_reason_until_an_interface_comes
     """The only interface flows may watch carries no Ethernet header (a tun device): aiprobe_probe_up
     says 0 and `top` says why, not 1 over an empty table; the interface it wants coming up heals it."""
     tun = unique("aipu")
-    run_ip(["tuntap", "add", "dev", tun, "mode", "tun"])
+    run(["ip", "tuntap", "add", "dev", tun, "mode", "tun"])
     try:
-        run_ip(["link", "set", tun, "up"])
-        run_ip(["link", "set", veth.host, "down"])
+        run(["ip", "link", "set", tun, "up"])
+        run(["ip", "link", "set", veth.host, "down"])
         config = f'interfaces = ["{tun}", "{veth.host}"]\nexclude = []\nprobes = ["flows"]\n'
         with Agent(tmp_path, config) as agent:
             up = 'aiprobe_probe_up{probe="flows"'
@@ -575,7 +571,7 @@ def test_flows_attached_nowhere_is_down_with_its_reason_until_an_interface_comes
             assert top.returncode == 0, top.stderr
             assert f"flows probe down: attached to no interface ({tun}: not an Ethernet interface" in top.stdout, \
                 top.stdout[-2000:]
-            run_ip(["link", "set", veth.host, "up"])
+            run(["ip", "link", "set", veth.host, "up"])
             assert wait_until(lambda: metric(agent.metrics(), "aiprobe_probe_up", probe="flows") == 1, timeout=10)
             assert_ingress_counts_the_wire(agent, veth)
             agent.stop(timeout=30)
