@@ -81,6 +81,7 @@ class Result:
     passed: set[str] = field(default_factory=set)  # test ids
     skipped: set[str] = field(default_factory=set)
     problem: str = ""  # why the kernel reported nothing (no boot, no results)
+    evidence: list[str] = field(default_factory=list)  # the logs' last lines, when there is a problem
 
 
 def log(message: str) -> None:
@@ -202,6 +203,20 @@ def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
 # ---- results ----
 
 
+# CI keeps only what is printed, not build/: a kernel that failed or did not report shows why in
+# its logs' tails.
+EVIDENCE = (("check.err", 5), ("console.log", 15), ("pytest.log", 15), ("steps.log", 3))
+
+
+def log_tails(results: Path) -> list[str]:
+    lines = []
+    for name, count in EVIDENCE:
+        with contextlib.suppress(OSError):
+            tail = (results / name).read_text(errors="replace").splitlines()[-count:]
+            lines += [f"-- {name}, last {len(tail)} lines:", *tail]
+    return lines
+
+
 def read_results(result: Result, results: Path) -> None:
     if (results / "hung.log").exists():
         result.problem = f"a step hung: stacks in {(results / 'hung.log').relative_to(ROOT)}"
@@ -211,10 +226,14 @@ def read_results(result: Result, results: Path) -> None:
     except (OSError, ValueError, KeyError):
         result.problem = result.problem or "no `aiprobe check` report"
     try:
-        suite = ET.parse(results / "junit.xml").getroot()
+        read_junit(result, ET.parse(results / "junit.xml").getroot())
     except (OSError, ET.ParseError):
         result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
-        return
+    if result.problem or result.outcomes["failed"]:
+        result.evidence = log_tails(results)
+
+
+def read_junit(result: Result, suite: ET.Element) -> None:
     for case in suite.iter("testcase"):
         test = f"{case.get('classname')}::{case.get('name')}"
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
@@ -239,12 +258,15 @@ def print_table(results: list[Result]) -> None:
     for row in [headers, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     for r in results:
-        if r.problem:
-            print(f"\n{r.kernel}: {r.problem}")
         if r.skips:
             print(f"\n{r.kernel}:")
             for reason, count in sorted(r.skips.items()):
                 print(f"  {count:>3} x {reason}")
+    # Last, where a CI log's tail shows them.
+    for r in results:
+        if r.problem or r.outcomes["failed"]:
+            print(f"\n{r.kernel}: {r.problem or 'tests failed'}")
+            print("\n".join(f"  {line}" for line in r.evidence))
 
 
 def never_run(results: list[Result]) -> set[str]:
