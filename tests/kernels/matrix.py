@@ -82,6 +82,8 @@ class Result:
     skipped: set[str] = field(default_factory=set)
     problem: str = ""  # why the kernel reported nothing (no boot, no results)
     evidence: list[str] = field(default_factory=list)  # the logs' last lines, when there is a problem
+    died: bool = False  # the guest ended in time, without a hang and without test results
+    first_boot: Result | None = None  # when it had died on an earlier boot
 
 
 def log(message: str) -> None:
@@ -168,8 +170,12 @@ def kvm_works(image: Path) -> bool:
 
 
 def results_dir(name: str) -> Path:
+    """build/kernels/results/<name>, emptied; a previous boot's results move to <name>.before."""
     path = CACHE / "results" / name
-    shutil.rmtree(path, ignore_errors=True)
+    before = path.with_name(f"{name}.before")
+    shutil.rmtree(before, ignore_errors=True)
+    if path.exists():
+        path.rename(before)
     path.mkdir(parents=True)
     return path
 
@@ -212,8 +218,8 @@ def log_tails(results: Path) -> list[str]:
     lines = []
     for name, count in EVIDENCE:
         with contextlib.suppress(OSError):
-            tail = (results / name).read_text(errors="replace").splitlines()[-count:]
-            lines += [f"-- {name}, last {len(tail)} lines:", *tail]
+            if tail := (results / name).read_text(errors="replace").splitlines()[-count:]:
+                lines += [f"-- {name}, last {len(tail)} lines:", *tail]
     return lines
 
 
@@ -228,6 +234,7 @@ def read_results(result: Result, results: Path) -> None:
     try:
         read_junit(result, ET.parse(results / "junit.xml").getroot())
     except (OSError, ET.ParseError):
+        result.died = not result.problem
         result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
     if result.problem or result.outcomes["failed"]:
         result.evidence = log_tails(results)
@@ -264,6 +271,9 @@ def print_table(results: list[Result]) -> None:
                 print(f"  {count:>3} x {reason}")
     # Last, where a CI log's tail shows them.
     for r in results:
+        if r.first_boot is not None:
+            print(f"\n{r.kernel}, first boot (booted again; its results moved to .before): {r.first_boot.problem}")
+            print("\n".join(f"  {line}" for line in r.first_boot.evidence))
         if r.problem or r.outcomes["failed"]:
             print(f"\n{r.kernel}: {r.problem or 'tests failed'}")
             print("\n".join(f"  {line}" for line in r.evidence))
@@ -272,6 +282,14 @@ def print_table(results: list[Result]) -> None:
 def never_run(results: list[Result]) -> set[str]:
     """Tests skipped on every kernel: a strategy (or hook) that no kernel of the matrix exercised."""
     return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
+
+
+def boot(image: Path, accel: tuple[str, ...], selection: list[str]) -> Result:
+    result = Result(image.name.removeprefix("vmlinuz-"), "emulated" if accel else "kvm")
+    log(f"{result.kernel}: booting ({result.how}) and running the selection")
+    path, result.seconds, result.problem = run_in_vm(image, accel, selection)
+    read_results(result, path)
+    return result
 
 
 def main() -> int:
@@ -295,12 +313,13 @@ def main() -> int:
     images = [unpacked_kernel(package) for package in map(newest_package, MATRIX) if wanted(package)]
     accel = () if images and kvm_works(images[0]) else EMULATION
     for image in images:
-        release = image.name.removeprefix("vmlinuz-")
-        how = "kvm" if not accel else "emulated"
-        log(f"{release}: booting ({how}) and running the selection")
-        result = Result(release, how)
-        path, result.seconds, result.problem = run_in_vm(image, accel, selection)
-        read_results(result, path)
+        result = boot(image, accel, selection)
+        if result.died:
+            # Once in CI an emulated guest died mid-run without a word; a second boot tells such a
+            # flake from a kernel that cannot run the suite. The first boot's logs are still printed.
+            log(f"{result.kernel}: {result.problem}; booting it once more")
+            first_boot, result = result, boot(image, accel, selection)
+            result.first_boot = first_boot
         results.append(result)
     print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
     print_table(results)
