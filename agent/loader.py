@@ -510,32 +510,34 @@ class BpfObject:
         """Set `const volatile` globals (in .rodata) before load: the programs' read-only config."""
         if self.loaded:
             raise RuntimeError(".rodata is frozen once the object is loaded")
-        rodata = next((m for m in self.maps.values() if m.name.endswith(".rodata")), None)
-        if rodata is None or self.btf is None:
-            raise KeyError(f"{self.name}.bpf.o has no .rodata")
         size = ctypes.c_size_t()
-        base = libbpf.lib().bpf_map__initial_value(rodata._ptr, ctypes.byref(size))
-        variables = self.btf.datasec_vars(".rodata")
-        for var, value in values.items():
-            if var not in variables:
-                raise KeyError(f"{self.name}.bpf.o has no .rodata variable {var!r}")
-            offset, type_id = variables[var]
-            self.btf.ctype(type_id).from_address(base + offset).value = value
+        base = libbpf.lib().bpf_map__initial_value(self._section_map(".rodata")._ptr, ctypes.byref(size))
+        self._write_globals(".rodata", base, values)
 
     def set_data(self, section: str, **values: int) -> None:
         """Set globals of a writable data section (`.data`, `.data.<name>`) of the loaded object: the
         programs' run-time settings. The whole section is written back, so it must hold only
         variables user space writes (settings get a section of their own)."""
+        data = self._section_map(section)
+        contents = data.lookup(0)
+        self._write_globals(section, ctypes.addressof(contents), values)
+        data.update(0, contents)
+
+    def _section_map(self, section: str) -> Map:
         data = next((m for m in self.maps.values() if m.name.endswith(section)), None)
         if data is None or self.btf is None:
             raise KeyError(f"{self.name}.bpf.o has no {section}")
+        return data
+
+    def _write_globals(self, section: str, address: int, values: dict[str, int]) -> None:
+        """Write `values` into a copy of `section`'s contents at `address`, by its BTF."""
+        assert self.btf is not None  # _section_map found the section
         variables = self.btf.datasec_vars(section)
-        buffer = data.lookup(0)
         for var, value in values.items():
+            if var not in variables:
+                raise KeyError(f"{self.name}.bpf.o has no {section} variable {var!r}")
             offset, type_id = variables[var]
-            ctype: Any = self.btf.ctype(type_id)
-            ctype.from_buffer(buffer, offset).value = value
-        data.update(0, buffer)
+            self.btf.ctype(type_id).from_address(address + offset).value = value
 
     def load(self) -> None:
         shared = [m for m in self.maps.values() if m.name in SHARED_MAPS]
