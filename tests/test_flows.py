@@ -23,7 +23,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -473,7 +474,7 @@ def test_cli_bad_input_is_one_line(aiprobe_cli: list[str]) -> None:
 
 FOREIGN_XDP = """
 import ctypes, sys
-from aiprobe.loader import BpfObject, tc_clsact_detach
+from aiprobe.loader import BpfObject
 obj = BpfObject("features", programs=["probe_xdp"])
 obj.load()
 # A netlink attachment (as ip link / xdp-loader make): it outlives this process.
@@ -544,6 +545,23 @@ class ClsactInstance:
         self.process.wait()
 
 
+@contextmanager
+def clsact_instances(interface: str) -> Iterator[Callable[[], ClsactInstance]]:
+    """Starts instances on `interface` when called; SIGKILLs every one of them on the way out, so a
+    failed test leaves no process behind (the test then checks what their exits left)."""
+    started: list[ClsactInstance] = []
+
+    def start() -> ClsactInstance:
+        started.append(ClsactInstance(interface))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for instance in started:
+            instance.kill()
+
+
 def _wire(interface: str) -> dict[str, list[int]]:
     return {"egress": [_stat(interface, "tx_packets"), _stat(interface, "tx_bytes")],
             "ingress": [_stat(interface, "rx_packets"), _stat(interface, "rx_bytes")]}
@@ -586,18 +604,14 @@ def test_clsact_instances_side_by_side_each_keep_counting_and_leave_nothing(veth
     """Two aiprobes on one interface under clsact (a kernel without TCX, `aiprobe flows` beside the
     agent): each has its own filter, neither takes the other's for a leftover, and the one that
     stays keeps counting exactly what the interface counters count after the other exits."""
-    first = ClsactInstance(veth.host)
-    second = ClsactInstance(veth.host)
-    try:
+    with clsact_instances(veth.host) as start:
+        first, second = start(), start()
         assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2 + [hex(TC_HANDLES[1])] * 2
         _assert_counts_the_wire([first, second], veth)
         first.exit()
         assert _our_handles(veth.host) == [hex(TC_HANDLES[1])] * 2
         _assert_counts_the_wire([second], veth)
         second.exit()
-    finally:
-        for instance in (first, second):
-            instance.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
 
 
@@ -607,9 +621,8 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
     run(["tc", "qdisc", "add", "dev", veth.host, "clsact"])
     run(["tc", "filter", "add", "dev", veth.host, "egress", "prio", "7", "protocol", "all", "u32", "match",
          "u32", "0", "0"])
-    live = ClsactInstance(veth.host)
-    killed = ClsactInstance(veth.host)
-    try:
+    with clsact_instances(veth.host) as start:
+        live, killed = start(), start()
         killed.kill()
         assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2 + [hex(TC_HANDLES[1])] * 2
         with caplog.at_level(logging.WARNING, logger="aiprobe.flows"), \
@@ -625,8 +638,6 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
             assert (flow.packets, flow.bytes) == (COUNT, COUNT * (42 + UDP_PAYLOAD))
             _assert_counts_the_wire([live], veth)
         live.exit()
-    finally:
-        live.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
     assert "pref 7 u32" in _filters(veth.host)
 
@@ -634,21 +645,16 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
 def test_clsact_exit_leaves_the_filter_of_another_instance_that_took_its_handle(veth: VethPair) -> None:
     """Someone removes an aiprobe's filters by hand and another aiprobe takes the freed handle: the
     first one's exit removes only filters that still run its own program."""
-    first = ClsactInstance(veth.host)
-    second = None
-    try:
+    with clsact_instances(veth.host) as start:
+        first = start()
         for direction in DIRECTIONS:
             tc_clsact_detach(veth.host_ifindex, direction, handle=TC_HANDLES[0], priority=TC_PRIORITY)
-        second = ClsactInstance(veth.host)
+        second = start()
         assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2
         first.exit()
         assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2
         _assert_counts_the_wire([second], veth)
         second.exit()
-    finally:
-        for instance in (first, second):
-            if instance is not None:
-                instance.kill()
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
 
 

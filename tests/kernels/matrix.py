@@ -82,7 +82,7 @@ class Result:
     skipped: set[str] = field(default_factory=set)
     problem: str = ""  # why the kernel reported nothing (no boot, no results)
     evidence: list[str] = field(default_factory=list)  # the logs' last lines, when there is a problem
-    died: bool = False  # the guest ended in time, without a hang and without test results
+    died: bool = False  # the guest ran `aiprobe check`, then ended in time without a hang or test results
     first_boot: Result | None = None  # when it had died on an earlier boot
 
 
