@@ -3,10 +3,10 @@
 # whose writes stay in the guest; RESULTS is the one directory shared read-write with the host.
 # Usage: guest.sh RESULTS CHECK_SECONDS PYTEST_SECONDS [PYTEST ARGS]. Leaves in RESULTS:
 # check.json and check.err (`aiprobe check --json`), junit.xml and pytest.log (the selection),
-# rc (pytest's status), steps.log (each step's status and time), and hung.log when a step outlived
-# its time: every task's kernel stack, then SIGABRT to its Python processes, whose faulthandler
-# writes their threads' stacks to the step's log. So a hang is a failure that says where, never a
-# stalled CI.
+# rc (pytest's status), steps.log (each step's status and time), heartbeat (rewritten every 10 s
+# while it runs), and hung.log when a step outlived its time: every task's kernel stack, then
+# SIGABRT to its Python processes, whose faulthandler writes their threads' stacks to the step's
+# log. So a hang is a failure that says where, never a stalled CI.
 RESULTS=$1 CHECK_SECONDS=$2 PYTEST_SECONDS=$3
 shift 3
 cd "$(dirname "$0")/../.." || exit 1
@@ -61,6 +61,10 @@ bounded() {  # bounded SECONDS STEP COMMAND...: the command's status (SIGABRT's 
 }
 
 ip link set lo up
+# Alive: matrix.py takes a heartbeat that stopped for minutes as a frozen guest (FROZEN_SECONDS).
+(while :; do date +%s > "$RESULTS/heartbeat"; sleep 10; done) &
+heartbeat=$!
+trap 'kill "$heartbeat"' EXIT
 bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
 bounded "$PYTEST_SECONDS" pytest .venv/bin/pytest -p no:cacheprovider -ra --durations=25 \
     --junitxml="$RESULTS/junit.xml" "$@" > "$RESULTS/pytest.log" 2>&1

@@ -26,6 +26,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,18 @@ DEFAULT_SELECTION = (*(f"tests/{module}.py" for module in sorted(KERNEL_MODULES)
 CHECK_SECONDS = 360
 PYTEST_SECONDS = 1200
 VM_TIMEOUT = CHECK_SECONDS + PYTEST_SECONDS + 180  # and the boot; a guest that never runs guest.sh
-VM_OPTIONS = ("--cpus", "2", "--memory", "2G")
+# Those bounds are the guest's own timers: a guest that froze whole (once in CI, silent on its console:
+# no lockup, RCU-stall or hung-task report; 9p's waits are killable, which the hung-task detector
+# skips) stops them too. guest.sh rewrites a heartbeat every 10 s; when it stops this long, the host
+# asks qemu (over QMP) where each vCPU is, presses SysRq-W (the guest's blocked tasks' stacks, when
+# it still takes interrupts), then sends an NMI, which the guest answers with a panic and every
+# CPU's backtrace (unknown_nmi_panic, panic_print's bit 6).
+FROZEN_SECONDS = 240
+FROZE = "the guest froze"
+GUEST_CMDLINE = "sysrq_always_enabled unknown_nmi_panic=1 panic_print=0x40"
+VM_OPTIONS = ("--cpus", "2", "--memory", "2G", "--append", GUEST_CMDLINE)
+# qemu's monitor, for the guest of the moment (one runs at a time); short, as a unix socket's path must be.
+QMP = Path(tempfile.gettempdir()) / f"aiprobe-test-kernels-{os.getpid()}.qmp"
 EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p")
 
 
@@ -82,7 +94,7 @@ class Result:
     skipped: set[str] = field(default_factory=set)
     problem: str = ""  # why the kernel reported nothing (no boot, no results)
     evidence: list[str] = field(default_factory=list)  # the logs' last lines, when there is a problem
-    died: bool = False  # the guest ran `aiprobe check`, then ended in time without a hang or test results
+    died: bool = False  # the guest ran `aiprobe check`, then froze, or ended in time without a hang or test results
     first_boot: Result | None = None  # when it had died on an earlier boot
 
 
@@ -134,7 +146,8 @@ def unpacked_kernel(package: str) -> Path:
 
 
 def vng(image: Path, accel: tuple[str, ...], *args: str) -> list[str]:
-    return [str(VNG), "--verbose", "--run", str(image), *accel, *VM_OPTIONS, *args]
+    return [str(VNG), "--verbose", "--run", str(image), *accel, *VM_OPTIONS,
+            f"--qemu-opts=-qmp unix:{QMP},server=on,wait=off", *args]
 
 
 def vng_env() -> dict[str, str]:
@@ -142,21 +155,87 @@ def vng_env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{VNG.parent}:{os.environ['PATH']}"}
 
 
-def run_vm(cmd: list[str], timeout: float, output: int | IO[str]) -> bool:
-    """Run vng in a session of its own; False when it outlived `timeout`, after killing its whole
-    session (qemu included: killing vng alone would leave a guest running behind the next one)."""
+def run_vm(cmd: list[str], timeout: float, output: int | IO[str], results: Path | None = None) -> str:
+    """Run vng in a session of its own until it ends: "" then. Otherwise why it was stopped: it
+    outlived `timeout`, or its heartbeat in `results` stopped (see FROZEN_SECONDS); a frozen guest's
+    vCPUs and its answer to an NMI go to results/frozen.log. Stopping kills the whole session (qemu
+    included: killing vng alone would leave a guest running behind the next one)."""
     vm = subprocess.Popen(cmd, env=vng_env(), stdin=subprocess.DEVNULL, stdout=output,
                           stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    why = wait_for_vm(vm, timeout, results)
+    if why.startswith(FROZE) and results:
+        report_frozen(vm, results)
+    for sig in (signal.SIGTERM, signal.SIGKILL) if why else ():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(vm.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            vm.wait(timeout=10)
+    QMP.unlink(missing_ok=True)
+    return why
+
+
+def wait_for_vm(vm: subprocess.Popen, timeout: float, results: Path | None) -> str:
+    deadline = time.monotonic() + timeout
+    heartbeat = results / "heartbeat" if results else None
+    while vm.poll() is None:
+        if time.monotonic() > deadline:
+            return f"no result within {timeout:.0f} s"
+        with contextlib.suppress(OSError):
+            if heartbeat and time.time() - heartbeat.stat().st_mtime > FROZEN_SECONDS:
+                return f"{FROZE}: no heartbeat for {FROZEN_SECONDS} s"
+        time.sleep(5)
+    return ""
+
+
+DUMP_LINE = re.compile(r"\] (Code: |R(?!IP)[A-Z0-9]{2}: )")
+
+
+def report_frozen(vm: subprocess.Popen, results: Path) -> None:
+    """results/frozen.log: three samples of each vCPU's instruction pointer, then what the console
+    printed for SysRq-W and an NMI."""
+    console = results / "console.log"
+    lines = []
     try:
-        vm.wait(timeout=timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(vm.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                vm.wait(timeout=10)
-        return False
+        for _ in range(3):
+            lines += vcpu_states(hmp("info registers -a"))
+            time.sleep(1)
+        seen = console.stat().st_size
+        hmp("sendkey alt-sysrq-w")
+        time.sleep(5)
+        hmp("nmi")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            vm.wait(timeout=30)  # panic=-1 and qemu's -no-reboot: the guest ends once it has printed
+        with console.open("rb") as log:
+            log.seek(seen)
+            printed = log.read().decode(errors="replace").splitlines()
+        lines += ["console after SysRq-W and the NMI (without register and code dumps):",
+                  *(line for line in printed if not DUMP_LINE.search(line))]
+    except (OSError, ValueError) as error:  # qemu itself stuck, or gone
+        lines.append(f"QMP: {error}")
+    (results / "frozen.log").write_text("\n".join(lines) + "\n")
+
+
+def hmp(command: str) -> str:
+    """A human monitor command's output, through QMP."""
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.settimeout(10)
+        connection.connect(str(QMP))
+        stream = connection.makefile("rw")
+        stream.readline()  # the greeting
+        for request in ({"execute": "qmp_capabilities"},
+                        {"execute": "human-monitor-command", "arguments": {"command-line": command}}):
+            stream.write(json.dumps(request) + "\n")
+            stream.flush()
+            while not {"return", "error"} & (reply := json.loads(stream.readline())).keys():
+                pass  # events
+        return str(reply.get("return", reply.get("error")))
+
+
+def vcpu_states(registers: str) -> list[str]:
+    """'CPU#0 RIP=ffffffff81f2a0ef kernel, running' per vCPU (the NMI's backtraces name the functions)."""
+    return [f"CPU#{cpu} RIP={rip} {'kernel' if cpl == '0' else 'user'}, {'halted' if halted == '1' else 'running'}"
+            for cpu, rip, cpl, halted in re.findall(r"CPU#(\d+)\s.*?RIP=([0-9a-f]+) .*?CPL=(\d).*?HLT=(\d)",
+                                                     registers, re.S)]
 
 
 def kvm_works(image: Path) -> bool:
@@ -164,9 +243,9 @@ def kvm_works(image: Path) -> bool:
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False
     with tempfile.TemporaryFile("w+") as output:
-        finished = run_vm(vng(image, (), "--", "true"), 60, output)
+        stopped = run_vm(vng(image, (), "--", "true"), 60, output)
         output.seek(0)
-        return finished and "script exited with code 0" in output.read()
+        return not stopped and "script exited with code 0" in output.read()
 
 
 def results_dir(name: str) -> Path:
@@ -191,11 +270,9 @@ def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tupl
     cmd = vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
               "--", shlex.join([str(GUEST), *guest_args(results), *selection]))
     started = time.monotonic()
-    problem = ""
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
-        if not run_vm(cmd, VM_TIMEOUT, console):
-            problem = f"no result within {VM_TIMEOUT} s"
+        problem = run_vm(cmd, VM_TIMEOUT, console, results)
     return results, time.monotonic() - started, problem
 
 
@@ -211,7 +288,7 @@ def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
 
 # CI keeps only what is printed, not build/: a kernel that failed or did not report shows why in
 # its logs' tails.
-EVIDENCE = (("check.err", 5), ("console.log", 15), ("pytest.log", 15), ("steps.log", 3))
+EVIDENCE = (("check.err", 5), ("console.log", 15), ("pytest.log", 15), ("steps.log", 3), ("frozen.log", 200))
 
 
 def log_tails(results: Path) -> list[str]:
@@ -234,7 +311,7 @@ def read_results(result: Result, results: Path) -> None:
     try:
         read_junit(result, ET.parse(results / "junit.xml").getroot())
     except (OSError, ET.ParseError):
-        result.died = not result.problem
+        result.died = not result.problem or result.problem.startswith(FROZE)
         result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
     if result.problem or result.outcomes["failed"]:
         result.evidence = log_tails(results)
@@ -315,8 +392,8 @@ def main() -> int:
     for image in images:
         result = boot(image, accel, selection)
         if result.died:
-            # Once in CI an emulated guest died mid-run without a word; a second boot tells such a
-            # flake from a kernel that cannot run the suite. The first boot's logs are still printed.
+            # Twice in CI an emulated guest died or froze mid-run without a word; a second boot tells
+            # such a flake from a kernel that cannot run the suite. The first boot's logs are still printed.
             log(f"{result.kernel}: {result.problem}; booting it once more")
             first_boot, result = result, boot(image, accel, selection)
             result.first_boot = first_boot
