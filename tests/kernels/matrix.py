@@ -160,9 +160,9 @@ def vng_env() -> dict[str, str]:
 
 def run_vm(cmd: list[str], timeout: float, output: int | IO[str], results: Path | None = None) -> str:
     """Run vng in a session of its own until it ends: "" then. Otherwise why it was stopped: it
-    outlived `timeout`, or its heartbeat in `results` stopped (see FROZEN_SECONDS); a frozen guest's
-    vCPUs and its answer to an NMI go to results/frozen.log. Stopping kills the whole session (qemu
-    included: killing vng alone would leave a guest running behind the next one)."""
+    outlived `timeout`, or its heartbeat in `results` stopped (see FROZEN_SECONDS; report_frozen
+    asks a frozen guest where it is first). Stopping kills the whole session (qemu included: killing
+    vng alone would leave a guest running behind the next one)."""
     vm = subprocess.Popen(cmd, env=vng_env(), stdin=subprocess.DEVNULL, stdout=output,
                           stderr=subprocess.STDOUT, start_new_session=True, text=True)
     why = wait_for_vm(vm, timeout, results)
