@@ -321,7 +321,7 @@ def read_results(result: Result, results: Path) -> None:
     try:
         read_junit(result, ET.parse(results / "junit.xml").getroot())
     except (OSError, ET.ParseError):
-        result.died = not result.problem or result.problem.startswith(FROZE)
+        result.died = not result.problem or (results / "frozen.log").exists()  # report_frozen ran
         result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
     if result.problem or result.outcomes["failed"]:
         result.evidence = log_tails(results)
