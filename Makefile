@@ -3,6 +3,7 @@
 #   make test   install deps, build, run ruff and the whole test suite (as root)
 #   make bench  install deps, build, run benchmarks/ and print a table of ratios
 #   make test-kernels  the `kernels` tests on Debian 12's stock kernels booted in qemu, and on this host
+#                      (MATRIX_ARGS="--repeat 5" runs each selection 5 times in one boot, to find flakes)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -32,7 +33,7 @@ bench: setup
 	$(BIN)/python -m benchmarks
 
 test-kernels: setup $(STAMPS)/kernel-deps
-	$(BIN)/python tests/kernels/matrix.py
+	$(BIN)/python tests/kernels/matrix.py $(MATRIX_ARGS)
 
 $(STAMPS)/kernel-deps: Makefile $(STAMPS)/deps
 	@dpkg-query -W -f='$${Status}\n' $(KERNEL_APT_PACKAGES) 2>/dev/null | grep -c 'install ok installed' \

@@ -30,32 +30,18 @@ IS_ROOT = os.geteuid() == 0
 
 # What `make test-kernels` runs on every kernel of its matrix (tests/kernels/matrix.py), under
 # emulation: each probe's exactness tests under every strategy, the capability matrix and least
-# privilege. Chosen to keep CI under its time; tests marked `realtime` (wall-clock deadlines) stay
-# on this host.
+# privilege. Of these modules, the tests marked `host_only` (no kernel-specific path: command-line
+# output, exporter bookkeeping) or `realtime` (held to wall-clock time that emulation stretches) run
+# on this host alone.
 KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_loader", "test_check", "test_least_privilege",
                   "test_strategies"}
-# Of those, by name or by name[parameters]: the tests of command-line output and exporter
-# bookkeeping (no kernel-specific path: each probe's strategies are exercised by the rest; 10-70 s
-# each under emulation), and those held to wall-clock time that emulation stretches (rule
-# thresholds, sampling within a CPU budget, 1 ms sends against the sender's own clock, a 2.5 s
-# attach deadline, cold-start phases against the process's own clock).
-HOST_ONLY = {"test_check_text_names_every_probe", "test_unprivileged_check_prints_one_line_and_exits_1",
-             "test_flow_series_add_up_to_the_interface_at_every_scrape_while_flows_churn",
-             "test_cli_json_after_duration", "test_cli_json_rate_is_the_last_intervals_rate_by_iperf3",
-             "test_cli_bad_input_is_one_line", "test_cli_json_document_for_one_pid",
-             "test_cli_rejects_a_missing_pid_in_one_line", "test_send_stall_rule_fires_and_clears_at_its_thresholds",
-             "test_send_storm_raises_sampling_within_budget_and_full_timing_returns",
-             "test_cold_start_phases_of_a_process_started_while_watching",
-             *(f"test_quantiles_of_constant_latency_sends_match_the_senders_clock[{s}-1-100-]"
-               for s in ("fentry", "kprobe", "tracepoint", "syscall")),
-             *(f"test_runtime_calls_are_counted_once_whichever_layers_fire[static-{s}]"
-               for s in ("internal", "exported"))}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs root to load BPF programs (CI runs as root)")
     for item in items:
-        if item.module.__name__ in KERNEL_MODULES and not HOST_ONLY & {item.originalname, item.name}:
+        stays_on_host = any(map(item.get_closest_marker, ("host_only", "realtime")))
+        if item.module.__name__ in KERNEL_MODULES and not stays_on_host:
             item.add_marker(pytest.mark.kernels)
         if "bpf" in item.keywords and not IS_ROOT:
             item.add_marker(skip)

@@ -36,6 +36,7 @@ def test_check_json_reports_real_capabilities(aiprobe_cli: list[str]) -> None:
         assert probe["available"] or probe["reason"]
 
 
+@pytest.mark.host_only  # command-line output: no kernel-specific path
 @pytest.mark.bpf
 def test_check_text_names_every_probe(aiprobe_cli: list[str]) -> None:
     result = subprocess.run([*aiprobe_cli, "check"], capture_output=True, text=True, timeout=60)
@@ -44,6 +45,7 @@ def test_check_text_names_every_probe(aiprobe_cli: list[str]) -> None:
         assert f"  {probe} " in result.stdout
 
 
+@pytest.mark.host_only  # command-line output: no kernel-specific path
 @pytest.mark.bpf
 def test_unprivileged_check_prints_one_line_and_exits_1(aiprobe_cli: list[str]) -> None:
     result = subprocess.run(

@@ -304,7 +304,7 @@ RT_LAUNCHES, RT_NODES, RT_REPLAYS, RT_SYNCS, RT_DRIVER_LAUNCHES = 60, 5, 10, 8, 
 
 @pytest.mark.bpf
 @pytest.mark.parametrize("proc_address", ["internal", "exported"])
-@pytest.mark.parametrize("linked", ["shared", "static"])
+@pytest.mark.parametrize("linked", ["shared", pytest.param("static", marks=pytest.mark.host_only)])
 def test_runtime_calls_are_counted_once_whichever_layers_fire(cuda_libs, drivers, proc_address, linked) -> None:
     """The fake libcudart reaches the driver only through cuGetProcAddress pointers: internal
     functions, which no driver probe sees, or (exported) the probed entry points themselves."""
@@ -386,6 +386,7 @@ def test_two_threads_on_two_contexts_share_one_gpu_and_the_rule_fires_and_resolv
 COLD = {"before_init_ms": 1000, "init_ms": 200, "ctx_ms": 150, "module_ms": 60, "modules": 3, "before_launch_ms": 100}
 
 
+@pytest.mark.realtime  # phases against the process's own clock
 @pytest.mark.bpf
 def test_cold_start_phases_of_a_process_started_while_watching(cuda_libs, drivers) -> None:
     env = {"FAKE_CUDA_INIT_MS": str(COLD["init_ms"]), "FAKE_CUDA_CTX_MS": str(COLD["ctx_ms"]),

@@ -432,6 +432,7 @@ def test_cli_leaves_no_program_attached_after_signal(veth: VethPair, aiprobe_cli
     assert wait_until(lambda: not OUR_TC_PROGRAMS & programs_on(veth.host), timeout=3)
 
 
+@pytest.mark.host_only  # command-line output: no kernel-specific path
 def test_cli_json_after_duration(veth: VethPair, aiprobe_cli: list[str]) -> None:
     proc = _start_cli(aiprobe_cli, veth.host, "--json", "--duration", "1.5", "--interval", "0.5")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -445,6 +446,7 @@ def test_cli_json_after_duration(veth: VethPair, aiprobe_cli: list[str]) -> None
     assert set(flow) == set(FlowRecord(*[0] * 14).to_dict())  # the probe's own fields, no joins
 
 
+@pytest.mark.realtime  # a rate over wall-clock intervals, against iperf3's
 def test_cli_json_rate_is_the_last_intervals_rate_by_iperf3(veth: VethPair, aiprobe_cli: list[str]) -> None:
     """The final JSON read comes right after the last tick: its rate must still cover an interval
     (it read 0.0 when taken over the fraction of a millisecond since that tick)."""
@@ -467,6 +469,7 @@ def test_cli_json_rate_is_the_last_intervals_rate_by_iperf3(veth: VethPair, aipr
     assert flow["bytes_per_second"] == pytest.approx(truth, rel=0.15)
 
 
+@pytest.mark.host_only  # command-line output: no kernel-specific path
 def test_cli_bad_input_is_one_line(aiprobe_cli: list[str]) -> None:
     result = subprocess.run([*aiprobe_cli, "flows", "--interval", "0"], capture_output=True, text=True)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -873,6 +876,7 @@ def _samples(prom: object, promql: str) -> dict[tuple, dict[float, float]]:
             for series in prom.query(f"{promql}[{CHURN_SECONDS + 30}s]")}
 
 
+@pytest.mark.host_only  # exporter bookkeeping, scraped by a real Prometheus
 def test_flow_series_add_up_to_the_interface_at_every_scrape_while_flows_churn(
     tmp_path: Path, veth: VethPair
 ) -> None:

@@ -187,11 +187,13 @@ def test_blocked_send_lands_in_its_bucket_and_is_reported_slow(probe: SendLatenc
     assert same_address(slow.local_address, "127.0.0.1") and same_address(slow.remote_address, "127.0.0.1")
     assert slow.remote_port == to.port and slow.local_port > 0
 
+    # The bucket against the kernel's own figure for that send: the sender's clock differs from it
+    # by more than a bucket's width (1/16 octave) under emulation.
     [record] = records_of(snapshot, sent.pid)
     assert record.count == 1
-    index = next(i for i, (le, _) in enumerate(record.histogram) if le >= sent.elapsed_seconds)
-    below = record.histogram[index - 1][1]
-    assert record.histogram[index][1] - below == 1, "the blocked send is not in the bucket of its duration"
+    index = next(i for i, (_, count) in enumerate(record.histogram) if count)
+    lower, upper = (record.histogram[index - 1][0] if index else 0.0), record.histogram[index][0]
+    assert lower <= slow.duration_seconds < upper + 2e-9, "the blocked send is not in the bucket of its duration"
 
 
 def sender_quantile(durations: list[float], q: float) -> float:
@@ -203,8 +205,9 @@ def sender_quantile(durations: list[float], q: float) -> float:
 # Sends of about constant latency: (period of the slow reader in ms, sends, bytes per send). The
 # sender's clock also counts what happens outside the kernel's send (a preemption on the way back to
 # user space costs it a millisecond on a busy host): 1 ms sends are many, so that p99 is not the
-# one send that met one.
-CONSTANT = [(1, 100, 128 * 1024), (17, 24, MiB), (20, 24, MiB), (34, 16, MiB), (300, 6, MiB)]
+# one send that met one. Emulation stretches what the sender's clock adds too much for 1 ms sends.
+CONSTANT = [pytest.param(1, 100, 128 * 1024, marks=pytest.mark.realtime),
+            (17, 24, MiB), (20, 24, MiB), (34, 16, MiB), (300, 6, MiB)]
 
 
 @pytest.mark.bpf
@@ -241,6 +244,7 @@ def test_p50_and_p99_of_a_mixture_match_the_senders_clock(probe: SendLatencyProb
     assert record.p99_seconds == pytest.approx(sender_quantile(durations, 0.99), rel=0.10), sorted(durations)
 
 
+@pytest.mark.realtime  # rule thresholds held for wall-clock windows
 @pytest.mark.bpf
 def test_send_stall_rule_fires_and_clears_at_its_thresholds(probe: SendLatencyProbe, peer: str) -> None:
     """Phases of steady sends, each from a new sender process (its histogram is the window): 34 ms
@@ -276,6 +280,7 @@ def test_sampled_timing_keeps_counts_exact(peer: str) -> None:
     assert record.histogram[-1][1] == 250
 
 
+@pytest.mark.realtime  # sampling within a CPU budget
 @pytest.mark.bpf
 def test_send_storm_raises_sampling_within_budget_and_full_timing_returns(peer: str) -> None:
     budget = 0.01  # of one CPU: a storm of loopback sends costs far more with full timing
@@ -464,6 +469,7 @@ def test_hundred_short_lived_senders_are_reported_once_and_their_entries_reused(
     assert probe.events_lost() == 0 and snapshot.uncounted_sends == 0
 
 
+@pytest.mark.host_only  # command-line output: no kernel-specific path
 @pytest.mark.bpf
 def test_cli_json_document_for_one_pid(aiprobe_cli: list[str], peer: str) -> None:
     with sink(peer, "127.0.0.1") as to:
@@ -488,6 +494,7 @@ def test_cli_json_document_for_one_pid(aiprobe_cli: list[str], peer: str) -> Non
     assert all(s["duration_seconds"] > 0 for s in slow)
 
 
+@pytest.mark.host_only  # command-line output: no kernel-specific path
 @pytest.mark.bpf
 def test_cli_rejects_a_missing_pid_in_one_line(aiprobe_cli: list[str]) -> None:
     result = subprocess.run([*aiprobe_cli, "sendlat", "--pid", "999999999", "--duration", "1"],

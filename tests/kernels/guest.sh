@@ -1,14 +1,14 @@
 #!/bin/sh
 # Runs inside a virtme-ng guest (see matrix.py), and on the host: this repository is an overlay
 # whose writes stay in the guest; RESULTS is the one directory shared read-write with the host.
-# Usage: guest.sh RESULTS CHECK_SECONDS PYTEST_SECONDS [PYTEST ARGS]. Leaves in RESULTS:
-# check.json and check.err (`aiprobe check --json`), junit.xml and pytest.log (the selection),
-# rc (pytest's status), steps.log (each step's status and time), heartbeat (rewritten every 10 s
+# Usage: guest.sh RESULTS CHECK_SECONDS PYTEST_SECONDS ROUNDS [PYTEST ARGS]. Leaves in RESULTS:
+# check.json and check.err (`aiprobe check --json`), junit-<round>.xml and pytest-<round>.log (the
+# selection, run ROUNDS times in a row to find flakes), rc (the last failing round's status), steps.log (each step's status and time), heartbeat (rewritten every 10 s
 # while it runs), and hung.log when a step outlived its time: every task's kernel stack, then
 # SIGABRT to its Python processes, whose faulthandler writes their threads' stacks to the step's
 # log. So a hang is a failure that says where, never a stalled CI.
-RESULTS=$1 CHECK_SECONDS=$2 PYTEST_SECONDS=$3
-shift 3
+RESULTS=$1 CHECK_SECONDS=$2 PYTEST_SECONDS=$3 ROUNDS=$4
+shift 4
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONFAULTHANDLER=1
 
@@ -66,6 +66,9 @@ ip link set lo up
 heartbeat=$!
 trap 'kill "$heartbeat"' EXIT
 bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
-bounded "$PYTEST_SECONDS" pytest .venv/bin/pytest -p no:cacheprovider -ra --durations=25 \
-    --junitxml="$RESULTS/junit.xml" "$@" > "$RESULTS/pytest.log" 2>&1
-echo $? > "$RESULTS/rc"
+rc=0
+for round in $(seq "$ROUNDS"); do
+    bounded "$PYTEST_SECONDS" "pytest round $round" .venv/bin/pytest -p no:cacheprovider -ra --durations=25 \
+        --junitxml="$RESULTS/junit-$round.xml" "$@" > "$RESULTS/pytest-$round.log" 2>&1 || rc=$?
+done
+echo $rc > "$RESULTS/rc"

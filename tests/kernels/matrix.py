@@ -10,15 +10,19 @@ over 9p and sees this repository through an overlay whose writes stay in the gue
 its results directory is shared read-write. KVM is used when it works (nested KVM often does not),
 plain emulation otherwise.
 
-Usage: matrix.py [--kernel SUBSTRING]... [-- PYTEST ARGS]  (default: the modules of conftest's
-KERNEL_MODULES, -m "kernels and bpf and not realtime"; naming the modules spares the guests the
-imports of the rest of the suite, minutes under emulation)
+The emulated guests run side by side, each on one host thread (see EMULATION), after this host's run.
+
+Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [-- PYTEST ARGS]  (default: the modules of
+conftest's KERNEL_MODULES, -m "kernels and bpf"; naming the modules spares the
+guests the imports of the rest of the suite, minutes under emulation). `--repeat N` runs the
+selection N times in one boot, to find flakes before CI does; every failure names its round.
 Exit status 1 when a test failed or a kernel did not report.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -46,12 +50,12 @@ from conftest import KERNEL_MODULES  # noqa: E402  (the one list of what runs on
 
 # The rest needs no kernel of its own: make test runs it.
 DEFAULT_SELECTION = (*(f"tests/{module}.py" for module in sorted(KERNEL_MODULES)),
-                     "-m", "kernels and bpf and not realtime")
+                     "-m", "kernels and bpf")
 # Every step is bounded, so a hang is a failure with the stacks of what hung (guest.sh: hung.log),
 # never a stalled CI. Emulation is ~10x slower than the host; `aiprobe check` takes 45-150 s there.
 CHECK_SECONDS = 360
-PYTEST_SECONDS = 1200
-VM_TIMEOUT = CHECK_SECONDS + PYTEST_SECONDS + 180  # and the boot; a guest that never runs guest.sh
+PYTEST_SECONDS = 1200  # per round of the selection
+BOOT_SECONDS = 180
 # Those bounds are the guest's own timers: a guest that froze whole (once in CI, silent on its console:
 # no lockup, RCU-stall or hung-task report; 9p's waits are killable, which the hung-task detector
 # skips) stops them too. guest.sh rewrites a heartbeat every 10 s; when it stops this long, the host
@@ -62,8 +66,6 @@ FROZEN_SECONDS = 240
 FROZE = "the guest froze"
 GUEST_CMDLINE = "sysrq_always_enabled unknown_nmi_panic=1 panic_print=0x40"
 VM_OPTIONS = ("--cpus", "2", "--memory", "2G", "--append", GUEST_CMDLINE)
-# qemu's monitor, for the guest of the moment (one runs at a time); short, as a unix socket's path must be.
-QMP = Path(tempfile.gettempdir()) / f"aiprobe-test-kernels-{os.getpid()}.qmp"
 # One host thread runs both vCPUs in turn. With a thread each (qemu's default), an emulated 6.12 guest
 # oopsed on an int3 in ttwu_do_activate while its other vCPU, attaching a program (which flips static
 # keys), was in text_poke_bp: most likely the first vCPU ran a translation older than the patching.
@@ -148,9 +150,15 @@ def unpacked_kernel(package: str) -> Path:
 # ---- running ----
 
 
+def qmp_socket(image: Path) -> Path:
+    """qemu's monitor for the guest of this kernel (guests run side by side); short, as a unix
+    socket's path must be."""
+    return Path(tempfile.gettempdir()) / f"aiprobe-{os.getpid()}-{image.name.removeprefix('vmlinuz-')}.qmp"
+
+
 def vng(image: Path, accel: tuple[str, ...], *args: str) -> list[str]:
     return [str(VNG), "--verbose", "--run", str(image), *accel, *VM_OPTIONS,
-            f"--qemu-opts=-qmp unix:{QMP},server=on,wait=off", *args]
+            f"--qemu-opts=-qmp unix:{qmp_socket(image)},server=on,wait=off", *args]
 
 
 def vng_env() -> dict[str, str]:
@@ -158,7 +166,7 @@ def vng_env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{VNG.parent}:{os.environ['PATH']}"}
 
 
-def run_vm(cmd: list[str], timeout: float, output: int | IO[str], results: Path | None = None) -> str:
+def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], results: Path | None = None) -> str:
     """Run vng in a session of its own until it ends: "" then. Otherwise why it was stopped: it
     outlived `timeout`, or its heartbeat in `results` stopped (see FROZEN_SECONDS; report_frozen
     asks a frozen guest where it is first). Stopping kills the whole session (qemu included: killing
@@ -167,13 +175,13 @@ def run_vm(cmd: list[str], timeout: float, output: int | IO[str], results: Path 
                           stderr=subprocess.STDOUT, start_new_session=True, text=True)
     why = wait_for_vm(vm, timeout, results)
     if why.startswith(FROZE) and results:
-        report_frozen(vm, results)
+        report_frozen(vm, qmp, results)
     for sig in (signal.SIGTERM, signal.SIGKILL) if why else ():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(vm.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             vm.wait(timeout=10)
-    QMP.unlink(missing_ok=True)
+    qmp.unlink(missing_ok=True)
     return why
 
 
@@ -190,17 +198,17 @@ def wait_for_vm(vm: subprocess.Popen, timeout: float, results: Path | None) -> s
     return ""
 
 
-def report_frozen(vm: subprocess.Popen, results: Path) -> None:
+def report_frozen(vm: subprocess.Popen, qmp: Path, results: Path) -> None:
     """Three samples of each vCPU's instruction pointer in results/frozen.log; then SysRq-W and an
     NMI, whose answers the console keeps (console_excerpt shows them)."""
     lines = []
     try:
         for _ in range(3):
-            lines += vcpu_states(hmp("info registers -a"))
+            lines += vcpu_states(hmp(qmp, "info registers -a"))
             time.sleep(1)
-        hmp("sendkey alt-sysrq-w")
+        hmp(qmp, "sendkey alt-sysrq-w")
         time.sleep(5)
-        hmp("nmi")
+        hmp(qmp, "nmi")
         with contextlib.suppress(subprocess.TimeoutExpired):
             vm.wait(timeout=30)  # panic=-1 and qemu's -no-reboot: the guest ends once it has printed
     except (OSError, ValueError) as error:  # qemu itself stuck, or gone
@@ -208,11 +216,11 @@ def report_frozen(vm: subprocess.Popen, results: Path) -> None:
     (results / "frozen.log").write_text("\n".join(lines) + "\n")
 
 
-def hmp(command: str) -> str:
+def hmp(qmp: Path, command: str) -> str:
     """A human monitor command's output, through QMP."""
     with socket.socket(socket.AF_UNIX) as connection:
         connection.settimeout(10)
-        connection.connect(str(QMP))
+        connection.connect(str(qmp))
         stream = connection.makefile("rw")
         stream.readline()  # the greeting
         for request in ({"execute": "qmp_capabilities"},
@@ -236,7 +244,7 @@ def kvm_works(image: Path) -> bool:
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False
     with tempfile.TemporaryFile("w+") as output:
-        stopped = run_vm(vng(image, (), "--", "true"), 60, output)
+        stopped = run_vm(vng(image, (), "--", "true"), qmp_socket(image), 60, output)
         output.seek(0)
         return not stopped and "script exited with code 0" in output.read()
 
@@ -252,27 +260,39 @@ def results_dir(name: str) -> Path:
     return path
 
 
-def guest_args(results: Path) -> list[str]:
-    return [str(results), str(CHECK_SECONDS), str(PYTEST_SECONDS)]
+@dataclass(frozen=True)
+class Selection:
+    """What every kernel runs: pytest's arguments, `rounds` times in a row."""
+
+    pytest_args: list[str]
+    rounds: int
+
+    def guest_args(self, results: Path) -> list[str]:
+        return [str(results), str(CHECK_SECONDS), str(PYTEST_SECONDS), str(self.rounds), *self.pytest_args]
+
+    @property
+    def vm_timeout(self) -> float:
+        """Every step's own bound, and the boot: a guest that never runs guest.sh."""
+        return CHECK_SECONDS + PYTEST_SECONDS * self.rounds + BOOT_SECONDS
 
 
-def run_in_vm(image: Path, accel: tuple[str, ...], selection: list[str]) -> tuple[Path, float, str]:
+def run_in_vm(image: Path, accel: tuple[str, ...], selection: Selection) -> tuple[Path, float, str]:
     """Boot the kernel, run guest.sh; its results directory, the wall time, and a problem if any."""
     release = image.name.removeprefix("vmlinuz-")
     results = results_dir(release)
     cmd = vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
-              "--", shlex.join([str(GUEST), *guest_args(results), *selection]))
+              "--", shlex.join([str(GUEST), *selection.guest_args(results)]))
     started = time.monotonic()
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
-        problem = run_vm(cmd, VM_TIMEOUT, console, results)
+        problem = run_vm(cmd, qmp_socket(image), selection.vm_timeout, console, results)
     return results, time.monotonic() - started, problem
 
 
-def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
+def run_on_host(selection: Selection) -> tuple[Path, float, str]:
     results = results_dir(f"host-{os.uname().release}")
     started = time.monotonic()
-    subprocess.run(["sh", str(GUEST), *guest_args(results), *selection], stdin=subprocess.DEVNULL)
+    subprocess.run(["sh", str(GUEST), *selection.guest_args(results)], stdin=subprocess.DEVNULL)
     return results, time.monotonic() - started, ""
 
 
@@ -281,15 +301,17 @@ def run_on_host(selection: list[str]) -> tuple[Path, float, str]:
 
 # CI keeps only what is printed, not build/: a kernel that failed or did not report shows why in
 # its logs' tails, and in what its console printed from the kernel's first report of trouble on.
-EVIDENCE = (("check.err", 5), ("pytest.log", 15), ("steps.log", 3), ("frozen.log", 6))
+EVIDENCE = (("check.err", 5), ("steps.log", 3), ("frozen.log", 6))
+PYTEST_EVIDENCE = 15  # lines of the log of each round that failed, or of the last round
 TROUBLE = re.compile(r"\] (Oops|BUG|general protection|Kernel panic|watchdog: BUG|INFO: task|rcu: INFO|"
                      r"sysrq: Show|Uhhuh)")
 DUMP_LINE = re.compile(r"\] (Code: |R(?!IP)[A-Z0-9]{2}: )")  # registers and code bytes, read by no one here
 
 
-def log_tails(results: Path) -> list[str]:
+def log_tails(results: Path, failed_rounds: list[int]) -> list[str]:
     lines = console_excerpt(results)
-    for name, count in EVIDENCE:
+    rounds = failed_rounds or [round_ for round_, _ in rounds_run(results, "pytest-*.log")[-1:]]
+    for name, count in (*EVIDENCE, *((f"pytest-{round_}.log", PYTEST_EVIDENCE) for round_ in rounds)):
         with contextlib.suppress(OSError):
             if tail := (results / name).read_text(errors="replace").splitlines()[-count:]:
                 lines += [f"-- {name}, last {len(tail)} lines:", *tail]
@@ -310,6 +332,11 @@ def console_excerpt(results: Path) -> list[str]:
             *[line for line in console[start:] if not DUMP_LINE.search(line)][:150]]
 
 
+def rounds_run(results: Path, pattern: str) -> list[tuple[int, Path]]:
+    """(round, file) of the files guest.sh names <stem>-<round>.<ext>, in the order of the rounds."""
+    return sorted((int(path.stem.rpartition("-")[2]), path) for path in results.glob(pattern))
+
+
 def read_results(result: Result, results: Path) -> None:
     if (results / "hung.log").exists():
         result.problem = f"a step hung: stacks in {(results / 'hung.log').relative_to(ROOT)}"
@@ -318,16 +345,21 @@ def read_results(result: Result, results: Path) -> None:
         result.strategies = {name: probe["strategy"] or "-" for name, probe in report["probes"].items()}
     except (OSError, ValueError, KeyError):
         result.problem = result.problem or "no `aiprobe check` report"
+    failed_rounds = []
     try:
-        read_junit(result, ET.parse(results / "junit.xml").getroot())
+        for round_, junit in rounds_run(results, "junit-*.xml") or [(1, results / "junit-1.xml")]:
+            if read_junit(result, ET.parse(junit).getroot(), round_):
+                failed_rounds.append(round_)
     except (OSError, ET.ParseError):
         result.died = not result.problem or (results / "frozen.log").exists()  # report_frozen ran
         result.problem = result.problem or f"no test results (see {results.relative_to(ROOT)})"
     if result.problem or result.outcomes["failed"]:
-        result.evidence = log_tails(results)
+        result.evidence = log_tails(results, failed_rounds)
 
 
-def read_junit(result: Result, suite: ET.Element) -> None:
+def read_junit(result: Result, suite: ET.Element, round_: int) -> bool:
+    """Adds one round's outcomes to `result`; whether a test of it failed."""
+    failed = result.outcomes["failed"]
     for case in suite.iter("testcase"):
         test = f"{case.get('classname')}::{case.get('name')}"
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
@@ -340,7 +372,8 @@ def read_junit(result: Result, suite: ET.Element) -> None:
             result.skips[outcome.get("message", "").removeprefix("Skipped: ")[:150]] += 1
         else:
             result.outcomes["failed"] += 1
-            result.skips[f"FAILED {test}"] += 1
+            result.skips[f"FAILED {test} (round {round_})"] += 1
+    return result.outcomes["failed"] > failed
 
 
 def print_table(results: list[Result]) -> None:
@@ -371,21 +404,45 @@ def never_run(results: list[Result]) -> set[str]:
     return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
 
 
-def boot(image: Path, accel: tuple[str, ...], selection: list[str]) -> Result:
+def boot(image: Path, accel: tuple[str, ...], selection: Selection) -> Result:
     result = Result(image.name.removeprefix("vmlinuz-"), "emulated" if accel else "kvm")
     log(f"{result.kernel}: booting ({result.how}) and running the selection")
     path, result.seconds, result.problem = run_in_vm(image, accel, selection)
     read_results(result, path)
+    log(f"{result.kernel}: done in {result.seconds:.0f} s")
     return result
+
+
+def boot_until_it_reports(image: Path, accel: tuple[str, ...], selection: Selection) -> Result:
+    result = boot(image, accel, selection)
+    if result.died:
+        # Twice in CI an emulated guest died or froze mid-run without a word; a second boot tells
+        # such a flake from a kernel that cannot run the suite. The first boot's logs are still printed.
+        log(f"{result.kernel}: {result.problem}; booting it once more")
+        first_boot, result = result, boot(image, accel, selection)
+        result.first_boot = first_boot
+    return result
+
+
+def run_guests(images: list[Path], selection: Selection) -> list[Result]:
+    """Every kernel booted at once: an emulated guest runs on one host thread (EMULATION), so two
+    of them share CI's two cores instead of waiting for each other."""
+    accel = () if images and kvm_works(images[0]) else EMULATION
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(images))) as pool:
+        return list(pool.map(lambda image: boot_until_it_reports(image, accel, selection), images))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", action="append", default=[],
                         help="only kernels whose package name contains this ('host' for this host)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the selection N times in one boot (finds flakes; counts add up over the rounds)")
     parser.add_argument("pytest_args", nargs="*", help=f"pytest arguments (default: {shlex.join(DEFAULT_SELECTION)})")
     args = parser.parse_args()
-    selection = args.pytest_args or list(DEFAULT_SELECTION)
+    if args.repeat < 1:
+        parser.error("--repeat takes a number of rounds, 1 or more")
+    selection = Selection(args.pytest_args or list(DEFAULT_SELECTION), args.repeat)
     wanted = lambda name: not args.kernel or any(k in name for k in args.kernel)  # noqa: E731
 
     results = []
@@ -397,17 +454,11 @@ def main() -> int:
         path, result.seconds, result.problem = run_on_host(selection)
         read_results(result, path)
         results.append(result)
+    fetching = time.monotonic()
     images = [unpacked_kernel(package) for package in map(newest_package, MATRIX) if wanted(package)]
-    accel = () if images and kvm_works(images[0]) else EMULATION
-    for image in images:
-        result = boot(image, accel, selection)
-        if result.died:
-            # Twice in CI an emulated guest died or froze mid-run without a word; a second boot tells
-            # such a flake from a kernel that cannot run the suite. The first boot's logs are still printed.
-            log(f"{result.kernel}: {result.problem}; booting it once more")
-            first_boot, result = result, boot(image, accel, selection)
-            result.first_boot = first_boot
-        results.append(result)
+    if images:
+        log(f"kernels ready in {time.monotonic() - fetching:.0f} s")
+    results += run_guests(images, selection)
     print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
     print_table(results)
     unexercised = never_run(results) if len(results) > 1 else set()
