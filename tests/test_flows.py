@@ -428,7 +428,8 @@ def test_cli_leaves_no_program_attached_after_signal(veth: VethPair, aiprobe_cli
     out, err = proc.communicate(timeout=10)
     if sig == signal.SIGTERM:
         assert proc.returncode == 0, err
-        assert isinstance(json.loads(out)["flows"], list)
+        document = json.loads(out)  # the last snapshot, with the interface it was attached to
+        assert [a["interface"] for a in document["attachments"]] == [veth.host]
     assert wait_until(lambda: not OUR_TC_PROGRAMS & programs_on(veth.host), timeout=3)
 
 

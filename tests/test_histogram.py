@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 from aiprobe.histogram import HIST_SLOTS, buckets_to_json, kernel_buckets, quantile
 from aiprobe.procfs import StartTimes, start_ticks
@@ -37,7 +38,9 @@ def test_start_ticks_from_a_stat_line_with_spaces_and_parens_in_comm(tmp_path: P
     (tmp_path / "42" / "stat").write_text(f"42 (a (b) c) {' '.join(fields)}\n")
     assert start_ticks(42, tmp_path) == 123456
     assert start_ticks(43, tmp_path) is None
-    assert start_ticks(os.getpid()) == start_ticks(os.getpid())
+    # This process: psutil's start time is the same field over the clock tick, from boot.
+    since_boot = psutil.Process().create_time() - psutil.boot_time()
+    assert abs(start_ticks(os.getpid()) - since_boot * os.sysconf("SC_CLK_TCK")) < 1
 
 
 def test_start_times_remember_an_exited_process(tmp_path: Path) -> None:
