@@ -339,6 +339,7 @@ def _ours(snapshot: CudaSnapshot, pid: int) -> CudaSnapshot:
                         gpus_of(contexts))
 
 
+@pytest.mark.realtime  # the rule holds its condition for wall-clock windows
 @pytest.mark.bpf
 def test_two_threads_on_two_contexts_share_one_gpu_and_the_rule_fires_and_resolves(cuda_libs, drivers) -> None:
     engine = RuleEngine({"gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=0.5)})
@@ -410,6 +411,7 @@ def test_cold_start_phases_of_a_process_started_while_watching(cuda_libs, driver
         assert measured == pytest.approx(expected_ms / 1000, rel=CLOCK_TOLERANCE), (measured, expected_ms)
 
 
+@pytest.mark.host_only  # /proc's start times, in user space
 @pytest.mark.bpf
 def test_a_process_started_before_the_probe_has_no_cold_start(cuda_libs, drivers) -> None:
     driver = Driver(cuda_libs.libdir, 2, 6, 1)
@@ -420,6 +422,7 @@ def test_a_process_started_before_the_probe_has_no_cold_start(cuda_libs, drivers
     assert _process(snapshot, driver.pid).cold_start is None
 
 
+@pytest.mark.host_only  # /proc's start times, in user space
 @pytest.mark.bpf
 def test_a_process_whose_start_up_was_missed_has_no_cold_start(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2) as probe:
@@ -443,6 +446,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.host_only  # reading files in user space
 @pytest.mark.bpf
 def test_files_named_libcuda_that_are_not_the_driver_are_read_safely_and_not_probed(cuda_libs, drivers,
                                                                                    tmp_path) -> None:
@@ -522,6 +526,7 @@ def test_gpu_check_says_clearly_when_there_is_no_gpu() -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.host_only  # the command's output; each count's path is the other tests'
 @pytest.mark.bpf
 def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs) -> None:
     """The real-GPU check's own logic, end to end, with the fake libcuda standing in for the GPU."""
@@ -573,6 +578,7 @@ def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_lib
         assert all(b >= a for a, b in zip(earlier, later, strict=True)), (earlier, later)
 
 
+@pytest.mark.host_only  # the rescan of mapped files, in user space
 @pytest.mark.bpf
 def test_a_library_dlopened_later_is_found(cuda_libs, drivers) -> None:
     with CudaProbe(rescan_interval=0.2) as probe:

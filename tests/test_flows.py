@@ -149,6 +149,7 @@ def test_vlan_tagged_frames_counted_exactly_each_way(veth: VethPair, vlans: tupl
         assert (flow.local_address, flow.remote_address) == (veth.host_ip4, veth.peer_ip4)
 
 
+@pytest.mark.host_only  # rates over the reads' own clock, in user space
 def test_rates_cover_the_interval_since_the_previous_read_never_a_sliver(veth: VethPair) -> None:
     frame = 42 + UDP_PAYLOAD
     with FlowsProbe([veth.host]) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
