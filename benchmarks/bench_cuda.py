@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fake libcuda and its driver live 
 from aiprobe import elf  # noqa: E402
 from aiprobe.cuda import DRIVER_KERNEL_LAUNCHES, CudaProbe, UprobeSite, attach_sites, detach_links  # noqa: E402
 from aiprobe.loader import BpfObject, Program  # noqa: E402
-from conftest import FIXTURE_BUILD, CBuild  # noqa: E402
 from fixtures.cuda_fake import DRIVER, RUNTIME_DRIVER, Driver, build  # noqa: E402
+from helpers import FIXTURE_BUILD, CBuild  # noqa: E402
 
 CALLS_DETACHED = 5_000_000
 CALLS_ATTACHED = 200_000  # each probed call costs a trap: fewer calls for a similar run time

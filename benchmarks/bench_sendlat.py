@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the C peer and its build live with th
 
 from aiprobe.loader import ProbeUnavailable, Strategy  # noqa: E402
 from aiprobe.sendlat import SPEC, SendLatencyProbe  # noqa: E402
-from conftest import FIXTURE_BUILD, CBuild  # noqa: E402
 from fixtures.sendlat_peer import build, sink  # noqa: E402
+from helpers import FIXTURE_BUILD, CBuild  # noqa: E402
 
 BATCH = int(os.environ.get("SENDLAT_BENCH_BATCH", "20000"))
 SIZE = 64

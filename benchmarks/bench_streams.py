@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from aiprobe.loader import Strategy  # noqa: E402
 from aiprobe.sendlat import SPEC, SendLatencyProbe  # noqa: E402
 from aiprobe.streams import StreamsProbe  # noqa: E402
-from conftest import free_port  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 from benchmarks.bench_sendlat import FLOOR, REFERENCES  # noqa: E402
 from benchmarks.bench_sendlat import Case as SendlatCase  # noqa: E402

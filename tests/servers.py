@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conftest import free_port, wait_until
+from helpers import free_port, wait_until
 
 AIPROBE = str(Path(sys.executable).parent / "aiprobe")
 

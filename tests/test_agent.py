@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe import __version__
-from conftest import VethPair, programs_on, wait_until
+from helpers import VethPair, programs_on, wait_until
 from servers import Agent, Alertmanager, Prometheus, http_get
 
 pytestmark = pytest.mark.bpf

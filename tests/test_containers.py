@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from aiprobe.containers import CgroupIndex, cgroup2_root, workload_of
-from conftest import VethPair, wait_until
+from helpers import VethPair, wait_until
 from servers import Agent
 
 CID = "3f2a9c1d0e4b" + "a" * 52

@@ -19,7 +19,7 @@ from aiprobe.config import load
 from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
 from aiprobe.exporters.prometheus import AgentCollector
-from conftest import unique, wait_until
+from helpers import unique, wait_until
 
 pytestmark = pytest.mark.bpf
 

@@ -41,7 +41,6 @@ from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from aiprobe.top_views import header_lines
-from conftest import CLOCK_TOLERANCE, ROOT, bpftool_json, fd_id, link_ids
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
     STATIC_RUNTIME_DRIVER,
@@ -51,6 +50,7 @@ from fixtures.cuda_fake import (
     build,
     counters,
 )
+from helpers import CLOCK_TOLERANCE, ROOT, bpftool_json, fd_id, link_ids
 
 ALTERNATIONS, LAUNCHES, SYNCS = 1000, 500, 100
 SYNC_US = 2500  # lands in the exported buckets between 2 and 4 ms

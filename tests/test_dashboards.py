@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import FIXTURE_BUILD, FIXTURES, CBuild, free_port, make_veth_pair, remove_veth_pair, wait_until
 from fixtures import cuda_fake
+from helpers import FIXTURE_BUILD, FIXTURES, CBuild, free_port, make_veth_pair, remove_veth_pair, wait_until
 from servers import Agent, Prometheus
 from test_agent import STALL_RULES, blocked_sender, send_tcp, tcp_sink
 from test_metrics_doc import documented

@@ -36,8 +36,8 @@ from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
 from aiprobe.model import FlowRecord, FlowsSnapshot
 from aiprobe.top_views import header_lines
-from conftest import VethPair, programs_on, run, unique, wait_until
 from fixtures import flows_frames as frames
+from helpers import VethPair, programs_on, run, unique, wait_until
 
 pytestmark = pytest.mark.bpf
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from aiprobe.containers import cgroup2_root
-from conftest import VethPair, free_port, programs_on, run, unique, wait_until
 from fixtures.cuda_fake import build
+from helpers import VethPair, free_port, programs_on, run, unique, wait_until
 from servers import AIPROBE, Agent, http_get
 from test_agent import tcp_sink
 

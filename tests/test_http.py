@@ -15,7 +15,7 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from conftest import VethPair, free_port, run
+from helpers import VethPair, free_port, run
 from servers import AIPROBE, Agent, Prometheus, http_get
 
 pytestmark = pytest.mark.bpf

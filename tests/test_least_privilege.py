@@ -14,11 +14,11 @@ import pytest
 import yaml
 from aiprobe.system import TRACEFS
 from aiprobe.uprobe_events import PERF_EVENT_PARANOID
-from conftest import FIXTURE_BUILD, VethPair, wait_until
 from fixtures.cuda_fake import Driver
 from fixtures.cuda_fake import build as build_cuda
 from fixtures.sendlat_peer import build as build_peer
 from fixtures.sendlat_peer import send, sink
+from helpers import FIXTURE_BUILD, VethPair, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import Agent
 

@@ -13,7 +13,7 @@ import pytest
 from aiprobe.features import libc_path
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, ProbeUnavailable, Strategy, load_first
-from conftest import fd_id, link_ids, prog_ids, wait_until
+from helpers import fd_id, link_ids, prog_ids, wait_until
 
 pytestmark = pytest.mark.bpf
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aiprobe.loader import ProbeUnavailable
 from aiprobe.nvml import NvmlProbe
-from conftest import FIXTURE_BUILD
+from helpers import FIXTURE_BUILD
 
 GIB = 1 << 30
 OTHER_PID = 4343  # a pid the fake reports on GPU 1 that need not exist

@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_BUILD, VethPair, wait_until
 from fixtures import cuda_fake
 from fixtures.cuda_fake import Driver, FakeCuda
+from helpers import FIXTURE_BUILD, VethPair, wait_until
 from servers import Agent
 
 pytestmark = pytest.mark.bpf

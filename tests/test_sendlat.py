@@ -34,8 +34,8 @@ from aiprobe.sendlat import (
     SendLatencySnapshot,
     TimingBudget,
 )
-from conftest import CLOCK_TOLERANCE, unique, wait_until
 from fixtures.sendlat_peer import build, mix, paced_sink, send, send_nonblocking, sender_cmd, sink
+from helpers import CLOCK_TOLERANCE, unique, wait_until
 
 BLOCK_MS = 300
 SLOW_MS = 100  # the module's probe reports sends slower than this

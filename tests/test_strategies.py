@@ -22,8 +22,8 @@ from aiprobe.loader import ProbeUnavailable
 from aiprobe.probes import Probe, plan, selected, spec, specs, strategies_named
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe
-from conftest import VethPair
 from fixtures.sendlat_peer import build, sender_cmd, sink
+from helpers import VethPair
 
 # What each probe must pick, by kernel series (major, minor). Debian 12's kernels are what
 # `make test-kernels` boots; 6.18 is CI's own host (no kprobes, fentry refused). streams runs in

@@ -32,8 +32,8 @@ from aiprobe.histogram import HIST_SLOTS
 from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe, _endpoint
-from conftest import free_port, wait_until
 from fixtures.cuda_fake import FakeCuda, build
+from helpers import free_port, wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
 GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"

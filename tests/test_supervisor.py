@@ -9,7 +9,7 @@ import threading
 import pytest
 from aiprobe import supervisor
 from aiprobe.supervisor import Supervisor
-from conftest import wait_until
+from helpers import wait_until
 
 
 @pytest.fixture(autouse=True)

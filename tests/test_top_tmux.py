@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import VethPair, free_port, link_ids, prog_ids, programs_on, wait_until
+from helpers import VethPair, free_port, link_ids, prog_ids, programs_on, wait_until
 from servers import Agent
 
 SINK = """

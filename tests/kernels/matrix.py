@@ -13,7 +13,7 @@ plain emulation otherwise.
 The emulated guests run side by side, each on one host thread (see EMULATION), after this host's run.
 
 Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [-- PYTEST ARGS]  (default: the modules of
-conftest's KERNEL_MODULES, -m "kernels and bpf"; naming the modules spares the
+tests/helpers.py's KERNEL_MODULES, -m "kernels and bpf"; naming the modules spares the
 guests the imports of the rest of the suite, minutes under emulation). `--repeat N` runs the
 selection N times in one boot, to find flakes before CI does; every failure names its round.
 Exit status 1 when a test failed or a kernel did not report.
@@ -46,7 +46,7 @@ CACHE = ROOT / "build" / "kernels"
 VNG = CACHE / "vng-venv" / "bin" / "vng"
 GUEST = ROOT / "tests" / "kernels" / "guest.sh"
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import KERNEL_MODULES  # noqa: E402  (the one list of what runs on every kernel)
+from helpers import KERNEL_MODULES  # noqa: E402  (the one list of what runs on every kernel)
 
 # The rest needs no kernel of its own: make test runs it.
 DEFAULT_SELECTION = (*(f"tests/{module}.py" for module in sorted(KERNEL_MODULES)),
