@@ -56,7 +56,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> bool:
+# How long a test waits for what should come at once (a peer, an attach, a refresh): it bounds a
+# failure, never a pass, so it is generous: a loaded or emulated machine stretches everything.
+PATIENCE = 60.0
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = PATIENCE, interval: float = 0.05) -> bool:
     """Poll `predicate` until it is truthy or `timeout` passes; returns whether it became truthy."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

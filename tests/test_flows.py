@@ -37,7 +37,7 @@ from aiprobe.loader import BpfObject, tc_clsact_detach
 from aiprobe.model import FlowRecord, FlowsSnapshot
 from aiprobe.top_views import header_lines
 from fixtures import flows_frames as frames
-from helpers import VethPair, programs_on, run, unique, wait_until
+from helpers import PATIENCE, VethPair, programs_on, run, unique, wait_until
 
 pytestmark = pytest.mark.bpf
 
@@ -86,7 +86,7 @@ import socket, sys
 family, host, port, count, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 s = socket.socket(socket.AF_INET6 if family == "6" else socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("::" if family == "6" else "0.0.0.0", port))
-s.settimeout(5)
+s.settimeout(float(sys.argv[6]))
 for _ in range(count):
     s.sendto(bytes(size), (host, port))
 for _ in range(count):
@@ -102,14 +102,14 @@ def test_udp_datagrams_counted_exactly_each_way(veth: VethPair, family: str, str
     with FlowsProbe([veth.host], strategy=strategy) as probe:
         with socket.socket(socket.AF_INET6 if family == "6" else socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind((host_ip, port))
-            sock.settimeout(5)
+            sock.settimeout(PATIENCE)
             peer = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", PEER_UDP, family, host_ip, str(port),
-                                                 str(COUNT), str(UDP_PAYLOAD)]))
+                                                 str(COUNT), str(UDP_PAYLOAD), str(PATIENCE)]))
             for _ in range(COUNT):  # the peer is bound once its first datagram arrives
                 sock.recvfrom(65536)
             for _ in range(COUNT):
                 sock.sendto(bytes(UDP_PAYLOAD), (peer_ip, port))
-            assert peer.wait(10) == 0
+            assert peer.wait(PATIENCE) == 0
         snapshot = probe.read()
     for direction in ("ingress", "egress"):
         flow = _flow(snapshot, direction, "udp", port, port)
@@ -334,11 +334,11 @@ def test_wire_segments_match_snmp_and_interface_counters(namespaces: NamespacePa
         before = sample()
         assert wait_until(lambda: "LISTEN" in ns.run(ns.b, ["ss", "-tlnH"]).stdout)
         client = ns.run(ns.a, ["iperf3", "-c", ns.ip_b, "-n", BULK, "-J", *(["-R"] if data == "ingress" else [])])
-        assert server.wait(10) == 0
+        assert server.wait(PATIENCE) == 0
         after = sample()
     finally:
         probe.stdin.close()
-        probe.wait(10)
+        probe.wait(PATIENCE)
         server.kill()
     sent_by_a, sent_by_b = _sent_segments(before[1], after[1]), _sent_segments(before[2], after[2])
     egress, ingress = (tuple(x - y for x, y in zip(_tcp_totals(after[0], d), _tcp_totals(before[0], d), strict=True))
