@@ -7,6 +7,7 @@ Every fixture that creates kernel state removes it in `finally`, so a failing te
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.kernels)
         if "bpf" in item.keywords and not IS_ROOT:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each failure as it happens, where AIPROBE_FAILURE_LOG says (tests/kernels/guest.sh): a round
+    stopped at its time limit never prints pytest's summary, and this keeps its failures' reasons."""
+    if report.failed and (path := os.environ.get("AIPROBE_FAILURE_LOG")):
+        with open(path, "a") as log:
+            log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 # whose writes stay in the guest; RESULTS is the one directory shared read-write with the host.
 # Usage: guest.sh RESULTS CHECK_SECONDS PYTEST_SECONDS ROUNDS [PYTEST ARGS]. Leaves in RESULTS:
 # check.json and check.err (`aiprobe check --json`), junit-<round>.xml and pytest-<round>.log (the
-# selection, run ROUNDS times in a row to find flakes), rc (the last failing round's status), steps.log (each step's status and time), heartbeat (rewritten every 10 s
+# selection, run ROUNDS times in a row to find flakes), failures-<round>.log (each failure as it
+# happened, also of a round stopped at its limit), rc (the last failing round's status), steps.log (each step's status and time), heartbeat (rewritten every 10 s
 # while it runs), and hung.log when a step outlived its time: every task's kernel stack, then
 # SIGABRT to its Python processes, whose faulthandler writes their threads' stacks to the step's
 # log. So a hang is a failure that says where, never a stalled CI.
@@ -68,7 +69,8 @@ trap 'kill "$heartbeat"' EXIT
 bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
 rc=0
 for round in $(seq "$ROUNDS"); do
-    bounded "$PYTEST_SECONDS" "pytest round $round" .venv/bin/pytest -p no:cacheprovider -ra --durations=25 \
+    AIPROBE_FAILURE_LOG="$RESULTS/failures-$round.log" \
+        bounded "$PYTEST_SECONDS" "pytest round $round" .venv/bin/pytest -p no:cacheprovider -ra --durations=25 \
         --junitxml="$RESULTS/junit-$round.xml" "$@" > "$RESULTS/pytest-$round.log" 2>&1 || rc=$?
 done
 echo $rc > "$RESULTS/rc"

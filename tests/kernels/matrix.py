@@ -302,7 +302,7 @@ def run_on_host(selection: Selection) -> tuple[Path, float, str]:
 # CI keeps only what is printed, not build/: a kernel that failed or did not report shows why in
 # its logs' tails, and in what its console printed from the kernel's first report of trouble on.
 EVIDENCE = (("check.err", 5), ("steps.log", 3), ("frozen.log", 6))
-PYTEST_EVIDENCE = 15  # lines of the log of each round that failed, or of the last round
+PYTEST_EVIDENCE = 15  # last lines of each failed round's failures and pytest logs (or of the last round)
 TROUBLE = re.compile(r"\] (Oops|BUG|general protection|Kernel panic|watchdog: BUG|INFO: task|rcu: INFO|"
                      r"sysrq: Show|Uhhuh)")
 DUMP_LINE = re.compile(r"\] (Code: |R(?!IP)[A-Z0-9]{2}: )")  # registers and code bytes, read by no one here
@@ -311,7 +311,8 @@ DUMP_LINE = re.compile(r"\] (Code: |R(?!IP)[A-Z0-9]{2}: )")  # registers and cod
 def log_tails(results: Path, failed_rounds: list[int]) -> list[str]:
     lines = console_excerpt(results)
     rounds = failed_rounds or [round_ for round_, _ in rounds_run(results, "pytest-*.log")[-1:]]
-    for name, count in (*EVIDENCE, *((f"pytest-{round_}.log", PYTEST_EVIDENCE) for round_ in rounds)):
+    logs = [(f"{log}-{round_}.log", PYTEST_EVIDENCE) for round_ in rounds for log in ("failures", "pytest")]
+    for name, count in (*EVIDENCE, *logs):
         with contextlib.suppress(OSError):
             if tail := (results / name).read_text(errors="replace").splitlines()[-count:]:
                 lines += [f"-- {name}, last {len(tail)} lines:", *tail]
