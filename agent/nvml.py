@@ -300,7 +300,7 @@ class NvmlProbe(Probe):
 
 
 
-def _probe_here() -> NvmlProbe:
+def started_probe() -> NvmlProbe:
     """A probe started on this host's NVML, or not (its reason says why); the caller closes it."""
     probe = NvmlProbe()
     with contextlib.suppress(ProbeUnavailable):
@@ -310,14 +310,14 @@ def _probe_here() -> NvmlProbe:
 
 def nvml_unavailable() -> str | None:
     """Why NVML cannot be used here, or None."""
-    probe = _probe_here()
+    probe = started_probe()
     probe.close()
     return probe.reason or None
 
 
 def gpus_without_gpm() -> list[str]:
     """What the probe cannot measure here: a line per GPU without GPM (`aiprobe check`)."""
-    probe = _probe_here()
+    probe = started_probe()
     refusals = probe.gpm_refusals
     probe.close()
     return refusals
