@@ -347,7 +347,8 @@ def _engine_series(field: str) -> Callable[[int], Callable[[list[GpuInfo]], list
 
 
 def _engine_gauge(name: str, field: str, help_text: str) -> Family:
-    return Family(name, "gauge", help_text, GpuInfo, field, (*_GPU_LABELS, ("engine", "engine")),
+    """A gauge of each GPU's `engines`: `field` of every engine, labelled by its number."""
+    return Family(name, "gauge", help_text, GpuInfo, "engines", (*_GPU_LABELS, ("engine", "engines")),
                   series=_engine_series(field), doc_note=ENGINE_NOTE)
 
 
