@@ -1,4 +1,5 @@
-"""NVIDIA GPUs through NVML (pynvml): utilization, memory, power, clocks, PCIe, processes, GPM.
+"""NVIDIA GPUs through NVML (pynvml): utilization, memory, power, clocks, PCIe, processes, and the
+GPU's own context switches per graphics engine (GPM).
 
 Every value is converted to base units (ratio 0..1, bytes, watts, hertz, celsius, bytes/s). A
 metric that a GPU answers with NOT_SUPPORTED (or an old driver lacks) is disabled for that GPU
