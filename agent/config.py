@@ -61,6 +61,8 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
     "cuda_context_switch_storm": RuleConfig(threshold=1000.0, clear=500.0, for_seconds=10, severity="warning"),
     # CUDA contexts that launched work on one GPU in the last refresh (2 or more: time-sliced)
     "gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=30, severity="warning"),
+    # fraction of time the GPU's busiest graphics engine spends switching contexts (GPM)
+    "gpu_context_switch_overhead": RuleConfig(threshold=0.05, clear=0.03, for_seconds=30, severity="warning"),
     # listen-queue drops per second (TcpExt ListenDrops, which counts every overflow too)
     "listen_queue_overflow": RuleConfig(threshold=1.0, clear=0.0, for_seconds=0, severity="critical"),
     # stalls (gaps between writes above stream_stall_threshold_ms) of one process's responses in the window

@@ -355,7 +355,7 @@ class Agent:
             if ingress >= self.config.traffic_floor_bytes_per_second:
                 signals.append(Signal("gpu_idle_with_traffic", target, util, {
                     "utilization_ratio": util, "ingress_bytes_per_second": round(ingress), "uuid": gpu.uuid}))
-        return signals
+        return signals + context_switch_signals(r.of(GpuInfo))
 
     def _tcp_signals(self, r: Readings, now: float) -> list[Signal]:
         signals = []
@@ -432,17 +432,46 @@ def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
         info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def switching_evidence(info: GpuInfo | None) -> dict[str, Any]:
+    """The GPU's own measure of its context switches (GPM): share of time and mean time per switch."""
+    if info is None:
+        return {"context_switching_ratio": None, "context_switch_seconds": None}
+    return {"context_switching_ratio": _rounded(info.context_switching_ratio, 4),
+            "context_switch_seconds": _rounded(info.context_switch_seconds, 9)}
+
+
+def context_switch_signals(infos: list[GpuInfo]) -> list[Signal]:
+    """gpu_context_switch_overhead: per GPU with GPM, the switching share of its busiest engine."""
+    signals = []
+    for info in infos:
+        if info.context_switching_ratio is None:
+            continue
+        busiest = max(info.engines, key=lambda engine: engine.context_switching_ratio)
+        signals.append(Signal("gpu_context_switch_overhead", f"gpu{info.index}", info.context_switching_ratio, {
+            **switching_evidence(info), "engine": busiest.engine,
+            "context_switches_per_second": _rounded(info.context_switches_per_second, 1),
+            "active_contexts": info.cuda_active_contexts, "uuid": info.uuid}))
+    return signals
+
+
 def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo]) -> list[Signal]:
     """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
-    processes, launch rates and the GPU's utilization (NVML, matched by index or UUID) as evidence."""
-    utilization = {key: info.utilization_gpu_ratio for info in infos for key in (str(info.index), info.uuid)}
+    processes, launch rates, and the GPU's utilization and own measure of its switching (NVML, matched
+    by index or UUID) as evidence."""
+    by_key = {key: info for info in infos for key in (str(info.index), info.uuid)}
     signals = []
     for gpu in gpus:
         active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
+        info = by_key.get(gpu.gpu)
         signals.append(Signal("gpu_time_sliced", f"gpu{gpu.gpu}", gpu.active_contexts, {
             "contexts": [{"pid": c.pid, "process": f"{c.comm or c.pid}@{c.container}", "context": c.context,
                           "launches_per_second": round(c.launches_per_second, 1)} for c in active],
-            "utilization_ratio": utilization.get(gpu.gpu)}))
+            "utilization_ratio": None if info is None else info.utilization_gpu_ratio,
+            **switching_evidence(info)}))
     return signals
 
 

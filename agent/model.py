@@ -410,6 +410,17 @@ class CudaSnapshot(Record):
 
 
 @dataclass
+class GpuEngine(Record):
+    """Context switches of one graphics engine of a GPU (GPM's GR0..GR7: GR0 alone without MIG, one or
+    more per GPU instance under MIG), between this read and the previous one."""
+
+    engine: int
+    context_switches_per_second: float | None  # over the engine's elapsed cycles at the SM clock
+    context_switching_ratio: float  # of the engine's time spent switching contexts
+    context_switch_seconds: float | None  # mean time per switch: cycles per switch / SM clock; None without switches
+
+
+@dataclass
 class GpuInfo(Record):
     index: int
     uuid: str
@@ -431,6 +442,12 @@ class GpuInfo(Record):
     gpm_context_switch_requests: float | None = None
     gpm_context_switch_cycles_per_request: float | None = None
     gpm_context_switch_active_ratio: float | None = None
+    # The same for every graphics engine in base units; the GPU's: switches per second and mean time
+    # per switch over all its engines, the switching share of its busiest engine.
+    context_switches_per_second: float | None = None
+    context_switching_ratio: float | None = None
+    context_switch_seconds: float | None = None
+    engines: list[GpuEngine] = field(default_factory=list)
     # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
     cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
 

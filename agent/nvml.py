@@ -1,4 +1,5 @@
-"""NVIDIA GPUs through NVML (pynvml): utilization, memory, power, clocks, PCIe, processes, GPM.
+"""NVIDIA GPUs through NVML (pynvml): utilization, memory, power, clocks, PCIe, processes, and the
+GPU's own context switches per graphics engine (GPM).
 
 Every value is converted to base units (ratio 0..1, bytes, watts, hertz, celsius, bytes/s). A
 metric that a GPU answers with NOT_SUPPORTED (or an old driver lacks) is disabled for that GPU
@@ -8,6 +9,8 @@ the probe is simply unavailable (`reason` says why) and everything else keeps ru
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -15,12 +18,13 @@ from typing import Any, TypeVar
 import pynvml
 
 from .loader import ProbeUnavailable, Strategy
-from .metrics import PROCESS_LABELS, Family
-from .model import GpuInfo, GpuProcess, GpuSnapshot, ProbeStatus
+from .metrics import PROCESS_LABELS, Family, Series
+from .model import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot, ProbeStatus
 from .names import process_name
 from .probes import Probe, ProbeSpec
 
 T = TypeVar("T")
+log = logging.getLogger("aiprobe.nvml")
 
 PERCENT = 0.01
 MILLIWATT = 0.001
@@ -52,12 +56,13 @@ COMPUTE_MODES = {
     pynvml.NVML_COMPUTEMODE_PROHIBITED: "prohibited",
     pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
 }
-# GPM (Hopper and newer), graphics engine 0: field -> (metric id, scale to base units).
-GPM_METRICS = {
-    "gpm_context_switch_requests": (pynvml.NVML_GPM_METRIC_GR0_CTXSW_REQUESTS, 1.0),
-    "gpm_context_switch_cycles_per_request": (pynvml.NVML_GPM_METRIC_GR0_CTXSW_CYCLES_PER_REQ, 1.0),
-    "gpm_context_switch_active_ratio": (pynvml.NVML_GPM_METRIC_GR0_CTXSW_ACTIVE_PCT, PERCENT),
-}
+# GPM (Hopper and newer): the context-switch counters of each graphics engine GR0..GR7 (GR0 alone
+# without MIG), as (engine, counter, metric id).
+GR_ENGINES = 8
+CTXSW_COUNTERS = ("CYCLES_ELAPSED", "CYCLES_ACTIVE", "REQUESTS", "CYCLES_PER_REQ", "ACTIVE_PCT")
+GPM_METRICS = tuple((engine, counter, getattr(pynvml, f"NVML_GPM_METRIC_GR{engine}_CTXSW_{counter}"))
+                    for engine in range(GR_ENGINES) for counter in CTXSW_COUNTERS)
+NO_GPM = "no GPM (Hopper or newer)"
 
 
 def _reason(exc: pynvml.NVMLError) -> str:
@@ -75,6 +80,7 @@ class _Gpu:
         self.disabled: set[str] = set()
         self.last_process_sample = 0  # NVML timestamp (us) of the newest per-process sample seen
         self.gpm_sample: Any = None
+        self.no_gpm = _gpm_refusal(self.handle)  # why this GPU gives no GPM metrics; "" when it does
 
     def query(self, metric: str, call: Callable[[], T]) -> T | None:
         """`call()`, or None when this GPU does not support `metric` (remembered) or it failed."""
@@ -91,6 +97,52 @@ class _Gpu:
         sample, self.gpm_sample = self.gpm_sample, None
         if sample is not None:
             pynvml.nvmlGpmSampleFree(sample)
+
+
+def _gpm_refusal(handle: Any) -> str:
+    """Why NVML gives no GPM metrics for this GPU, or "" when it does."""
+    try:
+        support = pynvml.nvmlGpmQueryDeviceSupport(handle)
+    except pynvml.NVMLError as exc:
+        if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+            return "no GPM in this driver's NVML"
+        return NO_GPM if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED else f"GPM: {exc}"
+    return "" if support.isSupportedDevice else NO_GPM
+
+
+def _engine(engine: int, counters: dict[str, float], sm_clock_hz: int | None) -> GpuEngine:
+    """One engine's switching in base units: cycles become seconds at the SM clock, and switches per
+    second are over the cycles the engine counted, so that their product is the switching share."""
+    ratio = counters["ACTIVE_PCT"] * PERCENT
+    if not sm_clock_hz:
+        return GpuEngine(engine, None, ratio, None)
+    per_second = counters["REQUESTS"] * sm_clock_hz / counters["CYCLES_ELAPSED"]
+    seconds = counters["CYCLES_PER_REQ"] / sm_clock_hz if counters["REQUESTS"] else None
+    return GpuEngine(engine, per_second, ratio, seconds)
+
+
+def _gpu_switching(engines: list[GpuEngine]) -> dict[str, Any]:
+    """The GPU's switches per second and mean time per switch over all its engines, and the
+    switching share of its busiest engine (what gpu_context_switch_overhead judges)."""
+    timed = [e for e in engines if e.context_switches_per_second is not None]
+    per_second = sum(e.context_switches_per_second or 0.0 for e in timed) if timed else None
+    switching = sum((e.context_switches_per_second or 0.0) * (e.context_switch_seconds or 0.0) for e in timed)
+    return {
+        "context_switches_per_second": per_second,
+        "context_switching_ratio": max((e.context_switching_ratio for e in engines), default=None),
+        "context_switch_seconds": switching / per_second if per_second else None,
+        "engines": engines,
+    }
+
+
+def _gr0_counters(counters: dict[str, float] | None) -> dict[str, Any]:
+    """GR0's counters as NVML gives them (the snapshot's `gpm_*` fields)."""
+    if counters is None:
+        return dict.fromkeys(("gpm_context_switch_requests", "gpm_context_switch_cycles_per_request",
+                              "gpm_context_switch_active_ratio"))
+    return {"gpm_context_switch_requests": counters["REQUESTS"],
+            "gpm_context_switch_cycles_per_request": counters["CYCLES_PER_REQ"],
+            "gpm_context_switch_active_ratio": counters["ACTIVE_PCT"] * PERCENT}
 
 
 def _scaled(value: float | None, scale: float, cast: Callable[[float], Any] = float) -> Any:
@@ -114,17 +166,27 @@ class NvmlProbe(Probe):
             self._initialized = True
             self._gpus = [_Gpu(i) for i in range(pynvml.nvmlDeviceGetCount())]
             self.reason = ""
+            for refusal in self.gpm_refusals:
+                log.info("nvml: %s", refusal)
         except pynvml.NVMLError as exc:
             self.reason = _reason(exc)
             self.close()
             raise ProbeUnavailable("nvml", {"nvml": self.reason}) from None
 
     def status(self) -> ProbeStatus:
-        return ProbeStatus(True, "nvml", SPAN) if self.available else ProbeStatus(False, reason=self.reason)
+        if not self.available:
+            return ProbeStatus(False, reason=self.reason)
+        return ProbeStatus(True, "nvml", "; ".join([SPAN, *self.gpm_refusals]))
 
     @property
     def available(self) -> bool:
         return self._initialized
+
+    @property
+    def gpm_refusals(self) -> list[str]:
+        """One line per GPU without GPM metrics (no context-switch families for it), saying why."""
+        return [f"GPU {gpu.index} ({gpu.name}): {gpu.no_gpm}, so no GPU context-switch metrics"
+                for gpu in self._gpus if gpu.no_gpm]
 
     @property
     def has_gpm(self) -> bool:
@@ -142,6 +204,7 @@ class NvmlProbe(Probe):
 
     def _gpu_info(self, gpu: _Gpu) -> GpuInfo:
         h = gpu.handle
+        engines = self._gpm(gpu)
         utilization = gpu.query("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
         memory = gpu.query("memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
         reasons = gpu.query("clock_event_reasons", lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
@@ -174,35 +237,36 @@ class NvmlProbe(Probe):
             pcie_tx_bytes_per_second=pcie["pcie_tx"],
             pcie_rx_bytes_per_second=pcie["pcie_rx"],
             compute_mode=None if mode is None else COMPUTE_MODES.get(mode, str(mode)),
-            **self._gpm(gpu),
+            **_gr0_counters(engines.get(0)),
+            **_gpu_switching([_engine(engine, counters, clocks["sm_clock"]) for engine, counters in engines.items()]),
             cuda_active_contexts=None,  # joined by the agent from the cuda probe
         )
 
-    def _gpm(self, gpu: _Gpu) -> dict[str, float | None]:
-        """GPM metrics between the previous read's sample and a new one (None the first time)."""
-        values: dict[str, float | None] = dict.fromkeys(GPM_METRICS)
-        support = gpu.query("gpm", lambda: pynvml.nvmlGpmQueryDeviceSupport(gpu.handle))
-        if support is None or not support.isSupportedDevice:
-            gpu.disabled.add("gpm")
-            return values
+    def _gpm(self, gpu: _Gpu) -> dict[int, dict[str, float]]:
+        """engine -> its context-switch counters between the previous read's GPM sample and a new one:
+        engines that NVML measured over some cycles (none the first time, or without GPM)."""
+        if gpu.no_gpm:
+            return {}
         sample = gpu.query("gpm", lambda: pynvml.nvmlGpmSampleGet(gpu.handle, pynvml.nvmlGpmSampleAlloc()))
         if sample is None:
-            return values
+            return {}
         previous, gpu.gpm_sample = gpu.gpm_sample, sample
         if previous is None:
-            return values
+            return {}
         request = pynvml.c_nvmlGpmMetricsGet_t()
         request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(GPM_METRICS)
         request.sample1, request.sample2 = previous, sample
-        for slot, (metric_id, _) in zip(request.metrics, GPM_METRICS.values(), strict=False):
+        for slot, (_, _, metric_id) in zip(request.metrics, GPM_METRICS, strict=False):
             slot.metricId = metric_id
+        engines: dict[int, dict[str, float]] = {}
         if gpu.query("gpm", lambda: pynvml.nvmlGpmMetricsGet(request)) is not None:
-            for slot, (name, (_, scale)) in zip(request.metrics, GPM_METRICS.items(), strict=False):
+            for slot, (engine, counter, _) in zip(request.metrics, GPM_METRICS, strict=False):
                 if slot.nvmlReturn == pynvml.NVML_SUCCESS:
-                    values[name] = slot.value * scale
+                    engines.setdefault(engine, {})[counter] = slot.value
         pynvml.nvmlGpmSampleFree(previous)
-        return values
+        return {engine: counters for engine, counters in engines.items()
+                if len(counters) == len(CTXSW_COUNTERS) and counters["CYCLES_ELAPSED"] > 0}
 
     def _processes(self, gpu: _Gpu) -> list[GpuProcess]:
         running = gpu.query("processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)) or []
@@ -237,15 +301,27 @@ class NvmlProbe(Probe):
 
 
 
+def started_probe() -> NvmlProbe:
+    """A probe started on this host's NVML, or not (its reason says why); the caller closes it."""
+    probe = NvmlProbe()
+    with contextlib.suppress(ProbeUnavailable):
+        probe.start()
+    return probe
+
+
 def nvml_unavailable() -> str | None:
     """Why NVML cannot be used here, or None."""
-    probe = NvmlProbe()
-    try:
-        probe.start()
-    except ProbeUnavailable:
-        return probe.reason
+    probe = started_probe()
     probe.close()
-    return None
+    return probe.reason or None
+
+
+def gpus_without_gpm() -> list[str]:
+    """What the probe cannot measure here: a line per GPU without GPM (`aiprobe check`)."""
+    probe = started_probe()
+    refusals = probe.gpm_refusals
+    probe.close()
+    return refusals
 
 
 SPAN = "NVML samples at each read"
@@ -261,6 +337,24 @@ def _gauge(name: str, value: str, help_text: str, labels: tuple[tuple[str, Any],
 def _dcgm(name: str, value: str, help_text: str, scale: float = 1.0) -> Family:
     # dcgm-exporter's names and units, so dashboards built for it keep working (--dcgm-compatible).
     return _gauge(name, value, help_text, _DCGM_LABELS, scale, option="dcgm_compatible_metrics")
+
+
+def _engine_series(field: str) -> Callable[[int], Callable[[list[GpuInfo]], list[Series]]]:
+    """One series per graphics engine of each GPU: its engines are a list inside the GPU's record."""
+    def series(gpus: list[GpuInfo]) -> list[Series]:
+        return [((str(gpu.index), gpu.uuid, str(engine.engine)), [value]) for gpu in gpus
+                for engine in gpu.engines if (value := getattr(engine, field)) is not None]
+    return lambda _top_flows: series
+
+
+def _engine_gauge(name: str, field: str, help_text: str) -> Family:
+    """A gauge of each GPU's `engines`: `field` of every engine, labelled by its number."""
+    return Family(name, "gauge", help_text, GpuInfo, "engines", (*_GPU_LABELS, ("engine", "engines")),
+                  series=_engine_series(field), doc_note=ENGINE_NOTE)
+
+
+ENGINE_NOTE = ("From GPM (Hopper and newer; none for a GPU without it), between two reads; `engine` is the "
+               "graphics engine (GR0..GR7: 0 alone without MIG).")
 
 
 def _reason_active(reason: str) -> Callable[[GpuInfo], int | None]:
@@ -284,6 +378,13 @@ METRICS = (
            expand_label="reason", expand=tuple((reason, _reason_active(reason))
                                                for reason in CLOCK_EVENT_REASONS.values()),
            doc_note="Reasons: " + ", ".join(f"`{reason}`" for reason in CLOCK_EVENT_REASONS.values()) + "."),
+    _engine_gauge("aiprobe_gpu_context_switches_per_second", "context_switches_per_second",
+                  "Context switches of a GPU's graphics engine per second: the GPU saving one context's state "
+                  "and restoring another's (time-slicing)."),
+    _engine_gauge("aiprobe_gpu_context_switching_ratio", "context_switching_ratio",
+                  "Fraction of time a GPU's graphics engine spent switching contexts."),
+    _engine_gauge("aiprobe_gpu_context_switch_seconds", "context_switch_seconds",
+                  "Mean time of one context switch of a GPU's graphics engine (cycles per switch at the SM clock)."),
     Family("aiprobe_gpu_process_memory_used_bytes", "gauge", "GPU memory used by processes.", GpuProcess,
            "used_memory_bytes", (("gpu", "gpu_index"), *PROCESS_LABELS)),
     _dcgm("DCGM_FI_DEV_GPU_UTIL", "utilization_gpu_ratio", "GPU utilization (in %).", scale=100),
@@ -303,6 +404,7 @@ SPEC = ProbeSpec(
     order=50,
     factory=lambda _config, _running: NvmlProbe(),
     requirement=nvml_unavailable,
+    limitations=gpus_without_gpm,
     config_keys=("dcgm_compatible_metrics",),
     command="aiprobe.commands.gpus:command",
     cli_name="gpus",

@@ -92,6 +92,8 @@ class ProbeSpec:
     factory: Factory | None = None
     # A prerequisite outside the kernel (a user-space library, a device); returns why it is unmet.
     requirement: Callable[[], str | None] | None = None
+    # What the probe cannot see on this host though it runs (a GPU without GPM), one line each.
+    limitations: Callable[[], list[str]] | None = None
     config_keys: tuple[str, ...] = ()  # the Config fields only this probe reads
     command: str = ""  # "module:attribute" of its `aiprobe <cli_name>` command
     cli_name: str = ""  # defaults to the probe's name
@@ -157,6 +159,7 @@ class ProbePlan:
     span: str = ""
     reason: str = ""
     skipped: dict[str, str] = field(default_factory=dict)
+    limitations: list[str] = field(default_factory=list)
 
     @property
     def available(self) -> bool:
@@ -169,6 +172,7 @@ class ProbePlan:
             "span": self.span,
             "reason": self.reason,
             "skipped": self.skipped,
+            "limitations": self.limitations,
             "description": self.description,
         }
 
@@ -182,7 +186,8 @@ def plan(spec: ProbeSpec, features: dict[str, Feature]) -> ProbePlan:
     for strategy in spec.strategies:
         missing = [f for f in strategy.features if not features[f].available]
         if not missing:
-            return ProbePlan(spec.name, spec.description, strategy.name, strategy.span, skipped=skipped)
+            return ProbePlan(spec.name, spec.description, strategy.name, strategy.span, skipped=skipped,
+                             limitations=spec.limitations() if spec.limitations else [])
         skipped[strategy.name] = "kernel lacks " + ", ".join(missing)
     reason = "; ".join(f"{name}: {why}" for name, why in skipped.items())
     return ProbePlan(spec.name, spec.description, None, reason=reason, skipped=skipped)

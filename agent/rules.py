@@ -77,6 +77,13 @@ RULES: dict[str, RuleSpec] = {
         "GPU {{ $labels.gpu }} is time-sliced between {{ $value }} busy CUDA contexts",
         "Each switch between contexts saves and restores the GPU's state: merge the work into one context or "
         "process, or use MPS."),
+    "gpu_context_switch_overhead": RuleSpec(
+        False, "{target} spends {value:.0%} of its time switching contexts (its busiest graphics engine): "
+        "time-slicing overhead (fewer contexts per GPU, merge the work into one process, or use MPS)",
+        "max by (instance, gpu, uuid) (aiprobe_gpu_context_switching_ratio)",
+        "GPU {{ $labels.gpu }} spends more than %(threshold_percent)s of its time switching contexts",
+        "The GPU saves and restores contexts' state instead of running kernels: fewer contexts per GPU, "
+        "merge the work into one context or process, or use MPS."),
     "listen_queue_overflow": RuleSpec(
         False, "{value:.3g} connections/s overflow or drop at listen queues: accept backlog too small "
         "or the server accepts too slowly",

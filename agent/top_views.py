@@ -153,6 +153,9 @@ VIEWS: dict[str, View] = {
                 Column("MEM CLK", "memory_clock_hz", 9),
                 Column("THROTTLE", "clock_event_reasons", 20, numeric=False),
                 Column("CUDA CTXS", "cuda_active_contexts", 9),  # 2+: time-sliced between contexts
+                # The GPU's own measure of that time-slicing (GPM): its switches, and its busiest engine's share.
+                Column("CTX SW", "context_switches_per_second", 8),
+                Column("SWITCHING", "context_switching_ratio", 9),
             ),
             "index", False, ("nvml",), _listed("gpus"),
             identity=("index",),

@@ -6,8 +6,10 @@ Starts the cuda probe, then a child process that drives the GPU through the driv
 cuInit, a context, a module from PTX text (an empty kernel), N launches, a graph of M launches
 captured on a stream and replayed K times, stream / event / context synchronizations, and a second
 context pushed over the first and popped (two context changes). The child counts its own calls and
-times its start-up calls; this prints those beside what aiprobe counted, NVML's view of the GPU and
-`nvidia-smi --query-gpu`, and exits 0 only when every count matches exactly. Takes seconds (the
+times its start-up calls; this prints those beside what aiprobe counted, NVML's view of the GPU (on
+Hopper and newer, GPM's context switches over the run: per second, share of time, time per switch,
+per graphics engine) and `nvidia-smi`'s (`--query-gpu` with the SM clock those times are counted at,
+and `dmon`'s own GPM context-switch columns), and exits 0 only when every count matches exactly. Takes seconds (the
 limit for the whole run is under 3 minutes). Without an NVIDIA driver it says so and exits 2.
 
 Not part of `make bench` (it needs a GPU); tests/test_cuda.py runs it against the fake libcuda.
@@ -16,6 +18,7 @@ Not part of `make bench` (it needs a GPU); tests/test_cuda.py runs it against th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -26,9 +29,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from aiprobe import formatting
 from aiprobe.cuda import STATIC_RUNTIME, CudaProbe, CudaProcess, mapped_cuda_libraries
-from aiprobe.loader import ProbeUnavailable
-from aiprobe.nvml import NvmlProbe
+from aiprobe.model import GpuEngine, GpuInfo
+from aiprobe.nvml import NvmlProbe, started_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_EXIT = 2
@@ -42,7 +46,9 @@ PTX_ISA = {50: "4.0", 52: "4.1", 53: "4.2", 60: "5.0", 61: "5.0", 62: "5.0", 70:
            110: "9.0", 120: "8.7", 121: "8.8"}
 FALLBACK_TARGETS = ((75, "6.3"), (52, "4.1"))
 KERNEL = b"noop"
-NVIDIA_SMI_FIELDS = "index,name,uuid,driver_version,utilization.gpu,memory.used,memory.total"
+NVIDIA_SMI_FIELDS = "index,name,uuid,driver_version,utilization.gpu,memory.used,memory.total,clocks.sm"
+# nvidia-smi dmon's GPM metrics: GR0's context-switch requests, cycles per request, active percentage.
+NVIDIA_SMI_GPM_METRICS = "172,173,174"
 
 
 class CudaCallFailed(RuntimeError):
@@ -161,28 +167,39 @@ def no_gpu_reason() -> str | None:
     return None
 
 
-def nvidia_smi() -> list[str]:
+def nvidia_smi(*args: str) -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return ["(nvidia-smi not found)"]
-    result = subprocess.run(["nvidia-smi", f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader"],
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False)
     return result.stdout.strip().splitlines() or [f"(nvidia-smi: {result.stderr.strip()})"]
 
 
-def nvml_lines(pid: int) -> list[str]:
-    nvml = NvmlProbe()
-    try:
-        nvml.start()
-        snapshot = nvml.read()
-    except ProbeUnavailable:
+def nvidia_smi_gpus() -> list[str]:
+    return nvidia_smi(f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader")
+
+
+def _switching(name: str, switching: GpuInfo | GpuEngine) -> str:
+    """`gpu0: 2k/s, 4% of the time, 30.0 µs per switch` (a GPU or one of its engines)."""
+    return (f"{name}: {formatting.field('context_switches_per_second', switching.context_switches_per_second)}, "
+            f"{formatting.field('context_switching_ratio', switching.context_switching_ratio)} of the time, "
+            f"{formatting.field('context_switch_seconds', switching.context_switch_seconds)} per switch")
+
+
+def nvml_lines(nvml: NvmlProbe, pid: int) -> list[str]:
+    """NVML's view of the GPUs, the program's processes on them, and GPM's context switches since
+    the read before the program ran."""
+    if not nvml.available:
         return [f"({nvml.reason})"]
-    finally:
-        nvml.close()
+    snapshot = nvml.read()
     lines = [f"gpu{g.index} {g.name}: utilization {g.utilization_gpu_ratio}, memory used {g.memory_used_bytes} B"
              for g in snapshot.gpus]
     lines += [f"gpu{p.gpu_index} pid {p.pid} ({p.comm}): {p.used_memory_bytes} B"
               for p in snapshot.processes if p.pid == pid]
-    return lines
+    for gpu in snapshot.gpus:
+        if gpu.engines:
+            lines.append("GPM context switches of " + _switching(f"gpu{gpu.index}", gpu) + " (" + ", ".join(
+                _switching(f"engine {engine.engine}", engine) for engine in gpu.engines) + ")")
+    return lines + nvml.gpm_refusals
 
 
 def _start_child(args: argparse.Namespace) -> subprocess.Popen:
@@ -237,15 +254,18 @@ def check(args: argparse.Namespace) -> int:
         print("gpu_check: needs root (it loads BPF programs)", file=sys.stderr)
         return NO_GPU_EXIT
     started = time.monotonic()
-    smi_before = nvidia_smi()
-    with CudaProbe(rescan_interval=0.1) as probe:
+    smi_before = nvidia_smi_gpus()
+    gpus = started_probe()
+    if gpus.available:
+        gpus.read()  # GPM's first sample: the next read measures the switches over the program's run
+    with contextlib.closing(gpus), CudaProbe(rescan_interval=0.1) as probe:
         child = _start_child(args)
         try:
             _wait_attached(probe, child.pid)
             child.stdin.write("go\n")
             child.stdin.flush()
             report = json.loads(child.stdout.readline() or "{}")
-            nvml = nvml_lines(child.pid)
+            nvml = nvml_lines(gpus, child.pid)
             child.wait(timeout=WORKLOAD_TIMEOUT)
         finally:
             if child.poll() is None:
@@ -267,7 +287,9 @@ def check(args: argparse.Namespace) -> int:
                                    f"{c.graph_launches} graph launches" for c in contexts))
     print("NVML: " + "; ".join(nvml))
     print("nvidia-smi before: " + " | ".join(smi_before))
-    print("nvidia-smi after:  " + " | ".join(nvidia_smi()))
+    print("nvidia-smi after:  " + " | ".join(nvidia_smi_gpus()))
+    print("nvidia-smi dmon GPM (GR0 context-switch requests, cycles per request, active %): " + " | ".join(
+        nvidia_smi("dmon", "--gpm-metrics", NVIDIA_SMI_GPM_METRICS, "--count", "1")))
     print("all counts match" if matched else "COUNTS DIFFER")
     return 0 if matched else 1
 

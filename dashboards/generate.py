@@ -58,6 +58,8 @@ def gauge(metric: str, selector: str = TARGET) -> str:
 
 
 GPU_LEGEND = "{{instance}} gpu{{gpu}}"
+ENGINE_LEGEND = GPU_LEGEND + " engine{{engine}}"
+GPM_NOTE = " From GPM (Hopper and newer), per graphics engine (several under MIG); none for a GPU without GPM."
 PROCESS_LEGEND = "{{process}} @ {{container}} ({{instance}})"
 
 
@@ -246,6 +248,21 @@ def gpu_cuda() -> dict:
               description="Runnable GPU-driving threads waiting for a CPU: the GPU starves while they wait."),
         Panel("Involuntary preemptions of GPU-driving threads", [
             Target(rate("aiprobe_gpu_thread_involuntary_preemptions_total", WORKLOAD), PROCESS_LEGEND)], unit="ops"),
+        Panel("Busy CUDA contexts per GPU", [Target(gauge("aiprobe_gpu_active_contexts"), GPU_LEGEND)],
+              description="Contexts that launched work on the GPU in the last refresh: 2 or more are time-sliced "
+                          "by the GPU (the gpu_time_sliced rule)."),
+        Panel("Launches into each GPU's contexts, by process", [
+            Target(gauge("aiprobe_gpu_context_launches_per_second", WORKLOAD), "gpu{{gpu}} " + PROCESS_LEGEND)],
+              unit="ops", description="Which processes keep the contexts on a GPU busy."),
+        Panel("GPU context switches", [Target(gauge("aiprobe_gpu_context_switches_per_second"), ENGINE_LEGEND)],
+              unit="ops", description="The GPU saving one context's state and restoring another's." + GPM_NOTE),
+        Panel("Share of GPU time spent switching contexts", [
+            Target(gauge("aiprobe_gpu_context_switching_ratio"), ENGINE_LEGEND)], unit="percentunit",
+              description="The gpu_context_switch_overhead rule fires while a GPU's busiest engine spends more "
+                          "than 5% of its time switching (30 s)." + GPM_NOTE),
+        Panel("Time per GPU context switch", [Target(gauge("aiprobe_gpu_context_switch_seconds"), ENGINE_LEGEND)],
+              unit="s", description="Cycles per switch over the SM clock: register save, page-table switch and "
+                                    "command-queue reload together." + GPM_NOTE),
         Panel("GPU utilization", [
             Target(gauge("aiprobe_gpu_utilization_ratio"), "kernel " + GPU_LEGEND),
             Target(gauge("aiprobe_gpu_memory_utilization_ratio"), "memory " + GPU_LEGEND)], unit="percentunit"),

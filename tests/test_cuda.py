@@ -523,14 +523,19 @@ def test_gpu_check_says_clearly_when_there_is_no_gpu() -> None:
 
 @pytest.mark.host_only  # the command's output; each count's path is the other tests'
 @pytest.mark.bpf
-def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs) -> None:
-    """The real-GPU check's own logic, end to end, with the fake libcuda standing in for the GPU."""
-    result = _gpu_check({**os.environ, "LD_LIBRARY_PATH": str(cuda_libs.libdir)},
+def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs, cbuild) -> None:
+    """The real-GPU check's own logic, end to end, with the fake libcuda and libnvidia-ml standing in
+    for the GPU: GPM's context switches over the run beside the counts, and why GPU 1 has none."""
+    nvml = cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
+    result = _gpu_check({**os.environ, "LD_LIBRARY_PATH": f"{cuda_libs.libdir}:{nvml.parent}"},
                         "--launches", "300", "--nodes", "5", "--replays", "40")
     assert result.returncode == 0, result.stdout + result.stderr
     table = dict(line.split()[:3:2] for line in result.stdout.splitlines() if line.split()[:1] in (
         ["kernel_launches"], ["graph_launches"], ["context_switches"]))
     assert table == {"kernel_launches": "305", "graph_launches": "40", "context_switches": "2"}
+    assert "GPM context switches of gpu0: 2k/s, 4% of the time, 30.0 µs per switch (engine 0: 1.60k/s, 4% of " \
+           "the time, 25 µs per switch, engine 1: 400/s, 2% of the time, 50 µs per switch)" in result.stdout
+    assert "GPU 1 (NVIDIA A100-SXM4-40GB): no GPM (Hopper or newer)" in result.stdout
     assert "all counts match" in result.stdout
 
 

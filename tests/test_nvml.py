@@ -6,16 +6,32 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from aiprobe.loader import ProbeUnavailable
-from aiprobe.nvml import NvmlProbe
-from helpers import FIXTURE_BUILD
+from aiprobe.nvml import SPAN, NvmlProbe
+from helpers import FIXTURE_BUILD, CBuild, wait_until
+from servers import AIPROBE, Agent
 
 GIB = 1 << 30
+SM_CLOCK_HZ = 1_980_000_000
+# The fake's GPU 0 engines over 198e6 elapsed cycles: GR0 160 switches of 49500 cycles, GR1 40 of 99000.
+FAKE_GPU0_ENGINES = [
+    {"engine": 0, "context_switches_per_second": 160 * SM_CLOCK_HZ / 198e6, "context_switching_ratio": 0.04,
+     "context_switch_seconds": 49500 / SM_CLOCK_HZ},
+    {"engine": 1, "context_switches_per_second": 40 * SM_CLOCK_HZ / 198e6, "context_switching_ratio": 0.02,
+     "context_switch_seconds": 99000 / SM_CLOCK_HZ},
+]
+FAKE_GPU0_SWITCHING = {
+    "context_switches_per_second": 2000.0,  # 1600 + 400
+    "context_switching_ratio": 0.04,  # the busiest engine's
+    "context_switch_seconds": pytest.approx(3e-5),  # (1600 x 25 us + 400 x 50 us) / 2000
+    "engines": FAKE_GPU0_ENGINES,
+}
 OTHER_PID = 4343  # a pid the fake reports on GPU 1 that need not exist
 
 
@@ -43,14 +59,18 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
         "memory_clock_hz": 2_619_000_000, "clock_event_reasons": ["sw_power_cap", "sw_thermal_slowdown"],
         "pcie_tx_bytes_per_second": 123456 * 1024, "pcie_rx_bytes_per_second": 654321 * 1024,
         "compute_mode": "exclusive_process",
-        # GPM, between the two samples `aiprobe gpus` takes on a GPU that has it.
-        "gpm_context_switch_requests": 250.0, "gpm_context_switch_cycles_per_request": 100.0,
-        "gpm_context_switch_active_ratio": 0.025,
+        # GPM, between the two samples `aiprobe gpus` takes on a GPU that has it: engine 0's counters
+        # as NVML gives them, then each engine's in base units (cycles at the 1980 MHz SM clock).
+        "gpm_context_switch_requests": 160.0, "gpm_context_switch_cycles_per_request": 49500.0,
+        "gpm_context_switch_active_ratio": 0.04,
+        **FAKE_GPU0_SWITCHING,
     }
     # GPU 1 answers NOT_SUPPORTED for power and PCIe throughput and has no GPM: None, not zero.
     assert (a100["index"], a100["name"], a100["memory_total_bytes"], a100["sm_clock_hz"]) == \
         (1, "NVIDIA A100-SXM4-40GB", 40 * GIB, 1_410_000_000)
     assert a100["power_watts"] is a100["pcie_tx_bytes_per_second"] is a100["gpm_context_switch_requests"] is None
+    assert a100["context_switches_per_second"] is a100["context_switching_ratio"] is None
+    assert a100["engines"] == []
     assert (a100["clock_event_reasons"], a100["compute_mode"]) == (["gpu_idle"], "default")
     # Processes are joined to the GPU that runs them, by host pid.
     mine, other = report["processes"]
@@ -82,6 +102,66 @@ print(json.dumps({"powers": powers, "calls": calls}))
                                        text=True, check=True).stdout)
     assert result["powers"] == [[312.5, None]] * 3
     assert result["calls"] == [3, 1]  # GPU 1 was asked once, then never again
+
+
+H100_UUID = "GPU-11111111-2222-3333-4444-555555555555"
+A100_REFUSAL = "GPU 1 (NVIDIA A100-SXM4-40GB): no GPM (Hopper or newer), so no GPU context-switch metrics"
+SWITCHING_FAMILIES = {"aiprobe_gpu_context_switches_per_second": "context_switches_per_second",
+                      "aiprobe_gpu_context_switching_ratio": "context_switching_ratio",
+                      "aiprobe_gpu_context_switch_seconds": "context_switch_seconds"}
+
+
+def _switching_series(metrics: str) -> dict[tuple[str, str, str, str], float]:
+    """(family, gpu, uuid, engine) -> value of every GPU context-switch series on /metrics."""
+    pattern = r'^(aiprobe_gpu_context_switch\w*)\{engine="(\d)",gpu="(\d)",uuid="([^"]*)"\} (\S+)$'
+    return {(name, gpu, uuid, engine): float(value)
+            for name, engine, gpu, uuid, value in re.findall(pattern, metrics, re.MULTILINE)}
+
+
+def test_agent_exports_each_engines_switching_and_says_once_which_gpu_has_none(nvml_env, tmp_path) -> None:
+    """/metrics has the fake's GPU 0 engines in base units, and nothing for GPU 1, which has no GPM:
+    the probe's span and the agent's log say so, once. top --batch shows the GPU's switches and share."""
+    expected = {(name, "0", H100_UUID, str(engine["engine"])): engine[field]
+                for name, field in SWITCHING_FAMILIES.items() for engine in FAKE_GPU0_ENGINES}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=nvml_env) as agent:
+        assert wait_until(lambda: _switching_series(agent.metrics()), timeout=15)
+        assert _switching_series(agent.metrics()) == expected
+        assert agent.snapshot()["probes"]["nvml"]["span"] == f"{SPAN}; {A100_REFUSAL}"
+        top = subprocess.run([AIPROBE, "top", "--batch", "--iterations", "1", "--connect", agent.url],
+                             capture_output=True, text=True, check=True).stdout
+    gpus = top[top.index("\nGPUS\n") + 1:].splitlines()
+    columns = gpus[2].split()  # after the title and the header
+    assert [columns[0], *columns[-3:]] == ["0", "0", "2k/s", "4%"]  # busy CUDA contexts: no cuda probe
+    assert [line for line in agent.log.read_text().splitlines() if "GPM" in line] == [f"aiprobe: nvml: {A100_REFUSAL}"]
+
+
+@pytest.fixture(scope="module")
+def nvml_without_gpm_env() -> dict[str, str]:
+    """A fake NVML built without the GPM functions, as a driver from before GPM."""
+    build = CBuild(FIXTURE_BUILD / "without-gpm")
+    build.out.mkdir(parents=True, exist_ok=True)
+    build("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True, flags=("-DFAKE_NVML_WITHOUT_GPM",))
+    return {**os.environ, "LD_LIBRARY_PATH": str(build.out)}
+
+
+def test_a_driver_without_gpm_gives_no_switching_and_says_why(nvml_without_gpm_env, aiprobe_cli) -> None:
+    report = json.loads(subprocess.run([*aiprobe_cli, "gpus", "--json"], env=nvml_without_gpm_env,
+                                       capture_output=True, text=True, check=True).stdout)
+    assert [(gpu["engines"], gpu["context_switching_ratio"], gpu["gpm_context_switch_requests"])
+            for gpu in report["gpus"]] == [([], None, None)] * 2
+    script = "from aiprobe.nvml import NvmlProbe\nwith NvmlProbe() as probe:\n    print(probe.status().span)\n"
+    span = subprocess.run([sys.executable, "-c", script], env=nvml_without_gpm_env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert span == "; ".join([SPAN, *(f"GPU {i} ({name}): no GPM in this driver's NVML, so no GPU context-switch "
+                                      "metrics" for i, name in enumerate(("NVIDIA H100 80GB HBM3",
+                                                                          "NVIDIA A100-SXM4-40GB")))])
+
+
+@pytest.mark.bpf
+def test_check_names_each_gpu_without_gpm(nvml_env, aiprobe_cli) -> None:
+    result = subprocess.run([*aiprobe_cli, "check", "--json"], env=nvml_env, capture_output=True, text=True,
+                            check=True)
+    assert json.loads(result.stdout)["probes"]["nvml"]["limitations"] == [A100_REFUSAL]
 
 
 def test_without_nvml_gpus_exits_1_with_one_line(aiprobe_cli) -> None:

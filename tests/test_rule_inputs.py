@@ -7,6 +7,7 @@ GPUs) and resolves when it stops, and its evidence matches the kernel's own coun
   in ListenDrops too: their sum counted each overflow twice);
 - tcp_retransmits_high from real losses on a veth;
 - gpu_saturated from the fake NVML's utilization, changed while the agent runs;
+- gpu_context_switch_overhead from the fake NVML's GPM context switches, changed while the agent runs;
 - gpu_threads_starved from busy loops sharing the CPU of a fake-CUDA program's thread;
 - cuda_context_switch_storm from a fake-CUDA program alternating between two contexts.
 
@@ -231,18 +232,36 @@ def test_tcp_retransmits_high_fires_on_real_losses_and_resolves(tmp_path: Path, 
 # --- gpu_saturated: the fake NVML's GPU 0 loaded while the agent runs ---
 
 
-def _gpu_utilization(agent: Agent, index: int) -> float | None:
-    return next((g["utilization_gpu_ratio"] for g in agent.snapshot().get("gpus", []) if g["index"] == index), None)
+def _gpu_field(agent: Agent, index: int, field: str) -> float | None:
+    return next((g[field] for g in agent.snapshot().get("gpus", []) if g["index"] == index), None)
+
+
+def _evidence_of_gpu0_alone(agent: Agent, rule: str) -> dict:
+    """The evidence `rule` fired with on GPU 0, where it fired and resolved once; never on GPU 1."""
+    assert _states(agent, rule, "gpu0") == ["pending", "firing", "resolved"]
+    assert _states(agent, rule, "gpu1") == []
+    return next(e for e in _transitions(agent, rule) if e["state"] == "firing")["evidence"]
+
+
+@contextlib.contextmanager
+def _fake_nvml_agent(tmp_path: Path, fake_nvml: dict[str, str], rule: str,
+                     variable: str) -> Iterator[tuple[Agent, Path]]:
+    """An agent of the fake NVML alone, `rule` firing without delay, and the file of numbers that the
+    fake re-reads through environment variable `variable`."""
+    numbers = tmp_path / variable.lower()
+    config = f'probes = ["nvml"]\n[rules.{rule}]\nfor_seconds = 0\n'
+    with Agent(tmp_path, config, env={**fake_nvml, variable: str(numbers)}) as agent:
+        yield agent, numbers
 
 
 def _active_alert(agent: Agent, rule: str, target: str) -> dict | None:
     return next((a for a in agent.snapshot().get("alerts", []) if (a["rule"], a["target"]) == (rule, target)), None)
 
 
-def _set_utilization(path: Path, *percents: int) -> None:
+def _set_numbers(path: Path, *numbers: int) -> None:
     """The fake NVML re-reads this file on every call: replace it whole, never half-written."""
     partial = path.with_suffix(".partial")
-    partial.write_text(" ".join(map(str, percents)))
+    partial.write_text(" ".join(map(str, numbers)))
     partial.rename(path)
 
 
@@ -251,24 +270,43 @@ def test_gpu_saturated_fires_when_the_gpu_is_busy_and_resolves_below_its_clear_t
 ) -> None:
     """GPU 0 at its built-in 87% (below 95%), then 99% (saturated), 90% (above the 85% clear
     threshold: still firing), 50% (resolved). GPU 1 stays at 3%."""
-    utilization = tmp_path / "utilization"
-    config = 'probes = ["nvml"]\n[rules.gpu_saturated]\nfor_seconds = 0\n'
-    with Agent(tmp_path, config, env={**fake_nvml, "FAKE_NVML_UTILIZATION": str(utilization)}) as agent:
-        assert wait_until(lambda: _gpu_utilization(agent, 0) == pytest.approx(0.87), timeout=10)
-        _set_utilization(utilization, 99, 3)
+    with _fake_nvml_agent(tmp_path, fake_nvml, "gpu_saturated", "FAKE_NVML_UTILIZATION") as (agent, utilization):
+        assert wait_until(lambda: _gpu_field(agent, 0, "utilization_gpu_ratio") == pytest.approx(0.87), timeout=10)
+        _set_numbers(utilization, 99, 3)
         assert wait_until(lambda: "firing" in _states(agent, "gpu_saturated", "gpu0"), timeout=10)
-        _set_utilization(utilization, 90, 3)
+        _set_numbers(utilization, 90, 3)
         assert wait_until(lambda: (_active_alert(agent, "gpu_saturated", "gpu0") or {}).get("value")
                           == pytest.approx(0.90), timeout=10)
         assert _active_alert(agent, "gpu_saturated", "gpu0")["state"] == "firing"  # hysteresis
-        _set_utilization(utilization, 50, 3)
+        _set_numbers(utilization, 50, 3)
         assert wait_until(lambda: "resolved" in _states(agent, "gpu_saturated", "gpu0"), timeout=10)
-        assert _gpu_utilization(agent, 0) == pytest.approx(0.50)
-    assert _states(agent, "gpu_saturated", "gpu0") == ["pending", "firing", "resolved"]
-    assert _states(agent, "gpu_saturated", "gpu1") == []
-    fired = next(e for e in _transitions(agent, "gpu_saturated") if e["state"] == "firing")
-    assert fired["evidence"]["utilization_ratio"] == pytest.approx(0.99)
-    assert fired["evidence"]["uuid"] == "GPU-11111111-2222-3333-4444-555555555555"
+        assert _gpu_field(agent, 0, "utilization_gpu_ratio") == pytest.approx(0.50)
+    evidence = _evidence_of_gpu0_alone(agent, "gpu_saturated")
+    assert evidence["utilization_ratio"] == pytest.approx(0.99)
+    assert evidence["uuid"] == "GPU-11111111-2222-3333-4444-555555555555"
+
+
+# --- gpu_context_switch_overhead: the fake NVML's GPU 0 engines switching more while the agent runs ---
+
+
+def test_gpu_context_switch_overhead_fires_while_an_engine_switches_and_resolves_below_clear(
+    tmp_path: Path, fake_nvml: dict[str, str]
+) -> None:
+    """GPU 0's engines at their built-in 160 and 40 switches per read (4% and 2% of their time,
+    below 5%), then engine 0 at 1000 (25%: fires), then both at 40 (1% and 2%, below the 3% clear
+    threshold: resolved). GPU 1 has no GPM: no signal."""
+    with _fake_nvml_agent(tmp_path, fake_nvml, "gpu_context_switch_overhead", "FAKE_NVML_GPM") as (agent, requests):
+        assert wait_until(lambda: _gpu_field(agent, 0, "context_switching_ratio") == pytest.approx(0.04), timeout=10)
+        _set_numbers(requests, 1000, 40)
+        assert wait_until(lambda: "firing" in _states(agent, "gpu_context_switch_overhead", "gpu0"), timeout=10)
+        _set_numbers(requests, 40, 40)
+        assert wait_until(lambda: "resolved" in _states(agent, "gpu_context_switch_overhead", "gpu0"), timeout=10)
+        assert _gpu_field(agent, 0, "context_switching_ratio") == pytest.approx(0.02)
+    # 1000 + 40 switches in 0.1 s of cycles; (1000 x 25 us + 40 x 50 us) / 1040 each.
+    assert _evidence_of_gpu0_alone(agent, "gpu_context_switch_overhead") == {
+        "context_switching_ratio": 0.25, "context_switch_seconds": pytest.approx(27 / 1040 * 1e-3, abs=1e-9),
+        "engine": 0, "context_switches_per_second": 10400.0, "active_contexts": 0,
+        "uuid": "GPU-11111111-2222-3333-4444-555555555555"}
 
 
 # --- the CUDA rules: fake-CUDA programs (tests/fixtures/cuda_driver.c, mode `paced`) under one agent ---

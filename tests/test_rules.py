@@ -6,7 +6,9 @@ from pathlib import Path
 
 import yaml
 from aiprobe.config import DEFAULT_RULES, RuleConfig
+from aiprobe.daemon import time_slicing_signals
 from aiprobe.exporters.rules_file import render
+from aiprobe.model import CudaContext, CudaGpu, GpuEngine, GpuInfo
 from aiprobe.rules import RULES, RuleEngine, Signal, alert_name
 
 RULES_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "aiprobe-rules.yml"
@@ -90,3 +92,19 @@ def test_a_changed_threshold_changes_the_rule_file() -> None:
     rule = next(r for r in yaml.safe_load(render(rules))["groups"][0]["rules"] if r["alert"] == "AiprobeGpuSaturated")
     assert (rule["expr"].strip(), rule["for"], rule["labels"]["severity"]) == \
         ("aiprobe_gpu_utilization_ratio > 0.9", "2m", "warning")
+
+
+def test_time_sliced_evidence_carries_the_gpus_own_switching() -> None:
+    """gpu_time_sliced's evidence: the busy contexts, and what GPM says the switching between them costs."""
+    gpu = CudaGpu("0", 2, ["1/0x1", "2/0x2"], [1, 2], 20.0)
+    contexts = [CudaContext(pid, "llm", f"0x{pid}", 0, "0", 10, 0, 10.0, True) for pid in (1, 2)]
+    info = GpuInfo(0, "GPU-a", "H100", utilization_gpu_ratio=0.9, context_switches_per_second=2000.0,
+                   context_switching_ratio=0.04, context_switch_seconds=3e-5,
+                   engines=[GpuEngine(0, 2000.0, 0.04, 3e-5)])
+    [signal] = time_slicing_signals([gpu], contexts, [info])
+    assert (signal.target, signal.value) == ("gpu0", 2)
+    assert {k: signal.evidence[k] for k in ("utilization_ratio", "context_switching_ratio",
+                                            "context_switch_seconds")} == {
+        "utilization_ratio": 0.9, "context_switching_ratio": 0.04, "context_switch_seconds": 3e-5}
+    [without_gpm] = time_slicing_signals([gpu], contexts, [GpuInfo(0, "GPU-a", "A100")])
+    assert without_gpm.evidence["context_switching_ratio"] is without_gpm.evidence["context_switch_seconds"] is None

@@ -38,6 +38,8 @@ def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
             click.echo(f"  {probe.probe:<12} {probe.strategy:<12} {probe.span}")
             for name, why in probe.skipped.items():
                 click.echo(f"  {'':<12} skipped {name}: {_short(why)}")
+            for limitation in probe.limitations:
+                click.echo(f"  {'':<12} {limitation}")
         else:
             click.echo(f"  {probe.probe:<12} {'unavailable':<12} {_short(probe.reason)}")
 

@@ -30,6 +30,8 @@ def print_text(snapshot: GpuSnapshot) -> None:
         click.echo("  " + _values(gpu, ("sm clock", "sm_clock_hz"), ("mem clock", "memory_clock_hz"),
                                   ("pcie tx", "pcie_tx_bytes_per_second"), ("rx", "pcie_rx_bytes_per_second"),
                                   ("mode", "compute_mode"), ("clock events", "clock_event_reasons")))
+        click.echo("  " + _values(gpu, ("context switches", "context_switches_per_second"),
+                                  ("switching", "context_switching_ratio"), ("per switch", "context_switch_seconds")))
     click.echo("")
     for line in record_table((process.to_dict() for process in snapshot.processes), PROCESS_FIELDS):
         click.echo(line)
