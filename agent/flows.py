@@ -28,14 +28,18 @@ and the frames no flow could hold, so they stay exact and monotonic: the numbers
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import heapq
 import logging
 import os
+import struct
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
+from itertools import compress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +48,7 @@ from .libbpf import BpfError
 from .loader import (
     BpfObject,
     Link,
+    Map,
     Program,
     Strategy,
     load_first,
@@ -72,8 +77,9 @@ PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 
 def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
     return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"),
-                      xdp_interfaces=list(config.xdp_interfaces))
+                      idle_timeout=config.flow_idle_seconds, max_flows=config.max_flows,
+                      strategy=config.strategies.get("flows"), xdp_interfaces=list(config.xdp_interfaces),
+                      top=max(config.top_flows, SNAPSHOT_FLOWS))
 
 
 FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
@@ -103,7 +109,7 @@ METRICS = (
            "Wire packets (TCP/UDP segments, not skbs) through an interface; matches /proc/net/snmp segments.",
            InterfaceTotals, "packets", _SIDE),
     Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
-           FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
+           InterfaceTotals, labels=_SIDE, expand_label="flag",
            expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
     Family("aiprobe_flow_evictions_total", "counter",
            "Flows evicted from the full flow table to make room (their counts stay in the interface totals).",
@@ -127,7 +133,7 @@ SPEC = ProbeSpec(
     bpf_object="flows",
     order=10,
     factory=_from_config,
-    config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "top_flows"),
+    config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "max_flows", "top_flows"),
     command="aiprobe.commands.flows:command",
     metrics=METRICS,
     read_at_scrape=True,
@@ -139,7 +145,9 @@ TC_MODES = tuple(s.name for s in SPEC.strategies)
 TC_HANDLES = range(0xA1B0, 0xA1B0 + 16)
 TC_PRIORITY = 0xA1B0
 
-DEFAULT_MAX_FLOWS = 16384
+DEFAULT_MAX_FLOWS = 16384  # FlowsProbe's own (the CLI's, tests'); the agent's is Config.max_flows
+# Flows the agent makes records of at each read, the fastest first (what the snapshot shows).
+SNAPSHOT_FLOWS = 200
 # Above EVICT_ABOVE of capacity, the stalest flows are evicted down to EVICT_TO, so new flows
 # find room in the kernel instead of failing to insert.
 EVICT_ABOVE = 0.9
@@ -352,40 +360,150 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
 
 # --- accounting between reads ---
 
+# Fields of struct flow_key and struct flow_counters that read() decodes, each in offset order.
+KEY_FIELDS = ("ifindex", "direction", "family", "protocol", "local_port", "remote_port", "local_addr", "remote_addr")
+VALUE_FIELDS = ("packets", "bytes", "first_seen_ns", "last_seen_ns", "cgroup_id", "tcp_syn", "tcp_fin", "tcp_rst")
+PACKETS, BYTES, FIRST_SEEN, LAST_SEEN, CGROUP, SYN, FIN, RST = range(len(VALUE_FIELDS))
+# What interface totals sum over flows (InterfaceTotals' fields).
+SUMMED = (("bytes", BYTES), ("packets", PACKETS), ("tcp_syn", SYN), ("tcp_fin", FIN), ("tcp_rst", RST))
+_FORMATS = {1: "B", 2: "H", 4: "I", 8: "Q", 16: "16s"}
+CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns()'s clock, which Python's time lacks
+
+
+def _unpacker(ctype: Any, names: tuple[str, ...]) -> struct.Struct:
+    """A struct format for these fields of a struct typed from BTF; the rest is skipped as padding."""
+    fmt, end = "<", 0
+    for name in names:
+        member = getattr(ctype, name)
+        if member.offset < end:
+            raise ValueError(f"{ctype.__name__}.{name} is out of order")
+        fmt += "x" * (member.offset - end) + _FORMATS[member.size]
+        end = member.offset + member.size
+    return struct.Struct(fmt)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where read() finds what it needs in the flow table's raw keys and values (from the object's
+    BTF): every entry is looked at, but only as one word of a memoryview."""
+
+    key_size: int
+    value_size: int
+    key: struct.Struct
+    value: struct.Struct
+    ifindex_word: int  # of the key, in 32-bit words
+    last_seen_word: int  # of the value, in 64-bit words
+
+    def raw_key(self, keys: memoryview, index: int) -> bytes:
+        return bytes(keys[index * self.key_size : (index + 1) * self.key_size])
+
+    @classmethod
+    def of(cls, flows_map: Map) -> _Layout:
+        key: Any = flows_map.key_type
+        value: Any = flows_map.value_type
+        if flows_map.key_size % 4 or flows_map.value_size % 8 or flows_map.percpu:
+            raise ValueError("struct flow_key / flow_counters are not laid out as bpf/flows.h says")
+        return cls(flows_map.key_size, flows_map.value_size, _unpacker(key, KEY_FIELDS),
+                   _unpacker(value, VALUE_FIELDS), key.ifindex.offset // 4, value.last_seen_ns.offset // 8)
+
+
+class _Flow:
+    """One entry of the flow table as reads saw it: its latest counters (VALUE_FIELDS), and its bytes
+    and packets at the recent reads that found it changed (what rates are taken against)."""
+
+    __slots__ = ("key", "seen", "value", "where")
+
+    def __init__(self, key: bytes, where: tuple[int, int]) -> None:
+        self.key = key
+        self.where = where  # (ifindex, direction)
+        self.value: tuple[int, ...] = (0,) * len(VALUE_FIELDS)
+        self.seen: list[tuple[int, int, int]] = []  # (read number, bytes, packets), oldest first
+
+    def before(self, number: int) -> tuple[int, int]:
+        """(bytes, packets) as read `number` saw them: 0 for a flow it did not know."""
+        counts = (0, 0)
+        for read, nbytes, packets in self.seen:
+            if read > number:
+                break
+            counts = (nbytes, packets)
+        return counts
+
 
 @dataclass
-class _Baseline:
-    """Flow totals (bytes, packets) as one read saw them, what later reads take rates against."""
+class _Read:
+    """One read: when, and the flows it found changed."""
 
-    at_ns: int
-    flows: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    number: int
+    at_ns: int  # CLOCK_MONOTONIC
+    changed: list[_Flow] = field(default_factory=list)
+
+
+@dataclass
+class _Gone:
+    """Raw keys of the flows a read deletes."""
+
+    expired: list[bytes] = field(default_factory=list)
+    orphans: list[bytes] = field(default_factory=list)  # of interfaces no longer watched
+
+
+_NONE = (0,) * len(SUMMED)
+
+
+def _add(sums: dict[tuple[int, int], list[int]], where: tuple[int, int], value: tuple[int, ...], sign: int) -> None:
+    counts = sums.setdefault(where, [0] * len(SUMMED))
+    for i, (_name, index) in enumerate(SUMMED):
+        counts[i] += sign * value[index]
 
 
 @dataclass
 class _Ledger:
-    """What read() remembers: recent reads' totals (for rates), and counts of flows gone from the map."""
+    """What read() remembers: every flow of the table as last read, their sums per interface and
+    direction, recent reads (for rates), and the counts of flows gone from the table."""
 
-    recent: deque[_Baseline] = field(default_factory=deque)  # oldest first
-    retired_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (ifindex, direction) -> bytes
-    retired_packets: Counter[tuple[int, int]] = field(default_factory=Counter)
+    recent: deque[_Read] = field(default_factory=deque)  # oldest first
+    # CLOCK_MONOTONIC_COARSE (the programs' clock for last_seen) as the last two reads began
+    started: deque[int] = field(default_factory=lambda: deque(maxlen=2))
+    flows: dict[bytes, _Flow] = field(default_factory=dict)
+    live: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # SUMMED of `flows`, per (ifindex, direction)
+    retired: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # SUMMED of flows deleted
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
 
-    def baseline(self, now_ns: int) -> _Baseline:
+    def baseline(self, now_ns: int) -> _Read:
         """The latest read at least MIN_RATE_WINDOW_NS before now (or the oldest there is)."""
         while len(self.recent) > 1 and now_ns - self.recent[1].at_ns >= MIN_RATE_WINDOW_NS:
             self.recent.popleft()
         return self.recent[0]
 
-    def retire(self, key: Any, counters: Any) -> None:
-        where = (key.ifindex, key.direction)
-        self.retired_bytes[where] += counters.bytes
-        self.retired_packets[where] += counters.packets
+    def changed_since(self, baseline: _Read, changed: list[_Flow]) -> list[_Flow]:
+        """Flows still in the table that changed after `baseline`: the only ones whose rate is not 0."""
+        since = {flow.key: flow for read in list(self.recent)[1:] for flow in read.changed}
+        since.update((flow.key, flow) for flow in changed)
+        return [flow for key, flow in since.items() if key in self.flows]
+
+    def update(self, flow: _Flow, value: tuple[int, ...], number: int, baseline: int) -> None:
+        """A flow read changed: its sums move by what it added; its history keeps what rates need."""
+        _add(self.live, flow.where, flow.value, -1)
+        _add(self.live, flow.where, value, 1)
+        flow.value = value
+        flow.seen.append((number, value[BYTES], value[PACKETS]))
+        while len(flow.seen) > 1 and flow.seen[1][0] <= baseline:  # later baselines are later reads
+            del flow.seen[0]
+
+    def drop(self, flow: _Flow) -> None:
+        del self.flows[flow.key]
+        _add(self.live, flow.where, flow.value, -1)
+
+    def retire(self, flow: _Flow, final: tuple[int, ...]) -> None:
+        """A flow deleted from the table: its counts as it was deleted move to the interface's own."""
+        self.drop(flow)
+        _add(self.retired, flow.where, final, 1)
 
     def forget(self, ifindex: int) -> None:
-        for where in [w for w in self.retired_bytes if w[0] == ifindex]:
-            del self.retired_bytes[where], self.retired_packets[where]
+        """An interface gone: what its deleted flows counted (its live flows are dropped as orphans)."""
+        for where in [w for w in self.retired if w[0] == ifindex]:
+            del self.retired[where]
 
 
 class FlowsProbe(Probe):
@@ -401,11 +519,14 @@ class FlowsProbe(Probe):
         max_flows: int = DEFAULT_MAX_FLOWS,
         strategy: str | None = None,
         xdp_interfaces: list[str] | None = None,
+        top: int | None = None,
     ) -> None:
+        """`top`: how many flows (the fastest) each read makes records of; None: every flow."""
         super().__init__()
         self.filter = InterfaceFilter(list(interfaces or []), list(exclude or []), list(xdp_interfaces or []))
         self.idle_timeout = idle_timeout
         self.max_flows = max_flows
+        self.top = top
         self._strategies = tuple(s for s in SPEC.strategies if strategy in (None, s.name))
         if not self._strategies:
             raise ValueError(f"unknown flows strategy {strategy!r}; one of {', '.join(TC_MODES)}")
@@ -414,9 +535,9 @@ class FlowsProbe(Probe):
         self._attached: dict[int, _Attached] = {}
         self._watcher: LinkWatcher | None = None
         self._ledger = _Ledger()
-        self._flow_count = 0
         self._unattributed_count = 0
         self._last_snapshot: FlowsSnapshot | None = None
+        self._recorded: list[tuple[_Flow, FlowRecord]] = []  # the last snapshot's flows
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
@@ -433,7 +554,8 @@ class FlowsProbe(Probe):
         except BaseException:
             watcher.stop()
             raise
-        self._ledger.recent.append(_Baseline(time.monotonic_ns()))
+        self._layout = _Layout.of(self.loaded.obj.maps["flows"])
+        self._ledger.recent.append(_Read(0, time.monotonic_ns()))
         # Fixed at start, so first_seen is the same float in every read (it tells flow incarnations apart).
         self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
@@ -533,96 +655,166 @@ class FlowsProbe(Probe):
     # --- reading ---
 
     def read(self) -> FlowsSnapshot:
-        """The flow table now. Safe from several threads (the agent's refresh, a scrape): one read
-        at a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
+        """The flow table now. Safe from several threads (the agent's refresh, the CLI): one read at
+        a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
         with self._read_lock:
             self._retry_failed()
             return self._read(self.loaded.obj)
 
+    def read_for_scrape(self) -> FlowsSnapshot:
+        """The latest read with its recorded flows' counters read again, one lookup each, and the
+        interface totals moved on by what those flows added since: work bounded by the flows recorded
+        (`top`), whatever the table holds. Flows outside the record catch up at the next read(). Every
+        counter stays monotonic and the flows still add up to their interface."""
+        if self.loaded is None or self._last_snapshot is None:
+            return self.read()
+        with self._read_lock:
+            last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
+            totals = {(t.interface, t.direction): dataclasses.replace(t) for t in last.interfaces}
+            records = [self._reread(flows_map, flow, record, totals) for flow, record in self._recorded]
+            return dataclasses.replace(last, timestamp=time.time(), flows=records, interfaces=list(totals.values()))
+
+    def _reread(self, flows_map: Map, flow: _Flow, record: FlowRecord,
+                totals: dict[tuple[str, str], InterfaceTotals]) -> FlowRecord:
+        now = flows_map.lookup(flow.key)
+        if now is None or now.first_seen_ns != flow.value[FIRST_SEEN]:
+            return record  # deleted (or deleted and made again) since: the next read() says so
+        side = totals[(record.interface, record.direction)]
+        for name, _index in SUMMED:
+            setattr(side, name, getattr(side, name) + getattr(now, name) - getattr(record, name))
+        return dataclasses.replace(record, bytes=now.bytes, packets=now.packets, tcp_syn=now.tcp_syn,
+                                   tcp_fin=now.tcp_fin, tcp_rst=now.tcp_rst, last_seen=self._wall(now.last_seen_ns))
+
     def _read(self, obj: BpfObject) -> FlowsSnapshot:
         now_ns = time.monotonic_ns()
+        started = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE)
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
             attachments = [a.state for a in self._attached.values()]
-        live = self._live_flows(obj, names)
-        self._drop_stale(obj, live, now_ns)
-        baseline = self._ledger.baseline(now_ns)
+        ledger = self._ledger
+        baseline = ledger.baseline(now_ns)
+        current = _Read(ledger.recent[-1].number + 1, now_ns)
+        # A flow counted after the previous read copied it has a last_seen past that read's start
+        # (bpf/flows.bpf.c stamps it after its adds): the read before that gives a margin for a
+        # program that stamped an earlier time last.
+        since = ledger.started[0] if len(ledger.started) == ledger.started.maxlen else 0
+        idle_before = started - int(self.idle_timeout * 1e9)
+        gone = self._scan(obj.maps["flows"], names, since, idle_before, current, baseline.number)
+        self._delete(obj.maps["flows"], gone)
+        ledger.started.append(started)
         interval = max(now_ns - baseline.at_ns, 1) / 1e9
-        flows = [self._record(key, c, baseline.flows.get(raw, (0, 0)), names, interval, self._to_wall)
-                 for raw, (key, c) in live.items()]
-        flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
-        self._flow_count = len(live)
+        flows = self._records(ledger.changed_since(baseline, current.changed), baseline, names, interval)
+        ledger.recent.append(current)
         unattributed = self._unattributed(obj, names)
         self._unattributed_count = len(unattributed)
-        self._ledger.recent.append(_Baseline(now_ns, {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()}))
         self._last_snapshot = FlowsSnapshot(
             timestamp=time.time(),
             interval_seconds=interval,
-            flows=flows,
-            interfaces=self._interface_totals(live, unattributed, names),
-            evictions=self._ledger.evictions,
-            insert_failures=self._ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
-            malformed_frames=self._ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
+            flows=[record for _flow, record in flows],
+            interfaces=self._interface_totals(unattributed, names),
+            evictions=ledger.evictions,
+            insert_failures=ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
+            malformed_frames=ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
             lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
+        self._recorded = flows
         return self._last_snapshot
 
-    def _live_flows(self, obj: BpfObject, names: dict[int, str]) -> dict[bytes, tuple[Any, Any]]:
-        """The flow table (struct flow_counters per flow); flows of interfaces we no longer watch
-        are deleted."""
-        flows_map = obj.maps["flows"]
-        live, orphans = {}, []
-        for key, counters in flows_map.items():
-            if key.ifindex in names:
-                live[bytes(key)] = (key, counters)
-            else:
-                orphans.append(key)
-        flows_map.delete_keys(orphans)
-        return live
+    def _scan(self, flows_map: Map, names: dict[int, str], since: int, idle_before: int, current: _Read,
+              baseline: int) -> _Gone:
+        """One pass over the flow table in raw batches. Python looks at an entry only when its
+        last_seen is `since` or later (it changed) or before `idle_before` (it expired), or when it
+        belongs to an interface no longer watched: per read, work in proportion to what changed."""
+        gone = _Gone()
+        layout = self._layout
+        for count, keys, values in flows_map.raw_items():
+            key_bytes = memoryview(keys).cast("B")[: count * layout.key_size]
+            value_bytes = memoryview(values).cast("B")[: count * layout.value_size]
+            last_seen = value_bytes.cast("Q")[layout.last_seen_word :: layout.value_size // 8]
+            ifindexes = key_bytes.cast("I")[layout.ifindex_word :: layout.key_size // 4]
+            for i in compress(range(count), map(since.__le__, last_seen)):
+                flow = self._flow(layout.raw_key(key_bytes, i))
+                self._ledger.update(flow, layout.value.unpack_from(value_bytes, i * layout.value_size),
+                                    current.number, baseline)
+                current.changed.append(flow)
+            if min(last_seen) < idle_before:
+                gone.expired += [layout.raw_key(key_bytes, i)
+                                 for i in compress(range(count), map(idle_before.__gt__, last_seen))]
+            if not set(ifindexes) <= names.keys():
+                gone.orphans += [layout.raw_key(key_bytes, i)
+                                 for i, index in enumerate(ifindexes) if index not in names]
+        return gone
 
-    def _drop_stale(self, obj: BpfObject, live: dict[bytes, tuple[Any, Any]], now_ns: int) -> None:
-        """Expire idle flows; if the table is nearly full, evict the stalest. Their counts move to
-        the interface totals, so nothing they counted is lost."""
-        idle_ns = int(self.idle_timeout * 1e9)
-        expired = [raw for raw, (_k, c) in live.items() if now_ns - c.last_seen_ns > idle_ns]
-        remaining = len(live) - len(expired)
-        evicted: list[bytes] = []
-        if remaining > EVICT_ABOVE * self.max_flows:
-            expired_set = set(expired)
-            by_age = sorted((raw for raw in live if raw not in expired_set), key=lambda r: live[r][1].last_seen_ns)
-            evicted = by_age[: remaining - int(EVICT_TO * self.max_flows)]
-        self._ledger.evictions += len(evicted)
-        for raw in [*expired, *evicted]:
-            key, counters = live.pop(raw)
-            obj.maps["flows"].delete(key)
-            self._ledger.retire(key, counters)
+    def _flow(self, key: bytes) -> _Flow:
+        flow = self._ledger.flows.get(key)
+        if flow is None:
+            flow = self._ledger.flows[key] = _Flow(key, self._layout.key.unpack_from(key)[:2])
+        return flow
 
-    @staticmethod
-    def _record(key: Any, c: Any, before: tuple[int, int], names: dict[int, str], interval: float,
-                to_wall: float) -> FlowRecord:
-        before_bytes, before_packets = before
+    def _delete(self, flows_map: Map, gone: _Gone) -> None:
+        """Delete flows of interfaces no longer watched, expire idle flows, and if the table is nearly
+        full, evict the stalest. What expired and evicted flows counted moves to the interface totals,
+        so nothing they counted is lost."""
+        ledger = self._ledger
+        for key in gone.orphans:
+            flows_map.delete(key)
+            if key in ledger.flows:
+                ledger.drop(ledger.flows[key])
+        for key in gone.expired:
+            self._retire(flows_map, key)
+        if len(ledger.flows) > EVICT_ABOVE * self.max_flows:
+            stalest = heapq.nsmallest(len(ledger.flows) - int(EVICT_TO * self.max_flows), ledger.flows.values(),
+                                      key=lambda flow: flow.value[LAST_SEEN])
+            for flow in stalest:
+                self._retire(flows_map, flow.key)
+            ledger.evictions += len(stalest)
+
+    def _retire(self, flows_map: Map, key: bytes) -> None:
+        flow = self._flow(key)
+        final = flows_map.pop(key)  # its counts as deleted: nothing counted after a read is lost
+        self._ledger.retire(flow, flow.value if final is None else tuple(getattr(final, f) for f in VALUE_FIELDS))
+
+    def _records(self, changed: list[_Flow], baseline: _Read, names: dict[int, str],
+                 interval: float) -> list[tuple[_Flow, FlowRecord]]:
+        """Records of the `top` flows by rate among those that changed since the baseline (every
+        other flow's rate is 0), or of every flow when `top` is None; by rate, highest first."""
+        candidates = list(self._ledger.flows.values()) if self.top is None else changed
+        rated = [(flow, flow.before(baseline.number)) for flow in candidates]
+        if self.top is not None:
+            rated = heapq.nlargest(self.top, rated, key=lambda fb: (fb[0].value[BYTES] - fb[1][0], fb[0].value[BYTES]))
+        records = [(flow, self._record(flow, before, names, interval)) for flow, before in rated]
+        records.sort(key=lambda fr: (fr[1].bytes_per_second, fr[1].bytes), reverse=True)
+        return records
+
+    def _record(self, flow: _Flow, before: tuple[int, int], names: dict[int, str], interval: float) -> FlowRecord:
+        ifindex, direction, family, protocol, local_port, remote_port, local_addr, remote_addr = \
+            self._layout.key.unpack_from(flow.key)
+        value = flow.value
         return FlowRecord(
-            interface=names[key.ifindex],
-            direction=DIRECTIONS[key.direction],
-            protocol=PROTOCOLS.get(key.protocol, str(key.protocol)),
-            local_address=ip_text(bytes(key.local_addr), key.family == 6),
-            local_port=key.local_port,
-            remote_address=ip_text(bytes(key.remote_addr), key.family == 6),
-            remote_port=key.remote_port,
-            bytes=c.bytes,
-            packets=c.packets,
-            bytes_per_second=(c.bytes - before_bytes) / interval,
-            packets_per_second=(c.packets - before_packets) / interval,
-            cgroup_id=c.cgroup_id,
-            first_seen=to_wall + c.first_seen_ns / 1e9,
-            last_seen=to_wall + c.last_seen_ns / 1e9,
-            tcp_syn=c.tcp_syn,
-            tcp_fin=c.tcp_fin,
-            tcp_rst=c.tcp_rst,
+            interface=names[ifindex],
+            direction=DIRECTIONS[direction],
+            protocol=PROTOCOLS.get(protocol, str(protocol)),
+            local_address=ip_text(local_addr, family == 6),
+            local_port=local_port,
+            remote_address=ip_text(remote_addr, family == 6),
+            remote_port=remote_port,
+            bytes=value[BYTES],
+            packets=value[PACKETS],
+            bytes_per_second=(value[BYTES] - before[0]) / interval,
+            packets_per_second=(value[PACKETS] - before[1]) / interval,
+            cgroup_id=value[CGROUP],
+            first_seen=self._wall(value[FIRST_SEEN]),
+            last_seen=self._wall(value[LAST_SEEN]),
+            tcp_syn=value[SYN],
+            tcp_fin=value[FIN],
+            tcp_rst=value[RST],
         )
+
+    def _wall(self, monotonic_ns: int) -> float:
+        return self._to_wall + monotonic_ns / 1e9
 
     def _unattributed(self, obj: BpfObject, names: dict[int, str]) -> dict[tuple[int, int], _Unattributed]:
         """Frames in no flow, per (ifindex, direction); entries of vanished interfaces are folded
@@ -639,29 +831,28 @@ class FlowsProbe(Probe):
             unattributed_map.delete(key)
         return out
 
-    def _interface_totals(
-        self, live: dict[bytes, tuple[Any, Any]], unattributed: dict[tuple[int, int], _Unattributed],
-        names: dict[int, str],
-    ) -> list[InterfaceTotals]:
-        byte_totals, packet_totals = Counter(self._ledger.retired_bytes), Counter(self._ledger.retired_packets)
-        for key, c in live.values():
-            byte_totals[(key.ifindex, key.direction)] += c.bytes
-            packet_totals[(key.ifindex, key.direction)] += c.packets
-        for where, extra in unattributed.items():
-            byte_totals[where] += extra.bytes
-            packet_totals[where] += extra.packets
-        return [
-            InterfaceTotals(name, DIRECTIONS[d], byte_totals[(index, d)], packet_totals[(index, d)])
-            for index, name in sorted(names.items(), key=lambda item: item[1])
-            for d in range(len(DIRECTIONS))
-        ]
+    def _interface_totals(self, unattributed: dict[tuple[int, int], _Unattributed],
+                          names: dict[int, str]) -> list[InterfaceTotals]:
+        """Per interface and direction: its flows in the table, those deleted, and the frames in no flow."""
+        totals = []
+        for index, name in sorted(names.items(), key=lambda item: item[1]):
+            for direction, direction_name in enumerate(DIRECTIONS):
+                where = (index, direction)
+                counts = [live + retired for live, retired in zip(
+                    self._ledger.live.get(where, _NONE), self._ledger.retired.get(where, _NONE), strict=True)]
+                side = InterfaceTotals(name, direction_name, **dict(zip((n for n, _ in SUMMED), counts, strict=True)))
+                if (extra := unattributed.get(where)) is not None:
+                    side.bytes += extra.bytes
+                    side.packets += extra.packets
+                totals.append(side)
+        return totals
 
     def map_usage(self) -> list[MapUsage]:
         """The flow table's overflows are its evictions and failed inserts (whose frames still count
         in the interface totals); the unattributed table's are frames counted nowhere."""
         last = self._last_snapshot
         return [
-            MapUsage("flows", self._flow_count, self.max_flows,
+            MapUsage("flows", len(self._ledger.flows), self.max_flows,
                      last.evictions + last.insert_failures if last is not None else 0),
             MapUsage("unattributed", self._unattributed_count,
                      self.loaded.obj.maps["unattributed"].max_entries if self.loaded is not None else 0,
