@@ -30,20 +30,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import heapq
 import logging
 import os
-import struct
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from itertools import compress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .features import network_features
+from .flowtable import KEY_FIELDS, SUMMED, VALUE_FIELDS, FlowTable, dtype_of, raw_keys
 from .libbpf import BpfError
 from .loader import (
     BpfObject,
@@ -360,82 +360,8 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
 
 # --- accounting between reads ---
 
-# Fields of struct flow_key and struct flow_counters that read() decodes, each in offset order.
-KEY_FIELDS = ("ifindex", "direction", "family", "protocol", "local_port", "remote_port", "local_addr", "remote_addr")
-VALUE_FIELDS = ("packets", "bytes", "first_seen_ns", "last_seen_ns", "cgroup_id", "tcp_syn", "tcp_fin", "tcp_rst")
-PACKETS, BYTES, FIRST_SEEN, LAST_SEEN, CGROUP, SYN, FIN, RST = range(len(VALUE_FIELDS))
-# What interface totals sum over flows (InterfaceTotals' fields).
-SUMMED = (("bytes", BYTES), ("packets", PACKETS), ("tcp_syn", SYN), ("tcp_fin", FIN), ("tcp_rst", RST))
-_FORMATS = {1: "B", 2: "H", 4: "I", 8: "Q", 16: "16s"}
 CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns()'s clock, which Python's time lacks
-
-
-def _unpacker(ctype: Any, names: tuple[str, ...]) -> struct.Struct:
-    """A struct format for these fields of a struct typed from BTF; the rest is skipped as padding."""
-    fmt, end = "<", 0
-    for name in names:
-        member = getattr(ctype, name)
-        if member.offset < end:
-            raise ValueError(f"{ctype.__name__}.{name} is out of order")
-        fmt += "x" * (member.offset - end) + _FORMATS[member.size]
-        end = member.offset + member.size
-    return struct.Struct(fmt)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where read() finds what it needs in the flow table's raw keys and values (from the object's
-    BTF): every entry is looked at, but only as one word of a memoryview."""
-
-    key_size: int
-    value_size: int
-    key: struct.Struct
-    value: struct.Struct
-    ifindex_word: int  # of the key, in 32-bit words
-    last_seen_word: int  # of the value, in 64-bit words
-
-    def raw_key(self, keys: memoryview, index: int) -> bytes:
-        return bytes(keys[index * self.key_size : (index + 1) * self.key_size])
-
-    @classmethod
-    def of(cls, flows_map: Map) -> _Layout:
-        key: Any = flows_map.key_type
-        value: Any = flows_map.value_type
-        if flows_map.key_size % 4 or flows_map.value_size % 8 or flows_map.percpu:
-            raise ValueError("struct flow_key / flow_counters are not laid out as bpf/flows.h says")
-        return cls(flows_map.key_size, flows_map.value_size, _unpacker(key, KEY_FIELDS),
-                   _unpacker(value, VALUE_FIELDS), key.ifindex.offset // 4, value.last_seen_ns.offset // 8)
-
-
-class _Flow:
-    """One entry of the flow table as reads saw it: its latest counters (VALUE_FIELDS), and its bytes
-    and packets at the recent reads that found it changed (what rates are taken against)."""
-
-    __slots__ = ("key", "seen", "value", "where")
-
-    def __init__(self, key: bytes, where: tuple[int, int]) -> None:
-        self.key = key
-        self.where = where  # (ifindex, direction)
-        self.value: tuple[int, ...] = (0,) * len(VALUE_FIELDS)
-        self.seen: list[tuple[int, int, int]] = []  # (read number, bytes, packets), oldest first
-
-    def before(self, number: int) -> tuple[int, int]:
-        """(bytes, packets) as read `number` saw them: 0 for a flow it did not know."""
-        counts = (0, 0)
-        for read, nbytes, packets in self.seen:
-            if read > number:
-                break
-            counts = (nbytes, packets)
-        return counts
-
-
-@dataclass
-class _Read:
-    """One read: when, and the flows it found changed."""
-
-    number: int
-    at_ns: int  # CLOCK_MONOTONIC
-    changed: list[_Flow] = field(default_factory=list)
+FIRST_SEEN = VALUE_FIELDS.index("first_seen_ns")
 
 
 @dataclass
@@ -446,64 +372,16 @@ class _Gone:
     orphans: list[bytes] = field(default_factory=list)  # of interfaces no longer watched
 
 
-_NONE = (0,) * len(SUMMED)
-
-
-def _add(sums: dict[tuple[int, int], list[int]], where: tuple[int, int], value: tuple[int, ...], sign: int) -> None:
-    counts = sums.setdefault(where, [0] * len(SUMMED))
-    for i, (_name, index) in enumerate(SUMMED):
-        counts[i] += sign * value[index]
-
-
 @dataclass
 class _Ledger:
-    """What read() remembers: every flow of the table as last read, their sums per interface and
-    direction, recent reads (for rates), and the counts of flows gone from the table."""
+    """What read() remembers besides the flows: when the last two reads began, and counts of what
+    left the table and the unattributed table."""
 
-    recent: deque[_Read] = field(default_factory=deque)  # oldest first
     # CLOCK_MONOTONIC_COARSE (the programs' clock for last_seen) as the last two reads began
     started: deque[int] = field(default_factory=lambda: deque(maxlen=2))
-    flows: dict[bytes, _Flow] = field(default_factory=dict)
-    live: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # SUMMED of `flows`, per (ifindex, direction)
-    retired: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # SUMMED of flows deleted
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
-
-    def baseline(self, now_ns: int) -> _Read:
-        """The latest read at least MIN_RATE_WINDOW_NS before now (or the oldest there is)."""
-        while len(self.recent) > 1 and now_ns - self.recent[1].at_ns >= MIN_RATE_WINDOW_NS:
-            self.recent.popleft()
-        return self.recent[0]
-
-    def changed_since(self, baseline: _Read, changed: list[_Flow]) -> list[_Flow]:
-        """Flows still in the table that changed after `baseline`: the only ones whose rate is not 0."""
-        since = {flow.key: flow for read in list(self.recent)[1:] for flow in read.changed}
-        since.update((flow.key, flow) for flow in changed)
-        return [flow for key, flow in since.items() if key in self.flows]
-
-    def update(self, flow: _Flow, value: tuple[int, ...], number: int, baseline: int) -> None:
-        """A flow read changed: its sums move by what it added; its history keeps what rates need."""
-        _add(self.live, flow.where, flow.value, -1)
-        _add(self.live, flow.where, value, 1)
-        flow.value = value
-        flow.seen.append((number, value[BYTES], value[PACKETS]))
-        while len(flow.seen) > 1 and flow.seen[1][0] <= baseline:  # later baselines are later reads
-            del flow.seen[0]
-
-    def drop(self, flow: _Flow) -> None:
-        del self.flows[flow.key]
-        _add(self.live, flow.where, flow.value, -1)
-
-    def retire(self, flow: _Flow, final: tuple[int, ...]) -> None:
-        """A flow deleted from the table: its counts as it was deleted move to the interface's own."""
-        self.drop(flow)
-        _add(self.retired, flow.where, final, 1)
-
-    def forget(self, ifindex: int) -> None:
-        """An interface gone: what its deleted flows counted (its live flows are dropped as orphans)."""
-        for where in [w for w in self.retired if w[0] == ifindex]:
-            del self.retired[where]
 
 
 class FlowsProbe(Probe):
@@ -537,7 +415,7 @@ class FlowsProbe(Probe):
         self._ledger = _Ledger()
         self._unattributed_count = 0
         self._last_snapshot: FlowsSnapshot | None = None
-        self._recorded: list[tuple[_Flow, FlowRecord]] = []  # the last snapshot's flows
+        self._recorded: list[tuple[bytes, int, FlowRecord]] = []  # the last snapshot's flows: key, first_seen_ns
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
@@ -554,8 +432,9 @@ class FlowsProbe(Probe):
         except BaseException:
             watcher.stop()
             raise
-        self._layout = _Layout.of(self.loaded.obj.maps["flows"])
-        self._ledger.recent.append(_Read(0, time.monotonic_ns()))
+        flows_map = self.loaded.obj.maps["flows"]
+        self._table = FlowTable(dtype_of(flows_map.key_type, KEY_FIELDS),
+                                dtype_of(flows_map.value_type, VALUE_FIELDS), time.monotonic_ns())
         # Fixed at start, so first_seen is the same float in every read (it tells flow incarnations apart).
         self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
@@ -646,7 +525,7 @@ class FlowsProbe(Probe):
                 return
             for link in gone.links:
                 self.loaded.obj.release(link)
-            self._ledger.forget(ifindex)
+            self._table.forget(ifindex)
 
     def attachments(self) -> list[InterfaceAttachment]:
         with self._lock:
@@ -673,16 +552,17 @@ class FlowsProbe(Probe):
         with self._read_lock:
             last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
             totals = {(t.interface, t.direction): dataclasses.replace(t) for t in last.interfaces}
-            records = [self._reread(flows_map, flow, record, totals) for flow, record in self._recorded]
+            records = [self._reread(flows_map, key, first_seen_ns, record, totals)
+                       for key, first_seen_ns, record in self._recorded]
             return dataclasses.replace(last, timestamp=time.time(), flows=records, interfaces=list(totals.values()))
 
-    def _reread(self, flows_map: Map, flow: _Flow, record: FlowRecord,
+    def _reread(self, flows_map: Map, key: bytes, first_seen_ns: int, record: FlowRecord,
                 totals: dict[tuple[str, str], InterfaceTotals]) -> FlowRecord:
-        now = flows_map.lookup(flow.key)
-        if now is None or now.first_seen_ns != flow.value[FIRST_SEEN]:
+        now = flows_map.lookup(key)
+        if now is None or now.first_seen_ns != first_seen_ns:
             return record  # deleted (or deleted and made again) since: the next read() says so
         side = totals[(record.interface, record.direction)]
-        for name, _index in SUMMED:
+        for name in SUMMED:
             setattr(side, name, getattr(side, name) + getattr(now, name) - getattr(record, name))
         return dataclasses.replace(record, bytes=now.bytes, packets=now.packets, tcp_syn=now.tcp_syn,
                                    tcp_fin=now.tcp_fin, tcp_rst=now.tcp_rst, last_seen=self._wall(now.last_seen_ns))
@@ -693,26 +573,24 @@ class FlowsProbe(Probe):
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
             attachments = [a.state for a in self._attached.values()]
-        ledger = self._ledger
-        baseline = ledger.baseline(now_ns)
-        current = _Read(ledger.recent[-1].number + 1, now_ns)
+        table, ledger = self._table, self._ledger
+        baseline = table.begin(now_ns, MIN_RATE_WINDOW_NS)
         # A flow counted after the previous read copied it has a last_seen past that read's start
         # (bpf/flows.bpf.c stamps it after its adds): the read before that gives a margin for a
         # program that stamped an earlier time last.
         since = ledger.started[0] if len(ledger.started) == ledger.started.maxlen else 0
-        idle_before = started - int(self.idle_timeout * 1e9)
-        gone = self._scan(obj.maps["flows"], names, since, idle_before, current, baseline.number)
+        gone = self._scan(obj.maps["flows"], names, since, started - int(self.idle_timeout * 1e9))
         self._delete(obj.maps["flows"], gone)
         ledger.started.append(started)
+        table.end(now_ns)
         interval = max(now_ns - baseline.at_ns, 1) / 1e9
-        flows = self._records(ledger.changed_since(baseline, current.changed), baseline, names, interval)
-        ledger.recent.append(current)
+        self._recorded = self._records(names, interval)
         unattributed = self._unattributed(obj, names)
         self._unattributed_count = len(unattributed)
         self._last_snapshot = FlowsSnapshot(
             timestamp=time.time(),
             interval_seconds=interval,
-            flows=[record for _flow, record in flows],
+            flows=[record for _key, _first_seen, record in self._recorded],
             interfaces=self._interface_totals(unattributed, names),
             evictions=ledger.evictions,
             insert_failures=ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
@@ -720,79 +598,72 @@ class FlowsProbe(Probe):
             lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
-        self._recorded = flows
         return self._last_snapshot
 
-    def _scan(self, flows_map: Map, names: dict[int, str], since: int, idle_before: int, current: _Read,
-              baseline: int) -> _Gone:
-        """One pass over the flow table in raw batches. Python looks at an entry only when its
-        last_seen is `since` or later (it changed) or before `idle_before` (it expired), or when it
-        belongs to an interface no longer watched: per read, work in proportion to what changed."""
-        gone = _Gone()
-        layout = self._layout
+    def _scan(self, flows_map: Map, names: dict[int, str], since: int, idle_before: int) -> _Gone:
+        """One pass over the flow table in raw batches, as arrays: Python touches an entry only when
+        its last_seen is `since` or later (it changed), before `idle_before` (it expired), or when it
+        belongs to an interface no longer watched. Per read, work in proportion to what changed."""
+        gone, table = _Gone(), self._table
+        watched = np.fromiter(names, np.int64, len(names))
         for count, keys, values in flows_map.raw_items():
-            key_bytes = memoryview(keys).cast("B")[: count * layout.key_size]
-            value_bytes = memoryview(values).cast("B")[: count * layout.value_size]
-            last_seen = value_bytes.cast("Q")[layout.last_seen_word :: layout.value_size // 8]
-            ifindexes = key_bytes.cast("I")[layout.ifindex_word :: layout.key_size // 4]
-            for i in compress(range(count), map(since.__le__, last_seen)):
-                flow = self._flow(layout.raw_key(key_bytes, i))
-                self._ledger.update(flow, layout.value.unpack_from(value_bytes, i * layout.value_size),
-                                    current.number, baseline)
-                current.changed.append(flow)
-            if min(last_seen) < idle_before:
-                gone.expired += [layout.raw_key(key_bytes, i)
-                                 for i in compress(range(count), map(idle_before.__gt__, last_seen))]
-            if not set(ifindexes) <= names.keys():
-                gone.orphans += [layout.raw_key(key_bytes, i)
-                                 for i, index in enumerate(ifindexes) if index not in names]
+            key_bytes = memoryview(keys).cast("B")
+            counters = np.frombuffer(values, table.value_dtype, count)
+            last_seen = counters["last_seen_ns"]
+            table.update(key_bytes, counters, np.flatnonzero(last_seen >= since))
+            ifindexes = np.frombuffer(keys, table.key_dtype, count)["ifindex"]
+            size = table.key_dtype.itemsize
+            gone.expired += raw_keys(key_bytes, size, np.flatnonzero(last_seen < idle_before))
+            gone.orphans += raw_keys(key_bytes, size, np.flatnonzero(~np.isin(ifindexes, watched)))
         return gone
-
-    def _flow(self, key: bytes) -> _Flow:
-        flow = self._ledger.flows.get(key)
-        if flow is None:
-            flow = self._ledger.flows[key] = _Flow(key, self._layout.key.unpack_from(key)[:2])
-        return flow
 
     def _delete(self, flows_map: Map, gone: _Gone) -> None:
         """Delete flows of interfaces no longer watched, expire idle flows, and if the table is nearly
         full, evict the stalest. What expired and evicted flows counted moves to the interface totals,
         so nothing they counted is lost."""
-        ledger = self._ledger
+        table = self._table
         for key in gone.orphans:
             flows_map.delete(key)
-            if key in ledger.flows:
-                ledger.drop(ledger.flows[key])
-        for key in gone.expired:
-            self._retire(flows_map, key)
-        if len(ledger.flows) > EVICT_ABOVE * self.max_flows:
-            stalest = heapq.nsmallest(len(ledger.flows) - int(EVICT_TO * self.max_flows), ledger.flows.values(),
-                                      key=lambda flow: flow.value[LAST_SEEN])
-            for flow in stalest:
-                self._retire(flows_map, flow.key)
-            ledger.evictions += len(stalest)
+        table.drop(gone.orphans)
+        self._retire(flows_map, gone.expired)
+        if len(table) > EVICT_ABOVE * self.max_flows:
+            stalest = table.stalest(len(table) - int(EVICT_TO * self.max_flows))
+            self._retire(flows_map, stalest)
+            self._ledger.evictions += len(stalest)
 
-    def _retire(self, flows_map: Map, key: bytes) -> None:
-        flow = self._flow(key)
-        final = flows_map.pop(key)  # its counts as deleted: nothing counted after a read is lost
-        self._ledger.retire(flow, flow.value if final is None else tuple(getattr(final, f) for f in VALUE_FIELDS))
+    def _retire(self, flows_map: Map, keys: list[bytes]) -> None:
+        """Delete flows, their counts as deleted going to their interface: nothing counted after a read is lost."""
+        table = self._table
+        finals = np.zeros(len(keys), table.value_dtype)
+        for i, key in enumerate(keys):
+            final = flows_map.pop(key)
+            if final is not None:
+                finals[i] = np.frombuffer(bytes(final), table.value_dtype, 1)[0]
+            elif key in table.slots:  # deleted by someone else meanwhile: as last read
+                finals[i] = table.values[table.slots[key]]
+        table.retire(keys, finals)
 
-    def _records(self, changed: list[_Flow], baseline: _Read, names: dict[int, str],
-                 interval: float) -> list[tuple[_Flow, FlowRecord]]:
+    def _records(self, names: dict[int, str], interval: float) -> list[tuple[bytes, int, FlowRecord]]:
         """Records of the `top` flows by rate among those that changed since the baseline (every
         other flow's rate is 0), or of every flow when `top` is None; by rate, highest first."""
-        candidates = list(self._ledger.flows.values()) if self.top is None else changed
-        rated = [(flow, flow.before(baseline.number)) for flow in candidates]
-        if self.top is not None:
-            rated = heapq.nlargest(self.top, rated, key=lambda fb: (fb[0].value[BYTES] - fb[1][0], fb[0].value[BYTES]))
-        records = [(flow, self._record(flow, before, names, interval)) for flow, before in rated]
-        records.sort(key=lambda fr: (fr[1].bytes_per_second, fr[1].bytes), reverse=True)
+        table = self._table
+        slots = np.flatnonzero(table.alive) if self.top is None else table.changed_since_baseline()
+        byte_rates, packet_rates = table.rates(slots, interval)
+        if self.top is not None and len(slots) > self.top:
+            fastest = np.argpartition(-byte_rates, self.top)[: self.top]
+            slots, byte_rates, packet_rates = slots[fastest], byte_rates[fastest], packet_rates[fastest]
+        keys = [table.keys[slot] for slot in slots.tolist()]
+        decoded = np.frombuffer(b"".join(keys), table.key_dtype, len(keys)).tolist() if keys else []
+        records = [(raw, value[FIRST_SEEN], self._record(key, value, rates, names)) for raw, key, value, *rates in zip(
+            keys, decoded, table.values[slots].tolist(), byte_rates.tolist(), packet_rates.tolist(), strict=True)]
+        records.sort(key=lambda r: (r[2].bytes_per_second, r[2].bytes), reverse=True)
         return records
 
-    def _record(self, flow: _Flow, before: tuple[int, int], names: dict[int, str], interval: float) -> FlowRecord:
-        ifindex, direction, family, protocol, local_port, remote_port, local_addr, remote_addr = \
-            self._layout.key.unpack_from(flow.key)
-        value = flow.value
+    def _record(self, key: tuple[Any, ...], value: tuple[int, ...], rates: list[float],
+                names: dict[int, str]) -> FlowRecord:
+        """A flow from its key and counters (KEY_FIELDS and VALUE_FIELDS, decoded) and its rates."""
+        ifindex, direction, family, protocol, local_port, remote_port, local_addr, remote_addr = key
+        packets, nbytes, first_seen_ns, last_seen_ns, cgroup_id, tcp_syn, tcp_fin, tcp_rst = value
         return FlowRecord(
             interface=names[ifindex],
             direction=DIRECTIONS[direction],
@@ -801,16 +672,16 @@ class FlowsProbe(Probe):
             local_port=local_port,
             remote_address=ip_text(remote_addr, family == 6),
             remote_port=remote_port,
-            bytes=value[BYTES],
-            packets=value[PACKETS],
-            bytes_per_second=(value[BYTES] - before[0]) / interval,
-            packets_per_second=(value[PACKETS] - before[1]) / interval,
-            cgroup_id=value[CGROUP],
-            first_seen=self._wall(value[FIRST_SEEN]),
-            last_seen=self._wall(value[LAST_SEEN]),
-            tcp_syn=value[SYN],
-            tcp_fin=value[FIN],
-            tcp_rst=value[RST],
+            bytes=nbytes,
+            packets=packets,
+            bytes_per_second=rates[0],
+            packets_per_second=rates[1],
+            cgroup_id=cgroup_id,
+            first_seen=self._wall(first_seen_ns),
+            last_seen=self._wall(last_seen_ns),
+            tcp_syn=tcp_syn,
+            tcp_fin=tcp_fin,
+            tcp_rst=tcp_rst,
         )
 
     def _wall(self, monotonic_ns: int) -> float:
@@ -837,11 +708,9 @@ class FlowsProbe(Probe):
         totals = []
         for index, name in sorted(names.items(), key=lambda item: item[1]):
             for direction, direction_name in enumerate(DIRECTIONS):
-                where = (index, direction)
-                counts = [live + retired for live, retired in zip(
-                    self._ledger.live.get(where, _NONE), self._ledger.retired.get(where, _NONE), strict=True)]
-                side = InterfaceTotals(name, direction_name, **dict(zip((n for n, _ in SUMMED), counts, strict=True)))
-                if (extra := unattributed.get(where)) is not None:
+                side = InterfaceTotals(name, direction_name,
+                                       **dict(zip(SUMMED, self._table.totals((index, direction)), strict=True)))
+                if (extra := unattributed.get((index, direction))) is not None:
                     side.bytes += extra.bytes
                     side.packets += extra.packets
                 totals.append(side)
@@ -852,7 +721,7 @@ class FlowsProbe(Probe):
         in the interface totals); the unattributed table's are frames counted nowhere."""
         last = self._last_snapshot
         return [
-            MapUsage("flows", len(self._ledger.flows), self.max_flows,
+            MapUsage("flows", len(self._table), self.max_flows,
                      last.evictions + last.insert_failures if last is not None else 0),
             MapUsage("unattributed", self._unattributed_count,
                      self.loaded.obj.maps["unattributed"].max_entries if self.loaded is not None else 0,
