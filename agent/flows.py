@@ -148,6 +148,8 @@ TC_PRIORITY = 0xA1B0
 DEFAULT_MAX_FLOWS = 16384  # FlowsProbe's own (the CLI's, tests'); the agent's is Config.max_flows
 # Flows the agent makes records of at each read, the fastest first (what the snapshot shows).
 SNAPSHOT_FLOWS = 200
+# How long a scrape waits for a read under way (seconds a large table's read can take on a busy node).
+SCRAPE_WAIT_SECONDS = 0.25
 # Above EVICT_ABOVE of capacity, the stalest flows are evicted down to EVICT_TO, so new flows
 # find room in the kernel instead of failing to insert.
 EVICT_ABOVE = 0.9
@@ -415,6 +417,7 @@ class FlowsProbe(Probe):
         self._ledger = _Ledger()
         self._unattributed_count = 0
         self._last_snapshot: FlowsSnapshot | None = None
+        self._served: FlowsSnapshot | None = None  # the latest read() or read_for_scrape() result
         self._recorded: list[tuple[bytes, int, FlowRecord]] = []  # the last snapshot's flows: key, first_seen_ns
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
@@ -546,15 +549,22 @@ class FlowsProbe(Probe):
         """The latest read with its recorded flows' counters read again, one lookup each, and the
         interface totals moved on by what those flows added since: work bounded by the flows recorded
         (`top`), whatever the table holds. Flows outside the record catch up at the next read(). Every
-        counter stays monotonic and the flows still add up to their interface."""
-        if self.loaded is None or self._last_snapshot is None:
+        counter stays monotonic and the flows still add up to their interface. A scrape that finds a
+        read under way waits SCRAPE_WAIT_SECONDS at most, then serves what it served last."""
+        if self.loaded is None or self._last_snapshot is None or self._served is None:
             return self.read()
-        with self._read_lock:
+        if not self._read_lock.acquire(timeout=SCRAPE_WAIT_SECONDS):
+            return self._served
+        try:
             last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
             totals = {(t.interface, t.direction): dataclasses.replace(t) for t in last.interfaces}
             records = [self._reread(flows_map, key, first_seen_ns, record, totals)
                        for key, first_seen_ns, record in self._recorded]
-            return dataclasses.replace(last, timestamp=time.time(), flows=records, interfaces=list(totals.values()))
+            self._served = dataclasses.replace(last, timestamp=time.time(), flows=records,
+                                               interfaces=list(totals.values()))
+            return self._served
+        finally:
+            self._read_lock.release()
 
     def _reread(self, flows_map: Map, key: bytes, first_seen_ns: int, record: FlowRecord,
                 totals: dict[tuple[str, str], InterfaceTotals]) -> FlowRecord:
@@ -598,6 +608,7 @@ class FlowsProbe(Probe):
             lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
+        self._served = self._last_snapshot
         return self._last_snapshot
 
     def _scan(self, flows_map: Map, names: dict[int, str], since: int, idle_before: int) -> _Gone:

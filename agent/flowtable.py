@@ -68,7 +68,7 @@ class FlowTable:
         self.slots: dict[bytes, int] = {}  # raw key -> slot
         self.keys: list[bytes] = []  # slot -> raw key
         self.values = np.zeros(_INITIAL_SLOTS, value_dtype)  # slot -> counters as last read
-        self.where = np.zeros(_INITIAL_SLOTS, np.int64)  # slot -> ifindex * 2 + direction
+        self.group = np.zeros(_INITIAL_SLOTS, np.int64)  # slot -> its (ifindex, direction) in `groups`
         self.base = np.zeros((_INITIAL_SLOTS, 2), np.uint64)  # slot -> (bytes, packets) at the baseline read
         self.alive = np.zeros(_INITIAL_SLOTS, bool)
         self._free: list[int] = []
@@ -76,8 +76,9 @@ class FlowTable:
         # of changes would otherwise move the baseline counters of the slot's next flow).
         self._quarantine: deque[tuple[int, list[int]]] = deque()
         self.recent: deque[_Read] = deque([_Read(0, at_ns)])  # oldest (the baseline) first
-        self.live: dict[Where, list[int]] = {}
-        self.retired: dict[Where, list[int]] = {}
+        self.groups: dict[Where, int] = {}  # (ifindex, direction) -> its row in live and retired
+        self.live = np.zeros((0, len(SUMMED)), np.int64)  # SUMMED of the table's flows, per group
+        self.retired = np.zeros((0, len(SUMMED)), np.int64)  # SUMMED of flows deleted, per group
         self._changed: list[Slots] = []  # by the read in progress
 
     def __len__(self) -> int:
@@ -107,9 +108,11 @@ class FlowTable:
 
     def changed_since_baseline(self) -> Slots:
         """Live slots that changed after the baseline read: the only ones whose rate is not 0."""
-        slots: Slots = np.unique(np.concatenate([r.slots for r in list(self.recent)[1:]] or [np.empty(0, np.int64)]))
-        alive: Slots = slots[self.alive[slots]]
-        return alive
+        changed = np.zeros(len(self.alive), bool)
+        for read in list(self.recent)[1:]:
+            changed[read.slots] = True
+        slots: Slots = np.flatnonzero(changed & self.alive)
+        return slots
 
     def rates(self, slots: Slots, interval: float) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Bytes and packets per second since the baseline read."""
@@ -126,7 +129,7 @@ class FlowTable:
         raw = raw_keys(keys, self.key_dtype.itemsize, changed)
         slots = self._slots_of(raw)
         fresh, before = values[changed], self.values[slots]
-        self._add(self.live, slots, [fresh[name].astype(np.int64) - before[name].astype(np.int64) for name in SUMMED])
+        self._add(self.live, slots, self._columns(fresh, 1) - self._columns(before, 1))
         self.values[slots] = fresh
         self._changed.append(slots)
 
@@ -148,7 +151,8 @@ class FlowTable:
             self.slots[key] = slot
             self.keys[slot] = key
         parsed = np.frombuffer(b"".join(keys), self.key_dtype, len(keys))
-        self.where[slots] = parsed["ifindex"].astype(np.int64) * 2 + parsed["direction"]
+        wheres = zip(parsed["ifindex"].tolist(), parsed["direction"].tolist(), strict=True)
+        self.group[slots] = [self._group(where) for where in wheres]
         self.values[slots] = np.zeros(1, self.value_dtype)
         self.base[slots] = 0
         self.alive[slots] = True
@@ -158,23 +162,27 @@ class FlowTable:
         size = len(self.values)
         grown = max(size * 2, _INITIAL_SLOTS)
         self.values = np.resize(self.values, grown)
-        self.where = np.resize(self.where, grown)
+        self.group = np.resize(self.group, grown)
         self.base = np.resize(self.base, (grown, 2))
         self.alive = np.concatenate((self.alive[:size], np.zeros(grown - size, bool)))
         self.keys += [b""] * (grown - len(self.keys))
         self._free += range(grown - 1, size - 1, -1)
 
-    def _add(self, sums: dict[Where, list[int]], slots: Slots, columns: list[npt.NDArray[np.int64]]) -> None:
-        """Add each slot's SUMMED columns to its interface's sums."""
-        groups, index = np.unique(self.where[slots], return_inverse=True)
-        for name_index, column in enumerate(columns):
-            per_group = np.zeros(len(groups), np.int64)
-            np.add.at(per_group, index, column)
-            for group, total in zip(groups.tolist(), per_group.tolist(), strict=True):
-                sums.setdefault(divmod(group, 2), [0] * len(SUMMED))[name_index] += total
+    def _group(self, where: Where) -> int:
+        group = self.groups.get(where)
+        if group is None:
+            group = self.groups[where] = len(self.groups)
+            self.live = np.vstack((self.live, np.zeros((1, len(SUMMED)), np.int64)))
+            self.retired = np.vstack((self.retired, np.zeros((1, len(SUMMED)), np.int64)))
+        return group
 
-    def _columns(self, values: npt.NDArray[Any], sign: int) -> list[npt.NDArray[np.int64]]:
-        return [sign * values[name].astype(np.int64) for name in SUMMED]
+    def _add(self, sums: npt.NDArray[np.int64], slots: Slots, columns: npt.NDArray[np.int64]) -> None:
+        """Add each slot's SUMMED columns (one row per slot) to its group's sums."""
+        np.add.at(sums, self.group[slots], columns)
+
+    @staticmethod
+    def _columns(values: npt.NDArray[Any], sign: int) -> npt.NDArray[np.int64]:
+        return sign * np.stack([values[name].astype(np.int64) for name in SUMMED], axis=1)
 
     # --- flows leaving the table ---
 
@@ -202,10 +210,14 @@ class FlowTable:
 
     def forget(self, ifindex: int) -> None:
         """An interface gone: what its deleted flows counted (its live flows are dropped as orphans)."""
-        for where in [w for w in self.retired if w[0] == ifindex]:
-            del self.retired[where]
+        for (index, _direction), group in self.groups.items():
+            if index == ifindex:
+                self.retired[group] = 0
 
     def totals(self, where: Where) -> list[int]:
         """SUMMED of an interface and direction: its flows in the table and those deleted."""
-        live, retired = self.live.get(where), self.retired.get(where)
-        return [(live[i] if live else 0) + (retired[i] if retired else 0) for i in range(len(SUMMED))]
+        group = self.groups.get(where)
+        if group is None:
+            return [0] * len(SUMMED)
+        sums: list[int] = (self.live[group] + self.retired[group]).tolist()
+        return sums
