@@ -2,7 +2,10 @@
 
 `FlowsProbe` attaches tc programs (TCX, clsact where the kernel lacks it) to both directions of
 every selected interface (following interfaces that come and go), and `read()` turns the flow table
-into `FlowRecord`s with rates over the interval since the previous read. Several aiprobes may watch
+into `FlowRecord`s with rates over the interval since the previous read: of every flow, or of the
+`top` fastest (the agent's). A read's cost follows what changed, not what the table holds: it copies
+the table in raw batches and touches in Python only the flows stamped since its previous read
+(agent/flowtable.py); a scrape reads again only the flows of the latest records. Several aiprobes may watch
 one interface (the agent, an engineer's `aiprobe flows`): TCX links stack; under clsact each has a
 filter handle of its own, and only a filter of ours whose program no process holds (left by a killed
 run: netlink attachments outlive their process) is removed.
