@@ -10,10 +10,12 @@ chunks), then chunked encoding's last chunk "0\\r\\n\\r\\n" (ends the response; 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +35,7 @@ from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe, _endpoint
 from conftest import free_port, wait_until
+from exported_histograms import assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
@@ -139,6 +142,117 @@ def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -
     assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
     assert stall.unwritable_seconds == stall.cuda_sync_seconds == 0
     assert not snapshot.cuda_syncs_seen
+
+
+KEEPALIVE_FIXTURE = Path(__file__).parent / "fixtures" / "keepalive_server.py"
+BODY = 2048  # keepalive_server.py's Content-Length
+DELAYS_MS = (150, 180, 210, 240)  # the slow responses: each far above a quick one, distinct from the others
+
+
+@dataclass
+class Served:
+    """What the keep-alive server printed of one response: the truth the probe is held to."""
+
+    received: float
+    written: float
+
+    @property
+    def duration(self) -> float:
+        return self.written - self.received
+
+
+@contextlib.contextmanager
+def keepalive_server(*args: str) -> Iterator[subprocess.Popen]:
+    """keepalive_server.py on a free port (another takes it between free_port() and bind: try again)."""
+    for _attempt in range(3):
+        port = free_port()
+        server = subprocess.Popen([sys.executable, str(KEEPALIVE_FIXTURE), str(port), *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        try:
+            if server.stdout.readline().strip() == "ready":
+                server.port = port  # type: ignore[attr-defined]
+                yield server
+                return
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    raise AssertionError("keepalive_server.py did not listen on any of 3 free ports")
+
+
+def connections_of(shape: str) -> list[list[str]]:
+    """The request targets, per client connection: keep-alive (a slow response ends at the next request,
+    the last at the connection's end), one per connection (`Connection: close`), or keep-alive
+    connections each ending in a slow response the client resets midway."""
+    slow = [f"/?delay_ms={ms}" for ms in DELAYS_MS]
+    keepalive = [["/"] * 2 + [first] + ["/"] * 3 + [second] + ["/"] * 2 for first, second in (slow[:2], slow[2:])]
+    if shape == "close":
+        return [[target] for targets in keepalive for target in targets]
+    if shape == "reset":
+        return [["/"] * 3 + [target + "&cut=1"] for target in slow]
+    return keepalive
+
+
+def fetch(connection: http.client.HTTPConnection, target: str) -> None:
+    """GET target; a `cut` response is read halfway, then the connection reset (SO_LINGER 0)."""
+    connection.request("GET", target)
+    response = connection.getresponse()
+    if "cut" not in target:
+        assert len(response.read()) == BODY
+        return
+    assert len(response.read(BODY // 2)) == BODY // 2
+    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    response.close()
+    connection.close()
+
+
+def ended_durations(probe: StreamsProbe, server: subprocess.Popen, count: int) -> float:
+    """The endpoint's duration sum once `count` responses have ended."""
+    totals: list[float] = []
+
+    def ended() -> bool:
+        mine = [e for e in probe.read().endpoints if e.pid == server.pid and e.port == server.port]
+        totals[:] = [mine[0].duration_sum_seconds] if mine and mine[0].completed >= count else []
+        return bool(totals)
+
+    assert wait_until(ended), f"fewer than {count} responses ended"
+    return totals[0]
+
+
+def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen, connections: list[list[str]]) -> list[float]:
+    """Each response's duration as the probe counted it: what the endpoint's sum grew by when its end
+    came (a keep-alive response's at the next request, the last one's at the connection's end). The
+    server has answered one request before, on a connection of its own."""
+    sums, ended = [ended_durations(probe, server, 1)], 1
+    for targets in connections:
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as connection:
+            for i, target in enumerate(targets):
+                fetch(connection, target)
+                if i:
+                    ended += 1
+                    sums.append(ended_durations(probe, server, ended))
+        ended += 1
+        sums.append(ended_durations(probe, server, ended))
+    return [after - before for before, after in zip(sums, sums[1:], strict=False)]
+
+
+@pytest.mark.parametrize("shape", ["keep-alive", "close", "reset"])
+@pytest.mark.parametrize("stack", ["asyncio", "uvicorn"])
+def test_response_durations_end_where_the_response_ends(probe: StreamsProbe, stack: str, shape: str) -> None:
+    connections = connections_of(shape)
+    requests = sum(len(targets) for targets in connections)
+    with keepalive_server(stack, *(["--close"] if shape == "close" else [])) as server:
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as warmup:
+            fetch(warmup, "/")  # first-call costs (imports, caches) are no part of what is timed
+        durations = durations_one_by_one(probe, server, connections)
+        endpoint, _ = endpoint_of(probe, server)
+        _warmup, *truths = (Served(**json.loads(server.stdout.readline())).duration for _ in range(requests + 1))
+    histogram = endpoint.duration_histogram
+    assert (endpoint.streams, endpoint.completed, endpoint.durations_unknown) == (requests + 1, requests + 1, 0)
+    assert histogram[-2][1] == histogram[-1][1] == requests + 1, f"not all in a finite bucket: {histogram[-2:]}"
+    slow = min(DELAYS_MS) / 2e3
+    assert sorted(d for d in durations if d > slow) == pytest.approx(sorted(t for t in truths if t > slow), rel=0.10)
+    assert sum(durations) == pytest.approx(sum(truths), rel=0.10)
+    assert_histograms_consistent([endpoint], observed=["aiprobe_stream_duration_seconds"])
 
 
 @pytest.fixture(scope="module")
@@ -293,9 +407,11 @@ def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
 def test_endpoint_entry_becomes_a_record() -> None:
     hist = {"slots": [0] * HIST_SLOTS, "count": 0, "sum_ns": 0}
     value = {"comm": b"uvicorn\0", "streams": 2, "chunks": 7, "bytes": 90, "stalls": [1, 2, 0, 0],
-             "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": hist}
+             "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": {**hist, "count": 1},
+             "durations_unknown": 1}
     record = _endpoint({"tgid": 5, "port": 8000, "protocol": 2, "cgroup_id": 9}, value, 77)
     assert (record.protocol, record.comm, record.streams, record.ttfb_sum_seconds) == ("sse", "uvicorn", 2, 0.3)
+    assert (record.completed, record.durations_unknown) == (2, 1)  # ended: timed or not
     assert record.stalls == {"server": 1, "network": 2, "cpu": 0, "gpu": 0}
     assert record.gap_p50_seconds is None
     assert _endpoint({"tgid": 5, "port": 1, "protocol": 99, "cgroup_id": 0}, value, 0).protocol == "tcp"
