@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import socket
@@ -43,6 +44,7 @@ GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
 EVENTS, CADENCE, PREFILL = 100, 0.020, 0.150
 PAUSE_AT, PAUSE = 50, 0.400
 BIG_EVENT = 256 * 1024  # events that fill a slow reader's socket buffers within a few of them
+STREAM_HISTOGRAMS = [f"aiprobe_stream_{name}_seconds" for name in ("ttfb", "chunk_gap", "duration")]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,7 @@ def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -
     assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
     assert stall.unwritable_seconds == stall.cuda_sync_seconds == 0
     assert not snapshot.cuda_syncs_seen
+    assert_histograms_consistent([endpoint], observed=STREAM_HISTOGRAMS)
 
 
 KEEPALIVE_FIXTURE = Path(__file__).parent / "fixtures" / "keepalive_server.py"
@@ -232,7 +235,7 @@ def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen, connecti
                     sums.append(ended_durations(probe, server, ended))
         ended += 1
         sums.append(ended_durations(probe, server, ended))
-    return [after - before for before, after in zip(sums, sums[1:], strict=False)]
+    return [after - before for before, after in itertools.pairwise(sums)]
 
 
 @pytest.mark.parametrize("shape", ["keep-alive", "close", "reset"])
@@ -386,6 +389,7 @@ def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) 
     assert endpoint.ttfb_sum_seconds == pytest.approx(sum(truth.ttfb for truth in truths), rel=0.05)
     assert endpoint.ttfb_p99_seconds < max(truth.ttfb for truth in truths) * 1.1
     assert snapshot.stalls == []
+    assert_histograms_consistent([endpoint], observed=STREAM_HISTOGRAMS)
 
 
 def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
