@@ -184,20 +184,24 @@ def keepalive_server(*args: str) -> Iterator[subprocess.Popen]:
 
 def connections_of(shape: str) -> list[list[str]]:
     """The request targets, per client connection: keep-alive (a slow response ends at the next request,
-    the last at the connection's end), one per connection (`Connection: close`), or keep-alive
-    connections each ending in a slow response the client resets midway."""
-    slow = [f"/?delay_ms={ms}" for ms in DELAYS_MS]
-    keepalive = [["/"] * 2 + [first] + ["/"] * 3 + [second] + ["/"] * 2 for first, second in (slow[:2], slow[2:])]
-    if shape == "close":
-        return [[target] for targets in keepalive for target in targets]
+    the last at the connection's end), one per connection (`Connection: close`, or a client that
+    half-closes after its request and reads the answer), or keep-alive connections each ending in a slow
+    response the client resets midway."""
+    quick, slow = ["/?delay_ms=0"], [f"/?delay_ms={ms}" for ms in DELAYS_MS]
+    keepalive = [quick * 2 + [first] + quick * 3 + [second] + quick * 2 for first, second in (slow[:2], slow[2:])]
+    if shape in ("close", "half-close"):
+        return [[target + ("&half" if shape == "half-close" else "")] for targets in keepalive for target in targets]
     if shape == "reset":
-        return [["/"] * 3 + [target + "&cut=1"] for target in slow]
+        return [quick * 3 + [target + "&cut"] for target in slow]
     return keepalive
 
 
 def fetch(connection: http.client.HTTPConnection, target: str) -> None:
-    """GET target; a `cut` response is read halfway, then the connection reset (SO_LINGER 0)."""
+    """GET target; `half`: the client shuts its side down after the request; a `cut` response is read
+    halfway, then the connection reset (SO_LINGER 0)."""
     connection.request("GET", target)
+    if "half" in target:
+        connection.sock.shutdown(socket.SHUT_WR)
     response = connection.getresponse()
     if "cut" not in target:
         assert len(response.read()) == BODY
@@ -238,8 +242,9 @@ def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen, connecti
     return [after - before for before, after in itertools.pairwise(sums)]
 
 
-@pytest.mark.parametrize("shape", ["keep-alive", "close", "reset"])
-@pytest.mark.parametrize("stack", ["asyncio", "uvicorn"])
+@pytest.mark.parametrize(("stack", "shape"), [(stack, shape) for stack in ("asyncio", "uvicorn")
+                                             for shape in ("keep-alive", "close", "reset", "half-close")
+                                             if (stack, shape) != ("uvicorn", "half-close")])  # uvicorn hangs up
 def test_response_durations_end_where_the_response_ends(probe: StreamsProbe, stack: str, shape: str) -> None:
     connections = connections_of(shape)
     requests = sum(len(targets) for targets in connections)
