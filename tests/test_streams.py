@@ -149,19 +149,18 @@ def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -
 
 KEEPALIVE_FIXTURE = Path(__file__).parent / "fixtures" / "keepalive_server.py"
 BODY = 2048  # keepalive_server.py's Content-Length
-DELAYS_MS = (150, 180, 210, 240)  # the slow responses: each far above a quick one, distinct from the others
+CLOCK_SLACK = 1e-6  # bpf_ktime_get_ns() is CLOCK_MONOTONIC read without the vDSO's lock: nanoseconds apart
+DELAYS_MS = (150, 180, 210, 240)  # the slow responses, each far above a quick one
 
 
 @dataclass
 class Served:
-    """What the keep-alive server printed of one response: the truth the probe is held to."""
+    """What the keep-alive server printed of one response, by its clock (the probe's, CLOCK_MONOTONIC):
+    when it had the request, and around its last write."""
 
     received: float
+    writing: float
     written: float
-
-    @property
-    def duration(self) -> float:
-        return self.written - self.received
 
 
 @contextlib.contextmanager
@@ -196,20 +195,21 @@ def connections_of(shape: str) -> list[list[str]]:
     return keepalive
 
 
-def fetch(connection: http.client.HTTPConnection, target: str) -> None:
-    """GET target; `half`: the client shuts its side down after the request; a `cut` response is read
-    halfway, then the connection reset (SO_LINGER 0)."""
+def fetch(connection: http.client.HTTPConnection, target: str) -> float:
+    """GET target; returns when the request was sent. `half`: the client shuts its side down after the
+    request; a `cut` response is read halfway, and closing the connection then resets it (SO_LINGER 0)."""
+    sent = time.monotonic()
     connection.request("GET", target)
     if "half" in target:
         connection.sock.shutdown(socket.SHUT_WR)
     response = connection.getresponse()
     if "cut" not in target:
         assert len(response.read()) == BODY
-        return
+        return sent
     assert len(response.read(BODY // 2)) == BODY // 2
     connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     response.close()
-    connection.close()
+    return sent
 
 
 def ended_durations(probe: StreamsProbe, server: subprocess.Popen, count: int) -> float:
@@ -225,21 +225,23 @@ def ended_durations(probe: StreamsProbe, server: subprocess.Popen, count: int) -
     return totals[0]
 
 
-def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen, connections: list[list[str]]) -> list[float]:
-    """Each response's duration as the probe counted it: what the endpoint's sum grew by when its end
-    came (a keep-alive response's at the next request, the last one's at the connection's end). The
-    server has answered one request before, on a connection of its own."""
-    sums, ended = [ended_durations(probe, server, 1)], 1
+def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen,
+                         connections: list[list[str]]) -> list[tuple[float, float]]:
+    """(when the client sent it, its duration as the probe counted it) of each response in turn: what
+    the endpoint's sum grew by when its end came (a keep-alive response's at the next request, the
+    last one's at the connection's end). The server has answered one request before, on a connection
+    of its own."""
+    sums, sent, ended = [ended_durations(probe, server, 1)], [], 1
     for targets in connections:
         with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as connection:
             for i, target in enumerate(targets):
-                fetch(connection, target)
+                sent.append(fetch(connection, target))
                 if i:
                     ended += 1
                     sums.append(ended_durations(probe, server, ended))
         ended += 1
         sums.append(ended_durations(probe, server, ended))
-    return [after - before for before, after in itertools.pairwise(sums)]
+    return list(zip(sent, (after - before for before, after in itertools.pairwise(sums)), strict=True))
 
 
 @pytest.mark.parametrize(("stack", "shape"), [(stack, shape) for stack in ("asyncio", "uvicorn")
@@ -251,15 +253,19 @@ def test_response_durations_end_where_the_response_ends(probe: StreamsProbe, sta
     with keepalive_server(stack, *(["--close"] if shape == "close" else [])) as server:
         with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as warmup:
             fetch(warmup, "/")  # first-call costs (imports, caches) are no part of what is timed
-        durations = durations_one_by_one(probe, server, connections)
+        answered = durations_one_by_one(probe, server, connections)
         endpoint, _ = endpoint_of(probe, server)
-        _warmup, *truths = (Served(**json.loads(server.stdout.readline())).duration for _ in range(requests + 1))
+        _warmup, *served = (Served(**json.loads(server.stdout.readline())) for _ in range(requests + 1))
     histogram = endpoint.duration_histogram
     assert (endpoint.streams, endpoint.completed, endpoint.durations_unknown) == (requests + 1, requests + 1, 0)
     assert histogram[-2][1] == histogram[-1][1] == requests + 1, f"not all in a finite bucket: {histogram[-2:]}"
-    slow = min(DELAYS_MS) / 2e3
-    assert sorted(d for d in durations if d > slow) == pytest.approx(sorted(t for t in truths if t > slow), rel=0.10)
-    assert sum(durations) == pytest.approx(sum(truths), rel=0.10)
+    # Each duration against the clocks around its two ends (the probe's clock too), held exactly, as no
+    # preemption can move it out: the request was read after the client sent it and before the server
+    # had it; the last write went out while the server wrote. Quiet, that is within a millisecond.
+    for (sent, duration), truth in zip(answered, served, strict=True):
+        assert truth.writing - truth.received - CLOCK_SLACK <= duration <= truth.written - sent + CLOCK_SLACK, \
+            (duration, truth, sent)
+    assert sum(truth.writing - truth.received > min(DELAYS_MS) / 1e3 for truth in served) == len(DELAYS_MS)
     assert_histograms_consistent([endpoint], observed=["aiprobe_stream_duration_seconds"])
 
 
