@@ -10,14 +10,15 @@
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
  * to first byte; each later write ends a gap; the next request received, or the server's side of the
- * connection closing or reset, ends it (its duration runs to its last write). HTTP/1.x is read from the response's first bytes: a write holding only the
- * status line and headers is not a chunk (TTFB runs to the first body write) and chunked encoding's
- * last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each
- * stream is a response of its own: the frame headers of each write, and of each read of the client,
- * walked with bpf_loop (the verifier sees one frame), say which streams they are for. docs/streams.md
- * has the rules. Include after sendlat's maps: it uses left_full() and SYSCALL_NR(). A stall's GPU
- * evidence is its process's time inside CUDA synchronizations, from the map the cuda probe writes
- * (cuda_sync.h): each write notes the process's total, the write ending a gap takes the difference. */
+ * connection closing or reset, ends it (its duration runs to its last write). HTTP/1.x is read from the
+ * response's first bytes: a write holding only the status line and headers is not a chunk (TTFB runs to
+ * the first body write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response
+ * without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
+ * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
+ * say which streams they are for. docs/streams.md has the rules. Include after sendlat's maps: it
+ * uses left_full() and SYSCALL_NR(). A stall's GPU evidence is its process's time inside CUDA
+ * synchronizations, from the map the cuda probe writes (cuda_sync.h): each write notes the process's
+ * total, the write ending a gap takes the difference. */
 #ifndef AIPROBE_STREAMS_H
 #define AIPROBE_STREAMS_H
 
@@ -237,8 +238,9 @@ static __always_inline bool is_h2(struct stream_socket *s)
 	return s->key.protocol == STREAM_PROTOCOL_HTTP2 || s->key.protocol == STREAM_PROTOCOL_GRPC;
 }
 
-/* Adds the time from `start` to `end` to `h`; false, adding nothing, when `end` precedes `start` (a
- * read and a write of two threads racing on one connection): no made-up value in the last slot. */
+/* Adds the time from `start` to `end` to `h` (a TTFB, a duration); false, adding nothing, when `end`
+ * precedes `start` (a read and a write of two threads racing on one connection): no made-up value in
+ * the last slot. */
 static __always_inline bool hist_add_span(struct hist *h, __u64 start, __u64 end)
 {
 	if (end < start)
