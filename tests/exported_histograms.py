@@ -18,6 +18,7 @@ from aiprobe.model import Readings
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+STREAM_HISTOGRAMS = [f"aiprobe_stream_{name}_seconds" for name in ("ttfb", "chunk_gap", "duration")]
 # The kernel's sums are exact; its bucket of a value is, to a few ns (bpf/common.h): per observation.
 SLACK_SECONDS = 1e-8
 

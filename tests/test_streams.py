@@ -36,7 +36,7 @@ from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe, _endpoint
 from conftest import free_port, wait_until
-from exported_histograms import assert_histograms_consistent
+from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
@@ -44,7 +44,6 @@ GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
 EVENTS, CADENCE, PREFILL = 100, 0.020, 0.150
 PAUSE_AT, PAUSE = 50, 0.400
 BIG_EVENT = 256 * 1024  # events that fill a slow reader's socket buffers within a few of them
-STREAM_HISTOGRAMS = [f"aiprobe_stream_{name}_seconds" for name in ("ttfb", "chunk_gap", "duration")]
 
 
 @pytest.fixture(scope="module")
