@@ -259,6 +259,7 @@ class StreamEndpoint(Record):
     duration_sum_seconds: float = 0.0
     duration_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
     stalls: dict[str, int] = field(default_factory=dict)  # cause -> gaps above the threshold
+    durations_unknown: int = 0  # ended responses whose duration could not be known: not in duration_histogram
     start_ticks: int = 0
     streams_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)

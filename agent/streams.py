@@ -58,13 +58,13 @@ def _endpoint(key: dict[str, Any], value: dict[str, Any], started: int) -> Strea
         pid=key["tgid"], comm=comm_text(value["comm"]), cgroup_id=key["cgroup_id"], port=key["port"],
         protocol=PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp",
         streams=value["streams"], chunks=value["chunks"], bytes=value["bytes"],
-        completed=value["duration"]["count"],
+        completed=value["duration"]["count"] + value["durations_unknown"],
         ttfb_p50_seconds=quantile(ttfb, 0.5), ttfb_p99_seconds=quantile(ttfb, 0.99),
         ttfb_sum_seconds=value["ttfb"]["sum_ns"] / NS_PER_SECOND, ttfb_histogram=exported_buckets(ttfb),
         gaps=value["gap"]["count"], gap_p50_seconds=quantile(gap, 0.5), gap_p99_seconds=quantile(gap, 0.99),
         gap_sum_seconds=value["gap"]["sum_ns"] / NS_PER_SECOND, gap_histogram=exported_buckets(gap),
         duration_sum_seconds=value["duration"]["sum_ns"] / NS_PER_SECOND,
-        duration_histogram=exported_buckets(duration),
+        duration_histogram=exported_buckets(duration), durations_unknown=value["durations_unknown"],
         stalls=dict(zip(CAUSES, value["stalls"], strict=True)),
         start_ticks=started,
     )
@@ -228,6 +228,10 @@ SPEC = ProbeSpec(
         Family("aiprobe_stream_duration_seconds", "histogram",
                "Request received to the last write, of responses that ended.", StreamEndpoint,
                "duration_histogram", STREAM_LABELS, sum_field="duration_sum_seconds", per_identity=True),
+        Family("aiprobe_stream_durations_unknown_total", "counter",
+               "Responses that ended with a last write before their request (a read and a write racing on "
+               "the connection): not in aiprobe_stream_duration_seconds.", StreamEndpoint, "durations_unknown",
+               STREAM_LABELS, per_identity=True),
         Family("aiprobe_stream_stalls_total", "counter",
                "Gaps between writes above the stall threshold, by cause: network (the socket was full), cpu "
                "(the writer waited for a CPU), gpu (the process was inside a CUDA synchronization), server.",

@@ -9,15 +9,16 @@
  * side (streams_recv) and the connection's life (streams_set_state) are the two programs added.
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
- * to first byte; each later write ends a gap; the next request received, or the connection leaving
- * ESTABLISHED, ends it. HTTP/1.x is read from the response's first bytes: a write holding only the
- * status line and headers is not a chunk (TTFB runs to the first body write) and chunked encoding's
- * last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each
- * stream is a response of its own: the frame headers of each write, and of each read of the client,
- * walked with bpf_loop (the verifier sees one frame), say which streams they are for. docs/streams.md
- * has the rules. Include after sendlat's maps: it uses left_full() and SYSCALL_NR(). A stall's GPU
- * evidence is its process's time inside CUDA synchronizations, from the map the cuda probe writes
- * (cuda_sync.h): each write notes the process's total, the write ending a gap takes the difference. */
+ * to first byte; each later write ends a gap; the next request received, or the server's side of the
+ * connection closing or reset, ends it (its duration runs to its last write). HTTP/1.x is read from the
+ * response's first bytes: a write holding only the status line and headers is not a chunk (TTFB runs to
+ * the first body write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response
+ * without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
+ * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
+ * say which streams they are for. docs/streams.md has the rules. Include after sendlat's maps: it
+ * uses left_full() and SYSCALL_NR(). A stall's GPU evidence is its process's time inside CUDA
+ * synchronizations, from the map the cuda probe writes (cuda_sync.h): each write notes the process's
+ * total, the write ending a gap takes the difference. */
 #ifndef AIPROBE_STREAMS_H
 #define AIPROBE_STREAMS_H
 
@@ -25,6 +26,7 @@
 
 #define TCP_ESTABLISHED 1
 #define TCP_SYN_RECV 3
+#define TCP_CLOSE_WAIT 8
 #define MSG_PEEK 2
 #define STREAM_MAX_ENDPOINTS 4096
 #define STREAM_PEEK_BYTES 512	/* of a response's first write, searched for the SSE content type */
@@ -60,6 +62,7 @@ struct stream_stats {
 	struct hist ttfb;	/* request received -> first body byte written */
 	struct hist gap;	/* between successive writes of a response */
 	struct hist duration;	/* request received -> last write, of ended responses */
+	__u64 durations_unknown;	/* ended responses whose last write precedes their request: not in duration */
 	__u64 streams;		/* responses that wrote a first byte */
 	__u64 chunks;		/* their writes (headers-only and last-chunk writes excluded) */
 	__u64 bytes;
@@ -235,13 +238,24 @@ static __always_inline bool is_h2(struct stream_socket *s)
 	return s->key.protocol == STREAM_PROTOCOL_HTTP2 || s->key.protocol == STREAM_PROTOCOL_GRPC;
 }
 
+/* Adds the time from `start` to `end` to `h` (a TTFB, a duration); false, adding nothing, when `end`
+ * precedes `start` (a read and a write of two threads racing on one connection): no made-up value in
+ * the last slot. */
+static __always_inline bool hist_add_span(struct hist *h, __u64 start, __u64 end)
+{
+	if (end < start)
+		return false;
+	hist_add(h, end - start);
+	return true;
+}
+
 /* A response ended (at its last write). */
 static __always_inline void timing_end(struct stream_socket *s, struct stream_timing *t)
 {
 	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, &s->key);
 
-	if (stats && t->chunks)
-		hist_add(&stats->duration, t->last_write_ns - t->request_ns);
+	if (stats && t->chunks && !hist_add_span(&stats->duration, t->request_ns, t->last_write_ns))
+		__sync_fetch_and_add(&stats->durations_unknown, 1);
 	t->chunks = 0;
 }
 
@@ -254,7 +268,14 @@ static __always_inline void stream_end(struct stream_socket *s)
 	timing_end(s, &s->t);
 }
 
-/* Accepted connections get their state; a connection leaving ESTABLISHED ends its responses. */
+/* The server's side of the connection is done writing: it left ESTABLISHED (its own close, a reset),
+ * or CLOSE_WAIT, where a server still answers a client that half-closed after its request. */
+static __always_inline bool writes_ended(int oldstate, int newstate)
+{
+	return (oldstate == TCP_ESTABLISHED && newstate != TCP_CLOSE_WAIT) || oldstate == TCP_CLOSE_WAIT;
+}
+
+/* Accepted connections get their state; a connection whose server is done writing ends its responses. */
 SEC("tp_btf/inet_sock_set_state")
 int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 {
@@ -266,7 +287,7 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
 		return 0;
 	}
-	if (oldstate != TCP_ESTABLISHED || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+	if (!writes_ended(oldstate, newstate) || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
 		return 0;
 	stream_end(s);
 	for (int i = 0; i < H2_STREAMS; i++) {
@@ -645,13 +666,15 @@ static __always_inline void stream_received(struct sock *sk, int ret, int flags)
 	if (!s)
 		return;
 	now = bpf_ktime_get_ns();
+	/* The response in progress ends before this read becomes the next request: timed from its own
+	 * request, not from this one (which would make it negative). */
+	if (!is_h2(s))
+		stream_end(s);
 	s->t.request_ns = now;
 	if (!s->classified || is_h2(s))
 		h2_received(s, ret, now);
-	if (is_h2(s))
-		return;
-	stream_end(s);
-	s->phase = STREAM_REQUEST;
+	if (!is_h2(s))
+		s->phase = STREAM_REQUEST;
 }
 
 SEC("tp_btf/sock_recv_length")
@@ -757,7 +780,7 @@ static __always_inline void timing_write(struct sock *sk, struct stream_socket *
 
 	if (!t->chunks) {
 		__sync_fetch_and_add(&stats->streams, 1);
-		hist_add(&stats->ttfb, now - t->request_ns);
+		hist_add_span(&stats->ttfb, t->request_ns, now);
 	} else {
 		gap = now - t->last_write_ns;
 		hist_add(&stats->gap, gap);

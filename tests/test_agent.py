@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe import __version__
+from exported_histograms import assert_exposition_consistent
 from helpers import VethPair, programs_on, wait_until
 from servers import Agent, Alertmanager, Prometheus, http_get
 
@@ -76,6 +77,7 @@ def test_prometheus_scrapes_the_agent(tmp_path: Path, veth: VethPair) -> None:
             check = subprocess.run(["promtool", "check", "metrics"], input=agent.metrics(), capture_output=True,
                                    text=True)
             assert check.returncode == 0, check.stdout + check.stderr
+            assert_exposition_consistent(agent.metrics(), observed=["aiprobe_tcp_sendmsg_duration_seconds"])
     finally:
         sink.kill()
 

@@ -41,6 +41,7 @@ from aiprobe.names import printable
 from aiprobe.rules import RuleEngine
 from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from aiprobe.top_views import header_lines
+from exported_histograms import assert_histograms_consistent
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
     STATIC_RUNTIME_DRIVER,
@@ -185,6 +186,8 @@ def test_each_scheduler_strategy_times_wakeups_of_gpu_threads(cuda_libs, drivers
     # fires before the thread is off the CPU wakes nothing: allow a few).
     assert process.runqueue_histogram[-1][1] >= 15
     assert process.runqueue_delay_p99_seconds is not None
+    assert_histograms_consistent([process], observed=["aiprobe_cuda_sync_duration_seconds",
+                                                      "aiprobe_gpu_thread_runqueue_delay_seconds"])
 
 
 def _runqueue_delay(probe: CudaProbe, cpu: int, libdir: Path, drivers: list[Driver]) -> tuple[float, int]:

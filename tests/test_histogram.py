@@ -10,6 +10,7 @@ import psutil
 import pytest
 from aiprobe.histogram import HIST_SLOTS, buckets_to_json, kernel_buckets, quantile
 from aiprobe.procfs import StartTimes, start_ticks
+from exported_histograms import check_series
 
 
 def test_quantile_interpolates_inside_its_bucket() -> None:
@@ -53,3 +54,14 @@ def test_start_times_remember_an_exited_process(tmp_path: Path) -> None:
     assert starts.of(42) == 77  # read once more after it exited: same identity
     starts.keep_only(set())
     assert starts.of(42) == 0
+
+
+def test_exported_histogram_check_refuses_made_up_values_and_keeps_real_ones() -> None:
+    # Issue 28 as /metrics showed it: 16 negative keep-alive durations in +Inf, the sum wrapped past 2^64 ns.
+    for buckets, total in (([(0.2, 3.0), (32.768, 3.0), (math.inf, 19.0)], 2**64 / 1e9),
+                           ([(0.2, 3.0), (32.768, 3.0), (math.inf, 19.0)], 0.139),
+                           ([(0.2, 3.0), (32.768, 2.0), (math.inf, 3.0)], 0.3)):
+        with pytest.raises(AssertionError):
+            check_series("duration", buckets, total)
+    check_series("duration", [(0.125, 1.0), (0.25, 19.0), (32.768, 19.0), (math.inf, 19.0)], 2.5)
+    check_series("duration", [(32.768, 0.0), (math.inf, 1.0)], 40.0)  # really that long

@@ -34,6 +34,7 @@ from aiprobe.sendlat import (
     SendLatencySnapshot,
     TimingBudget,
 )
+from exported_histograms import assert_histograms_consistent
 from fixtures.sendlat_peer import build, mix, paced_sink, send, send_nonblocking, sender_cmd, sink
 from helpers import CLOCK_TOLERANCE, unique, wait_until
 
@@ -232,6 +233,7 @@ def test_p99_of_a_few_slow_sends_among_fast_ones_matches_the_senders_clock(probe
     [record] = records_of(probe.read(), sent.pid)
     assert record.count == 36 and pattern.count("1") == 5
     assert record.p99_seconds == pytest.approx(sender_quantile(durations, 0.99), rel=CLOCK_TOLERANCE)
+    assert_histograms_consistent([record], observed=["aiprobe_tcp_sendmsg_duration_seconds"])
 
 
 @pytest.mark.bpf
@@ -347,6 +349,8 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
     longest = next(le for le, count in record.unwritable_histogram if count == record.unwritable_count)
     assert paused * 0.9 <= longest <= paused * 1.3, record.unwritable_histogram
     assert record.unwritable_sum_seconds == pytest.approx(paused, rel=CLOCK_TOLERANCE)
+    assert_histograms_consistent([record], observed=["aiprobe_tcp_sendmsg_duration_seconds",
+                                                     "aiprobe_tcp_socket_unwritable_seconds"])
     # The agent's send-stall rule sees the stall through the unwritable time alone.
     stall = Agent(Config())._send_stall(record, time.monotonic())
     assert stall.evidence["send_p99_seconds"] < 0.05 < stall.value

@@ -22,6 +22,7 @@ from aiprobe.loader import ProbeUnavailable
 from aiprobe.probes import Probe, plan, selected, spec, specs, strategies_named
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe
+from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.sendlat_peer import build, sender_cmd, sink
 from helpers import VethPair
 
@@ -205,3 +206,4 @@ def test_streams_under_each_strategy_counts_every_chunk_of_a_response(kernel_fea
     protocol, chunks = ("tcp", SSE_EVENTS + 2) if strategy == "syscall" else ("sse", SSE_EVENTS)
     assert (endpoint.protocol, endpoint.streams, endpoint.completed, endpoint.chunks, endpoint.gaps) == \
         (protocol, 1, 1, chunks, chunks - 1)
+    assert_histograms_consistent([endpoint], observed=STREAM_HISTOGRAMS)

@@ -10,10 +10,13 @@ chunks), then chunked encoding's last chunk "0\\r\\n\\r\\n" (ends the response; 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import itertools
 import json
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -32,6 +35,7 @@ from aiprobe.histogram import HIST_SLOTS
 from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe, _endpoint
+from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
 from helpers import free_port, wait_until
 
@@ -139,6 +143,129 @@ def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -
     assert stall.gap_seconds == pytest.approx(truth.gaps[PAUSE_AT - 1], rel=0.05)
     assert stall.unwritable_seconds == stall.cuda_sync_seconds == 0
     assert not snapshot.cuda_syncs_seen
+    assert_histograms_consistent([endpoint], observed=STREAM_HISTOGRAMS)
+
+
+KEEPALIVE_FIXTURE = Path(__file__).parent / "fixtures" / "keepalive_server.py"
+BODY = 2048  # keepalive_server.py's Content-Length
+CLOCK_SLACK = 1e-6  # bpf_ktime_get_ns() is CLOCK_MONOTONIC read without the vDSO's lock: nanoseconds apart
+DELAYS_MS = (150, 180, 210, 240)  # the slow responses, each far above a quick one
+
+
+@dataclass
+class Served:
+    """What the keep-alive server printed of one response, by its clock (the probe's, CLOCK_MONOTONIC):
+    when it had the request, and around its last write."""
+
+    received: float
+    writing: float
+    written: float
+
+
+@contextlib.contextmanager
+def keepalive_server(*args: str) -> Iterator[subprocess.Popen]:
+    """keepalive_server.py on a free port (another takes it between free_port() and bind: try again)."""
+    for _attempt in range(3):
+        port = free_port()
+        server = subprocess.Popen([sys.executable, str(KEEPALIVE_FIXTURE), str(port), *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        try:
+            if server.stdout.readline().strip() == "ready":
+                server.port = port  # type: ignore[attr-defined]
+                yield server
+                return
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    raise AssertionError("keepalive_server.py did not listen on any of 3 free ports")
+
+
+def connections_of(shape: str) -> list[list[str]]:
+    """The request targets, per client connection: keep-alive (a slow response ends at the next request,
+    the last at the connection's end), one per connection (`Connection: close`, or a client that
+    half-closes after its request and reads the answer), or keep-alive connections each ending in a slow
+    response the client resets midway."""
+    quick, slow = ["/?delay_ms=0"], [f"/?delay_ms={ms}" for ms in DELAYS_MS]
+    keepalive = [quick * 2 + [first] + quick * 3 + [second] + quick * 2 for first, second in (slow[:2], slow[2:])]
+    if shape in ("close", "half-close"):
+        return [[target + ("&half" if shape == "half-close" else "")] for targets in keepalive for target in targets]
+    if shape == "reset":
+        return [quick * 3 + [target + "&cut"] for target in slow]
+    return keepalive
+
+
+def fetch(connection: http.client.HTTPConnection, target: str) -> float:
+    """GET target; returns when the request was sent. `half`: the client shuts its side down after the
+    request; a `cut` response is read halfway, and closing the connection then resets it (SO_LINGER 0)."""
+    sent = time.monotonic()
+    connection.request("GET", target)
+    if "half" in target:
+        connection.sock.shutdown(socket.SHUT_WR)
+    response = connection.getresponse()
+    if "cut" not in target:
+        assert len(response.read()) == BODY
+        return sent
+    assert len(response.read(BODY // 2)) == BODY // 2
+    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    response.close()
+    return sent
+
+
+def ended_durations(probe: StreamsProbe, server: subprocess.Popen, count: int) -> float:
+    """The endpoint's duration sum once `count` responses have ended."""
+    totals: list[float] = []
+
+    def ended() -> bool:
+        mine = [e for e in probe.read().endpoints if e.pid == server.pid and e.port == server.port]
+        totals[:] = [mine[0].duration_sum_seconds] if mine and mine[0].completed >= count else []
+        return bool(totals)
+
+    assert wait_until(ended), f"fewer than {count} responses ended"
+    return totals[0]
+
+
+def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen,
+                         connections: list[list[str]]) -> list[tuple[float, float]]:
+    """(when the client sent it, its duration as the probe counted it) of each response in turn: what
+    the endpoint's sum grew by when its end came (a keep-alive response's at the next request, the
+    last one's at the connection's end). The server has answered one request before, on a connection
+    of its own."""
+    sums, sent, ended = [ended_durations(probe, server, 1)], [], 1
+    for targets in connections:
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as connection:
+            for i, target in enumerate(targets):
+                sent.append(fetch(connection, target))
+                if i:
+                    ended += 1
+                    sums.append(ended_durations(probe, server, ended))
+        ended += 1
+        sums.append(ended_durations(probe, server, ended))
+    return list(zip(sent, (after - before for before, after in itertools.pairwise(sums)), strict=True))
+
+
+@pytest.mark.parametrize(("stack", "shape"), [(stack, shape) for stack in ("asyncio", "uvicorn")
+                                             for shape in ("keep-alive", "close", "reset", "half-close")
+                                             if (stack, shape) != ("uvicorn", "half-close")])  # uvicorn hangs up
+def test_response_durations_end_where_the_response_ends(probe: StreamsProbe, stack: str, shape: str) -> None:
+    connections = connections_of(shape)
+    requests = sum(len(targets) for targets in connections)
+    with keepalive_server(stack, *(["--close"] if shape == "close" else [])) as server:
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as warmup:
+            fetch(warmup, "/")  # first-call costs (imports, caches) are no part of what is timed
+        answered = durations_one_by_one(probe, server, connections)
+        endpoint, _ = endpoint_of(probe, server)
+        _warmup, *served = (Served(**json.loads(server.stdout.readline())) for _ in range(requests + 1))
+    histogram = endpoint.duration_histogram
+    assert (endpoint.streams, endpoint.completed, endpoint.durations_unknown) == (requests + 1, requests + 1, 0)
+    assert histogram[-2][1] == histogram[-1][1] == requests + 1, f"not all in a finite bucket: {histogram[-2:]}"
+    # Each duration against the clocks around its two ends (the probe's clock too), held exactly, as no
+    # preemption can move it out: the request was read after the client sent it and before the server
+    # had it; the last write went out while the server wrote. Quiet, that is within a millisecond.
+    for (sent, duration), truth in zip(answered, served, strict=True):
+        assert truth.writing - truth.received - CLOCK_SLACK <= duration <= truth.written - sent + CLOCK_SLACK, \
+            (duration, truth, sent)
+    assert sum(truth.writing - truth.received > min(DELAYS_MS) / 1e3 for truth in served) == len(DELAYS_MS)
+    assert_histograms_consistent([endpoint], observed=["aiprobe_stream_duration_seconds"])
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +399,7 @@ def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) 
     assert endpoint.ttfb_sum_seconds == pytest.approx(sum(truth.ttfb for truth in truths), rel=0.05)
     assert endpoint.ttfb_p99_seconds < max(truth.ttfb for truth in truths) * 1.1
     assert snapshot.stalls == []
+    assert_histograms_consistent([endpoint], observed=STREAM_HISTOGRAMS)
 
 
 def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
@@ -293,9 +421,11 @@ def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
 def test_endpoint_entry_becomes_a_record() -> None:
     hist = {"slots": [0] * HIST_SLOTS, "count": 0, "sum_ns": 0}
     value = {"comm": b"uvicorn\0", "streams": 2, "chunks": 7, "bytes": 90, "stalls": [1, 2, 0, 0],
-             "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": hist}
+             "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": {**hist, "count": 1},
+             "durations_unknown": 1}
     record = _endpoint({"tgid": 5, "port": 8000, "protocol": 2, "cgroup_id": 9}, value, 77)
     assert (record.protocol, record.comm, record.streams, record.ttfb_sum_seconds) == ("sse", "uvicorn", 2, 0.3)
+    assert (record.completed, record.durations_unknown) == (2, 1)  # ended: timed or not
     assert record.stalls == {"server": 1, "network": 2, "cpu": 0, "gpu": 0}
     assert record.gap_p50_seconds is None
     assert _endpoint({"tgid": 5, "port": 1, "protocol": 99, "cgroup_id": 0}, value, 0).protocol == "tcp"
