@@ -58,7 +58,7 @@ def free_port() -> int:
 
 # How long a test waits for what should come at once (a peer, an attach, a refresh): it bounds a
 # failure, never a pass, so it is generous: a loaded or emulated machine stretches everything.
-PATIENCE = 60.0
+PATIENCE = 120.0
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = PATIENCE, interval: float = 0.05) -> bool:

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 from aiprobe.system import missing_privileges
+from helpers import PATIENCE
 
 EXPECTED_HERE = {
     # The dev/CI kernel: no kprobes compiled in, fentry refused, everything else works.
@@ -17,7 +18,8 @@ EXPECTED_HERE = {
 
 @pytest.mark.bpf
 def test_check_json_reports_real_capabilities(aiprobe_cli: list[str]) -> None:
-    result = subprocess.run([*aiprobe_cli, "check", "--json"], capture_output=True, text=True, timeout=60)
+    # A check loads and attaches every feature: 45-150 s in an emulated guest.
+    result = subprocess.run([*aiprobe_cli, "check", "--json"], capture_output=True, text=True, timeout=2 * PATIENCE)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     features = {name: f["available"] for name, f in report["features"].items()}

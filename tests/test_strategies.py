@@ -24,7 +24,7 @@ from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.sendlat_peer import build, sender_cmd, sink
-from helpers import VethPair
+from helpers import PATIENCE, VethPair
 
 # What each probe must pick, by kernel series (major, minor). Debian 12's kernels are what
 # `make test-kernels` boots; 6.18 is CI's own host (no kprobes, fentry refused). streams runs in
@@ -152,11 +152,11 @@ def test_sendlat_command_with_each_strategy_counts_every_send(aiprobe_cli: list[
         started = cli.stderr.readline()
         if not started.startswith("Tracing TCP sends"):
             sender.kill()
-            error = started + cli.communicate(timeout=60)[1]
+            error = started + cli.communicate(timeout=PATIENCE)[1]
             assert cli.returncode == 1 and LACKS_HOOK.search(error), error
             pytest.skip(f"sendlat {strategy}: this kernel lacks the hook ({error.strip()[:200]})")
-        sender.communicate("go\n", timeout=30)
-        out, err = cli.communicate(timeout=60)
+        sender.communicate("go\n", timeout=PATIENCE)
+        out, err = cli.communicate(timeout=PATIENCE)
     assert cli.returncode == 0, err
     document = json.loads(out)
     assert document["strategy"] == strategy
@@ -179,7 +179,7 @@ def serve_events(listener: socket.socket, events: int) -> None:
 
 
 def read_response(port: int) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as client:
+    with socket.create_connection(("127.0.0.1", port), timeout=PATIENCE) as client:
         client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
         response = b""
         while not response.endswith(b"0\r\n\r\n") and (data := client.recv(65536)):
@@ -197,7 +197,7 @@ def test_streams_under_each_strategy_counts_every_chunk_of_a_response(kernel_fea
         server = threading.Thread(target=serve_events, args=(listener, SSE_EVENTS))
         server.start()
         response = read_response(port)
-        server.join(timeout=60)
+        server.join(timeout=PATIENCE)
         endpoints = [e for e in streams.read().endpoints if e.pid == os.getpid() and e.port == port]
         assert streams.status().strategy == strategy
     assert response.count(b"id: ") == SSE_EVENTS
