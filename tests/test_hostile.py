@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -353,8 +353,12 @@ SEND_THREE = "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_
 def assert_ingress_counts_the_wire(agent: Agent, veth: VethPair) -> None:
     """Datagrams sent into the host end move the agent's ingress counter by what the interface's
     own rx counter says."""
+    def refreshed_after(moment: float) -> Callable[[], bool]:
+        return lambda: agent.snapshot()["host"]["time"] > moment
+
     def counted_and_wire() -> tuple[float, int]:
-        """Read until two reads 0.6 s apart agree (a scrape may reuse a read up to half an interval old)."""
+        """Read until two reads with a refresh of the agent between them agree (a scrape serves the
+        latest refresh, with only the flows it recorded read again: new flows wait for the next)."""
         last = None
         while True:
             metrics = agent.metrics()
@@ -363,7 +367,7 @@ def assert_ingress_counts_the_wire(agent: Agent, veth: VethPair) -> None:
             if now == last and f'interface="{veth.host}"' in metrics:
                 return now
             last = now
-            time.sleep(0.6)
+            assert wait_until(refreshed_after(time.time())), "the agent stopped refreshing"
 
     counted_before, wire_before = counted_and_wire()
     veth.ns_run(["python3", "-c", SEND_THREE, veth.host_ip4])
