@@ -39,9 +39,6 @@ OPERATOR_RELABELINGS = [{"source_labels": [f"__meta_kubernetes_{meta}"], "target
                         for meta, label in (("namespace", "namespace"), ("service_name", "service"),
                                             ("pod_name", "pod"), ("pod_container_name", "container"))]
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "service"}
-# GPU and CUDA panels need the fake NVML and CUDA driver (tests/fixtures/); the others do not.
-GPU_FIXTURES_READY = all((FIXTURES / source).exists()
-                         for source in ("nvml_libnvidia_ml.c", "cuda_libcuda.c", "cuda_driver.c"))
 GPU_METRIC = re.compile(r"\baiprobe_(gpu|cuda)_")
 
 
@@ -192,12 +189,12 @@ def keep_busy(stop: threading.Event, work, interval: float) -> threading.Thread:
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iterator[Prometheus]:
     workdir = tmp_path_factory.mktemp("dashboards")
-    driver = gpu_fixtures(cbuild) if GPU_FIXTURES_READY else None
+    driver = gpu_fixtures(cbuild)  # GPU and CUDA panels: the fake NVML and CUDA driver (tests/fixtures/)
     env = {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_CUDA_SYNC_US": "2000"}
     veth = make_veth_pair(secrets.randbelow(250))
     sink = tcp_sink(veth, 9000)
     stop = threading.Event()
-    probes = '"flows", "sendlat", "cuda", "nvml"' if driver else '"flows", "sendlat"'
+    probes = '"flows", "sendlat", "cuda", "nvml"'
     config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = [{probes}]\n' + STALL_RULES
     stream_port = free_port()  # token streams for the overview's streams row: 3 SSE events 20 ms apart
     streamer = subprocess.Popen([sys.executable, str(SSE_SERVER), str(stream_port), "--events", "3",
@@ -210,9 +207,8 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
                 Prometheus(workdir, [agent.target], target_labels=POD,
                            relabel_configs=OPERATOR_RELABELINGS + servicemonitor_relabelings()) as prom:
             threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3),
-                       keep_busy(stop, lambda: httpx.get(stream_url, timeout=30), 0.2)]
-            if driver:
-                threads.append(keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2))
+                       keep_busy(stop, lambda: httpx.get(stream_url, timeout=30), 0.2),
+                       keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2)]
             sender = blocked_sender(stall=0.6)  # a network_send_stall bottleneck for "Active bottlenecks"
             try:
                 yield prom
@@ -294,6 +290,5 @@ def test_every_network_and_host_panel_returns_data(prometheus: Prometheus) -> No
 
 
 @pytest.mark.bpf
-@pytest.mark.skipif(not GPU_FIXTURES_READY, reason="fake NVML / libcuda fixtures not in tests/fixtures yet")
 def test_every_gpu_and_cuda_panel_returns_data(prometheus: Prometheus) -> None:
     assert_all_return_data(prometheus, panel_queries(prometheus, gpu=True))

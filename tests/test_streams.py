@@ -120,6 +120,7 @@ def endpoint_of(probe: StreamsProbe, server: subprocess.Popen) -> tuple[StreamEn
     return mine[0], snapshot
 
 
+@pytest.mark.bpf
 def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -> None:
     with sse_server("--pause-at", str(PAUSE_AT), "--pause-ms", str(PAUSE * 1e3)) as server:
         probe.read()  # stalls of earlier tests are theirs
@@ -246,6 +247,7 @@ def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen,
 @pytest.mark.parametrize(("stack", "shape"), [(stack, shape) for stack in ("asyncio", "uvicorn")
                                              for shape in ("keep-alive", "close", "reset", "half-close")
                                              if (stack, shape) != ("uvicorn", "half-close")])  # uvicorn hangs up
+@pytest.mark.bpf
 def test_response_durations_end_where_the_response_ends(probe: StreamsProbe, stack: str, shape: str) -> None:
     connections = connections_of(shape)
     requests = sum(len(targets) for targets in connections)
@@ -273,6 +275,7 @@ def fake_cuda(cbuild) -> FakeCuda:
     return build(cbuild)
 
 
+@pytest.mark.bpf
 def test_pause_spent_in_a_cuda_synchronization_stalls_the_stream_with_cause_gpu(
         probe: StreamsProbe, fake_cuda: FakeCuda) -> None:
     libcuda = str(fake_cuda.libdir / "libcuda.so.1")
@@ -302,6 +305,7 @@ def test_pause_spent_in_a_cuda_synchronization_stalls_the_stream_with_cause_gpu(
     assert stall.unwritable_seconds == 0
 
 
+@pytest.mark.bpf
 def test_client_that_stops_reading_stalls_the_stream_with_cause_network(probe: StreamsProbe) -> None:
     with sse_server("--payload", str(BIG_EVENT)) as server:
         probe.read()
@@ -316,6 +320,7 @@ def test_client_that_stops_reading_stalls_the_stream_with_cause_network(probe: S
     assert endpoint.stalls["network"] >= 1 and endpoint.stalls["server"] == 0
 
 
+@pytest.mark.bpf
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU to pin to and another to run on")
 def test_writer_starved_of_cpu_stalls_the_stream_with_cause_cpu(probe: StreamsProbe) -> None:
     cpu = max(os.sched_getaffinity(0))
@@ -341,6 +346,7 @@ def test_writer_starved_of_cpu_stalls_the_stream_with_cause_cpu(probe: StreamsPr
     assert endpoint.stalls["cpu"] >= 1 and endpoint.stalls["server"] == 0
 
 
+@pytest.mark.bpf
 def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test",
@@ -366,6 +372,7 @@ def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Pat
     assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
 
 
+@pytest.mark.bpf
 def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) -> None:
     port = free_port()
     server = subprocess.Popen([sys.executable, str(GRPC_FIXTURE), str(port)], stdout=subprocess.PIPE, text=True)
@@ -402,6 +409,7 @@ def test_grpc_streams_sharing_a_connection_are_timed_apart(probe: StreamsProbe) 
     assert_histograms_consistent([endpoint], observed=STREAM_HISTOGRAMS)
 
 
+@pytest.mark.bpf
 def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
     with sse_server("--events", "20") as server:
         cli = subprocess.Popen([*aiprobe_cli, "streams", "--duration", "30", "--json"], stdout=subprocess.PIPE,
