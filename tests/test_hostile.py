@@ -357,8 +357,8 @@ def assert_ingress_counts_the_wire(agent: Agent, veth: VethPair) -> None:
         return lambda: agent.snapshot()["host"]["time"] > moment
 
     def counted_and_wire() -> tuple[float, int]:
-        """Read until two reads with a refresh of the agent between them agree (a scrape serves the
-        latest refresh, with only the flows it recorded read again: new flows wait for the next)."""
+        """Read until two reads with a refresh of the agent between them agree (a scrape may reuse a
+        read up to half an interval old, and a slow refresh can outlast any fixed pause)."""
         last = None
         while True:
             metrics = agent.metrics()
