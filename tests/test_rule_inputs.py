@@ -396,8 +396,8 @@ def test_gpu_threads_starved_fires_while_busy_loops_share_its_cpu_and_resolves_w
 ) -> None:
     """A GPU-driving thread that launches, works 300 us and sleeps 1 ms (a quarter of a CPU), pinned
     to one CPU. Next to six busy loops its fair share is a seventh of that CPU: it waits for their
-    slices, 15-100 ms at p99 (measured here), above STARVED. Once they stop its p99 falls below
-    NOT_STARVED (0.2-4.5 ms measured here, depending on the other sessions' load)."""
+    slices, 15-100 ms at p99 (measured here), above STARVED. Once they stop, free to run on any CPU
+    at a higher priority than the host's other work, its p99 falls below NOT_STARVED."""
     agent = cuda_agent[0]
     cpu = max(os.sched_getaffinity(0))
     with paced_driver(cuda_agent, tmp_path, "aipt_starved", 0, 300) as driver:
@@ -409,16 +409,17 @@ def test_gpu_threads_starved_fires_while_busy_loops_share_its_cpu_and_resolves_w
             for hog in hogs:
                 os.sched_setaffinity(hog.pid, {cpu})
             waited_before = _run_delay_seconds(driver.pid)
-            assert wait_until(lambda: "firing" in _states_of_pid(agent, "gpu_threads_starved", driver.pid),
-                              timeout=20)
+            assert wait_until(lambda: "firing" in _states_of_pid(agent, "gpu_threads_starved", driver.pid))
             waited_with_hogs = _run_delay_seconds(driver.pid) - waited_before
         finally:
             for hog in hogs:
                 hog.kill()
                 hog.wait()
+        # Whatever else this host runs must not starve it now: any CPU, and first in line for it.
+        os.sched_setaffinity(driver.pid, os.sched_getaffinity(0))
+        os.setpriority(os.PRIO_PROCESS, driver.pid, -10)
         # The rule looks at the last 10 s: it resolves once the starved wakeups have left that window.
-        assert wait_until(lambda: "resolved" in _states_of_pid(agent, "gpu_threads_starved", driver.pid),
-                          timeout=30)
+        assert wait_until(lambda: "resolved" in _states_of_pid(agent, "gpu_threads_starved", driver.pid))
         driver.say("calm")
         driver.say("stop")
         driver.finish()
