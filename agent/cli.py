@@ -26,7 +26,7 @@ AGENT_SUBCOMMANDS = {
 
 def subcommands() -> dict[str, str]:
     """subcommand -> "module:attribute"."""
-    from .probes import specs
+    from .registry import specs
 
     return {**AGENT_SUBCOMMANDS, **{spec.subcommand: spec.command for spec in specs() if spec.command}}
 

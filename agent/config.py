@@ -23,8 +23,8 @@ MAX_FILE_BYTES = 1 << 20
 
 
 def probe_names() -> tuple[str, ...]:
-    """The probes `probes` may name: the registry's (aiprobe.probes)."""
-    from .probes import selectable_names
+    """The probes `probes` may name: the registry's (aiprobe.registry)."""
+    from .registry import selectable_names
 
     return selectable_names()
 
@@ -246,7 +246,7 @@ def _validate_rule(name: str, table: Any) -> RuleConfig:
 
 
 def _validate_strategies(table: Any) -> dict[str, str]:
-    from .probes import specs, strategies_named
+    from .registry import specs, strategies_named
 
     if not isinstance(table, dict):
         raise ConfigError("strategies: expected a table of probe = strategy")

@@ -1,4 +1,4 @@
-"""The agent: one per node. It runs every probe the config selects (the registry, `aiprobe.probes`,
+"""The agent: one per node. It runs every probe the config selects (the registry, `aiprobe.registry`,
 says which exist), joins what they see per process and container, evaluates bottleneck rules, and
 builds the snapshot (docs/snapshot.md) that `/api/v1/snapshot` serves and `aiprobe top` shows.
 `aiprobe agent` (aiprobe.commands.agent) serves it with /metrics; `top` runs it in-process when
@@ -45,9 +45,9 @@ from .model import (
     TcpSummary,
 )
 from .names import process_name
-from .probes import Probe, ProbeSpec, selected
+from .probes.sendlat.streams import CAUSES as STALL_CAUSES
+from .registry import Probe, ProbeSpec, selected
 from .rules import RuleEngine, Signal
-from .streams import CAUSES as STALL_CAUSES
 from .supervisor import SUPERVISOR
 from .system import kernel_release
 

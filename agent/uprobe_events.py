@@ -6,7 +6,7 @@ written to tracefs's uprobe_events needs only write access to that file (uid 0 o
 attaching a BPF program to its tracepoint needs CAP_PERFMON: what the DaemonSet grants. The path
 written there is resolved by the kernel in the writer's context, where /proc/PID/root/... of
 another process is refused without CAP_SYS_ADMIN but a descriptor of our own (/proc/self/fd/N) is
-not: callers pass one (see aiprobe.cuda.own_descriptor). Offsets come from aiprobe.elf.
+not: callers pass one (see aiprobe.probes.cuda.probe.own_descriptor). Offsets come from aiprobe.elf.
 
 Event names carry our pid (`aiprobe/p<pid>_<n>`), so events a killed agent left behind are removed
 by the next agent (`remove_stale_events`); each Link removes its own event when closed.

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fake libcuda and its driver live with the test fixtures
 
 from aiprobe import elf  # noqa: E402
-from aiprobe.cuda import DRIVER_KERNEL_LAUNCHES, CudaProbe, UprobeSite, attach_sites, detach_links  # noqa: E402
 from aiprobe.loader import BpfObject, Program  # noqa: E402
+from aiprobe.probes.cuda.probe import DRIVER_KERNEL_LAUNCHES, CudaProbe, UprobeSite, attach_sites, detach_links  # noqa: E402
 from fixtures.cuda_fake import DRIVER, RUNTIME_DRIVER, Driver, build  # noqa: E402
 from helpers import FIXTURE_BUILD, CBuild  # noqa: E402
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from aiprobe.flows import FlowsProbe
 from aiprobe.loader import BpfObject, Program
+from aiprobe.probes.flows.probe import FlowsProbe
 
 from benchmarks import Result
 

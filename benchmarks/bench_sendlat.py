@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the C peer and its build live with the test fixtures
 
 from aiprobe.loader import ProbeUnavailable, Strategy  # noqa: E402
-from aiprobe.sendlat import SPEC, SendLatencyProbe  # noqa: E402
+from aiprobe.probes.sendlat.probe import SPEC, SendLatencyProbe  # noqa: E402
 from fixtures.sendlat_peer import build, sink  # noqa: E402
 from helpers import FIXTURE_BUILD, CBuild  # noqa: E402
 

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from aiprobe.loader import Strategy  # noqa: E402
-from aiprobe.sendlat import SPEC, SendLatencyProbe  # noqa: E402
-from aiprobe.streams import StreamsProbe  # noqa: E402
+from aiprobe.probes.sendlat.probe import SPEC, SendLatencyProbe  # noqa: E402
+from aiprobe.probes.sendlat.streams import StreamsProbe  # noqa: E402
 from helpers import free_port  # noqa: E402
 
 from benchmarks.bench_sendlat import FLOOR, REFERENCES  # noqa: E402

@@ -4,7 +4,7 @@ agent's readings (the counters of probes that are cheap to read, read then).
 
 Labels stay bounded: processes are labelled by name and container (never pid), flows only for the
 top K by rate with the rest summed per interface and direction into `remote_address="other"`
-(aiprobe.flows.TopFlows).
+(aiprobe.probes.flows.probe.TopFlows).
 Counters stay monotonic while their sources (processes, flows) come and go: the delta engine
 (aiprobe.deltas) adds each record's increase, by record identity, to its label set.
 
@@ -24,7 +24,7 @@ from aiprobe.config import Config
 from aiprobe.deltas import Totals
 from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
 from aiprobe.model import Readings
-from aiprobe.probes import specs
+from aiprobe.registry import specs
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,

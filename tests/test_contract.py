@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aiprobe import cuda, features
 from aiprobe.loader import BpfObject
-from aiprobe.probes import specs
+from aiprobe.registry import specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Calls whose first string argument names a map or a program.

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 from aiprobe.config import RuleConfig
-from aiprobe.cuda import (
+from aiprobe.daemon import time_slicing_signals
+from aiprobe.elf import ElfError, function_offsets
+from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, kernel_buckets
+from aiprobe.model import CudaSnapshot
+from aiprobe.names import printable
+from aiprobe.probes.cuda.probe import (
     CLOCK_TICKS,
     DRIVER,
     RUNTIME,
@@ -32,14 +37,9 @@ from aiprobe.cuda import (
     mapped_cuda_libraries,
     process_record,
 )
-from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
-from aiprobe.daemon import time_slicing_signals
-from aiprobe.elf import ElfError, function_offsets
-from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, kernel_buckets
-from aiprobe.model import CudaSnapshot
-from aiprobe.names import printable
+from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.probes.cuda.sched import STRATEGIES as SCHED_STRATEGIES
 from aiprobe.rules import RuleEngine
-from aiprobe.sched import STRATEGIES as SCHED_STRATEGIES
 from aiprobe.top_views import header_lines
 from exported_histograms import assert_histograms_consistent
 from fixtures.cuda_fake import (

@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
-from aiprobe.flows import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
 from aiprobe.model import FlowRecord, FlowsSnapshot
+from aiprobe.probes.flows.probe import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
 from aiprobe.top_views import header_lines
 from fixtures import flows_frames as frames
 from helpers import PATIENCE, VethPair, programs_on, run, unique, wait_until
@@ -198,8 +198,8 @@ def test_veth_peer_keeps_tso_and_gso_while_attached_and_xdp_is_refused_on_veth(v
 
 
 def test_xdp_refused_on_virtual_devices_with_a_reason() -> None:
-    from aiprobe.flows import xdp_refusal
     from aiprobe.netlink import LinkInfo
+    from aiprobe.probes.flows.probe import xdp_refusal
 
     link = lambda kind, loopback=False: LinkInfo(7, "x", True, loopback, True, kind)  # noqa: E731
     assert xdp_refusal(link(None)) == ""
@@ -249,7 +249,7 @@ BULK = "256M"
 
 PROBE_IN_NAMESPACE = """
 import json, sys
-from aiprobe.flows import FlowsProbe
+from aiprobe.probes.flows.probe import FlowsProbe
 with FlowsProbe([sys.argv[1]]) as probe:
     print("ready", flush=True)
     for _ in sys.stdin:
@@ -512,7 +512,7 @@ def test_foreign_xdp_program_is_left_attached_and_tc_counts_both_ways(veth: Veth
 
 CLSACT_INSTANCE = """
 import json, sys
-from aiprobe.flows import FlowsProbe
+from aiprobe.probes.flows.probe import FlowsProbe
 with FlowsProbe([sys.argv[1]], strategy="clsact") as probe:
     print(probe.attachments()[0].egress, flush=True)
     for _ in sys.stdin:  # each line: print the interface totals; end of input: detach and exit
@@ -630,7 +630,7 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
         live, killed = start(), start()
         killed.kill()
         assert _our_handles(veth.host) == [hex(TC_HANDLES[0])] * 2 + [hex(TC_HANDLES[1])] * 2
-        with caplog.at_level(logging.WARNING, logger="aiprobe.flows"), \
+        with caplog.at_level(logging.WARNING, logger="aiprobe.probes.flows.probe"), \
                 FlowsProbe([veth.host], strategy="clsact") as probe:
             removed = [r.getMessage() for r in caplog.records if "removed a stale aiprobe tc" in r.getMessage()]
             assert len(removed) == 2 and all(f"handle {hex(TC_HANDLES[1])}" in m for m in removed), removed

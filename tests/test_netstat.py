@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.loader import ProbeUnavailable
-from aiprobe.netstat import NetstatProbe, parse, read_tcp_counters
+from aiprobe.probes.netstat.probe import NetstatProbe, parse, read_tcp_counters
 
 NETSTAT = """TcpExt: SyncookiesSent ListenOverflows ListenDrops
 TcpExt: 0 7 9

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.loader import ProbeUnavailable
-from aiprobe.nvml import SPAN, NvmlProbe
+from aiprobe.probes.nvml.probe import SPAN, NvmlProbe
 from helpers import FIXTURE_BUILD, CBuild, wait_until
 from servers import AIPROBE, Agent
 
@@ -91,7 +91,7 @@ def test_gpus_text_view(nvml_env, aiprobe_cli) -> None:
 def test_not_supported_metric_is_disabled_for_that_gpu_only(nvml_env) -> None:
     script = """
 import ctypes, json
-from aiprobe.nvml import NvmlProbe
+from aiprobe.probes.nvml.probe import NvmlProbe
 with NvmlProbe() as probe:
     powers = [[gpu.power_watts for gpu in probe.read().gpus] for _ in range(3)]
 fake = ctypes.CDLL("libnvidia-ml.so.1")
@@ -149,7 +149,8 @@ def test_a_driver_without_gpm_gives_no_switching_and_says_why(nvml_without_gpm_e
                                        capture_output=True, text=True, check=True).stdout)
     assert [(gpu["engines"], gpu["context_switching_ratio"], gpu["gpm_context_switch_requests"])
             for gpu in report["gpus"]] == [([], None, None)] * 2
-    script = "from aiprobe.nvml import NvmlProbe\nwith NvmlProbe() as probe:\n    print(probe.status().span)\n"
+    script = ("from aiprobe.probes.nvml.probe import NvmlProbe\n"
+              "with NvmlProbe() as probe:\n    print(probe.status().span)\n")
     span = subprocess.run([sys.executable, "-c", script], env=nvml_without_gpm_env, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert span == "; ".join([SPAN, *(f"GPU {i} ({name}): no GPM in this driver's NVML, so no GPU context-switch "

@@ -25,8 +25,7 @@ from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
 from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, exported_buckets, kernel_buckets, quantile
 from aiprobe.loader import ProbeUnavailable, Strategy
-from aiprobe.rules import RuleEngine, Signal
-from aiprobe.sendlat import (
+from aiprobe.probes.sendlat.probe import (
     MAX_SAMPLE_EVERY,
     SPEC,
     ProcessSendLatency,
@@ -34,6 +33,7 @@ from aiprobe.sendlat import (
     SendLatencySnapshot,
     TimingBudget,
 )
+from aiprobe.rules import RuleEngine, Signal
 from exported_histograms import assert_histograms_consistent
 from fixtures.sendlat_peer import build, mix, paced_sink, send, send_nonblocking, sender_cmd, sink
 from helpers import CLOCK_TOLERANCE, unique, wait_until

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import pytest
 from aiprobe.config import Config, ConfigError, from_dict
 from aiprobe.loader import ProbeUnavailable
-from aiprobe.probes import Probe, plan, selected, spec, specs, strategies_named
-from aiprobe.sendlat import SendLatencyProbe
-from aiprobe.streams import StreamsProbe
+from aiprobe.probes.sendlat.probe import SendLatencyProbe
+from aiprobe.probes.sendlat.streams import StreamsProbe
+from aiprobe.registry import Probe, plan, selected, spec, specs, strategies_named
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.sendlat_peer import build, sender_cmd, sink
 from helpers import PATIENCE, VethPair

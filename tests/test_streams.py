@@ -29,12 +29,12 @@ import grpc
 import httpx
 import pytest
 from aiprobe.config import ConfigError, from_dict
-from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
-from aiprobe.cuda import CudaProbe
 from aiprobe.histogram import HIST_SLOTS
 from aiprobe.model import StreamEndpoint, StreamsSnapshot
-from aiprobe.sendlat import SendLatencyProbe
-from aiprobe.streams import StreamsProbe, _endpoint
+from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.probes.cuda.probe import CudaProbe
+from aiprobe.probes.sendlat.probe import SendLatencyProbe
+from aiprobe.probes.sendlat.streams import StreamsProbe, _endpoint
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
 from helpers import free_port, wait_until

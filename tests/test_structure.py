@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiprobe.cli import subcommands
 from aiprobe.config import Config, probe_names
-from aiprobe.probes import specs
+from aiprobe.registry import specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Keys about the agent as a whole rather than one probe.
@@ -43,11 +43,11 @@ def test_every_probe_is_registered_once_with_a_factory() -> None:
 
 
 def test_probe_commands_come_from_the_registry() -> None:
-    assert subcommands() == {"check": "aiprobe.commands.check:command", "top": "aiprobe.commands.top:command",
-                             "agent": "aiprobe.commands.agent:command",
-                             "flows": "aiprobe.commands.flows:command", "sendlat": "aiprobe.commands.sendlat:command",
-                             "streams": "aiprobe.commands.streams:command", "cuda": "aiprobe.commands.cuda:command",
-                             "gpus": "aiprobe.commands.gpus:command"}
+    commands = {"check": "aiprobe.commands.check", "top": "aiprobe.commands.top", "agent": "aiprobe.commands.agent",
+                "flows": "aiprobe.probes.flows.command", "sendlat": "aiprobe.probes.sendlat.command",
+                "streams": "aiprobe.probes.sendlat.streams_command", "cuda": "aiprobe.probes.cuda.command",
+                "gpus": "aiprobe.probes.nvml.command"}
+    assert subcommands() == {name: f"{module}:command" for name, module in commands.items()}
 
 
 def test_every_config_key_is_the_agents_or_one_probes() -> None:

@@ -9,8 +9,8 @@ import click
 from .. import __version__, libbpf
 from ..cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
 from ..features import probe_features
-from ..flows import foreign_xdp_holders
-from ..probes import ProbePlan, plan, specs
+from ..probes.flows.probe import foreign_xdp_holders
+from ..registry import ProbePlan, plan, specs
 from ..system import kernel_release, prepare_mounts
 
 

@@ -13,18 +13,18 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import btf
-from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
-from .metrics import PROCESS_LABELS, Family
-from .model import MapUsage, ProbeStatus, StreamEndpoint, StreamsSnapshot, StreamStall
-from .names import comm_text, ip_text
-from .probes import Probe, ProbeSpec
-from .procfs import StartTimes
+from ... import btf
+from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from ...loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
+from ...metrics import PROCESS_LABELS, Family
+from ...model import MapUsage, ProbeStatus, StreamEndpoint, StreamsSnapshot, StreamStall
+from ...names import comm_text, ip_text
+from ...procfs import StartTimes
+from ...registry import Probe, ProbeSpec
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .sendlat import SendLatencyProbe
+    from ...config import Config
+    from .probe import SendLatencyProbe
 
 # enum stream_protocol and enum stall_cause (bpf/streams.h).
 PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
@@ -212,7 +212,7 @@ SPEC = ProbeSpec(
     runs_with="sendlat",
     follows_strategy=True,
     config_keys=("stream_stall_threshold_ms",),
-    command="aiprobe.commands.streams:command",
+    command="aiprobe.probes.sendlat.streams_command:command",
     metrics=(
         Family("aiprobe_streams_total", "counter", "Responses that wrote a first body byte.", StreamEndpoint,
                "streams", STREAM_LABELS, per_identity=True),

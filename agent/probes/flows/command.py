@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..cli import (
+from ...cli import (
     duration_option,
     emit_json,
     friendly_errors,
@@ -16,10 +16,10 @@ from ..cli import (
     strategy_option,
     ticks,
 )
-from ..flows import SPEC, FlowsProbe
-from ..formatting import table
-from ..model import FlowsSnapshot
-from ..top_views import VIEWS
+from ...formatting import table
+from ...model import FlowsSnapshot
+from ...top_views import VIEWS
+from .probe import SPEC, FlowsProbe
 
 TOP_ROWS = 20
 

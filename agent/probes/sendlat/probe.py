@@ -15,19 +15,19 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import btf
-from .budget import CpuBudget
-from .histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .loader import BpfObject, Loaded, RingRecords, Strategy, load_first
-from .metrics import PROCESS_LABELS, Family
-from .model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
-from .names import comm_text, ip_text
-from .probes import Probe, ProbeSpec, strategies_named
-from .procfs import StartTimes
+from ... import btf
+from ...budget import CpuBudget
+from ...histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from ...loader import BpfObject, Loaded, RingRecords, Strategy, load_first
+from ...metrics import PROCESS_LABELS, Family
+from ...model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from ...names import comm_text, ip_text
+from ...procfs import StartTimes
+from ...registry import Probe, ProbeSpec, strategies_named
 from .streams import RECEIVE_SIDE  # the stream logic shares sendlat's programs (bpf/streams.h)
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ...config import Config
 
 OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
@@ -84,7 +84,7 @@ SPEC = ProbeSpec(
     order=20,
     factory=lambda config, _running: _from_config(config),
     config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
-    command="aiprobe.commands.sendlat:command",
+    command="aiprobe.probes.sendlat.command:command",
     metrics=(
         Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes sent by successful TCP sends.", ProcessSendLatency,
                "bytes", PROCESS_LABELS, per_identity=True),

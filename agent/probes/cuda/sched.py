@@ -3,7 +3,7 @@
 The programs live in bpf/cuda.bpf.c next to the CUDA uprobes, because they share maps `threads`
 and `processes`: a thread becomes GPU-driving when a uprobe first sees it call into libcuda, the
 scheduler programs act on those threads only, and `sched_process_exit` removes a thread's entry
-when it exits (its counts stay in its process's entry). `aiprobe.cuda.CudaProbe` loads them
+when it exits (its counts stay in its process's entry). `aiprobe.probes.cuda.probe.CudaProbe` loads them
 together, trying the strategies below in order (tp_btf → raw_tp → tracepoint). `SchedProbe` is the
 scheduler side's own face: its status (the strategy cuda chose for it, or why none), and its
 records are the runqueue fields of cuda's `CudaProcess` records.
@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .loader import ProbeUnavailable, Strategy
-from .metrics import PROCESS_LABELS, Family
-from .model import CudaProcess, ProbeStatus
-from .probes import Probe, ProbeSpec
+from ...loader import ProbeUnavailable, Strategy
+from ...metrics import PROCESS_LABELS, Family
+from ...model import CudaProcess, ProbeStatus
+from ...registry import Probe, ProbeSpec
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ...config import Config
 
 _SPAN = "sched_wakeup / preemption to sched_switch onto a CPU, GPU-driving threads only"
 TRACEPOINTS = ("sched_wakeup", "sched_switch", "sched_process_exit")

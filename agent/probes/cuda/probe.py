@@ -43,18 +43,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import elf, sched
-from .btf import decode
-from .budget import CpuBudget
-from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .libbpf import BpfError
-from .loader import BpfObject, Link, Map, Strategy, load_first
-from .metrics import PROCESS_LABELS, Family
-from .model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage, ProbeStatus
-from .names import comm_text, printable
-from .probes import Probe, ProbeSpec, strategies_named
-from .procfs import StartTimes, start_ticks
-from .supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
+from ... import elf
+from ...btf import decode
+from ...budget import CpuBudget
+from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from ...libbpf import BpfError
+from ...loader import BpfObject, Link, Map, Strategy, load_first
+from ...metrics import PROCESS_LABELS, Family
+from ...model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage, ProbeStatus
+from ...names import comm_text, printable
+from ...procfs import StartTimes, start_ticks
+from ...registry import Probe, ProbeSpec, strategies_named
+from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
+from . import sched
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -179,7 +180,7 @@ SPEC = ProbeSpec(
     factory=lambda config, _running: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched")),
                                                cpu_budget=config.cuda_cpu_budget or None),
     config_keys=("cuda_cpu_budget",),
-    command="aiprobe.commands.cuda:command",
+    command="aiprobe.probes.cuda.command:command",
     metrics=(
         Family("aiprobe_cuda_context_switches_total", "counter",
                "Times one of the process's threads changed its current CUDA context to a different one "

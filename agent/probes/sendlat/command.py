@@ -7,7 +7,7 @@ import time
 import click
 import psutil
 
-from ..cli import (
+from ...cli import (
     AiprobeError,
     duration_option,
     emit_json,
@@ -17,11 +17,11 @@ from ..cli import (
     strategy_option,
     ticks,
 )
-from ..formatting import bucket_histogram, columns_for, field, table
-from ..model import ProcessSendLatency, SlowSend
-from ..names import endpoint
-from ..probes import strategies_named
-from ..sendlat import SPEC, SendLatencyProbe
+from ...formatting import bucket_histogram, columns_for, field, table
+from ...model import ProcessSendLatency, SlowSend
+from ...names import endpoint
+from ...registry import strategies_named
+from .probe import SPEC, SendLatencyProbe
 
 SLOW_FIELDS = ("time", "pid", "comm", "local", "remote", "bytes", "duration_seconds")
 SLOW_COLUMNS = columns_for(SLOW_FIELDS, widths={"time": 9, "pid": 7, "comm": 16, "local": 24, "remote": 24,

@@ -119,9 +119,12 @@ class ProbeSpec:
 
 @cache
 def specs() -> tuple[ProbeSpec, ...]:
-    package = Path(__file__).parent
-    modules = [path.stem for path in sorted(package.glob("*.py")) if _DECLARES_SPEC.search(path.read_text())]
-    found = [importlib.import_module(f"{__package__}.{name}").SPEC for name in modules]
+    """Every probe's declaration, found in the probe packages (agent/probes/<name>/): imported here by
+    name, so the core never imports a probe."""
+    probes = Path(__file__).parent / "probes"
+    modules = [".".join(path.relative_to(probes).with_suffix("").parts) for path in sorted(probes.glob("*/*.py"))
+               if _DECLARES_SPEC.search(path.read_text())]
+    found = [importlib.import_module(f"{__package__}.probes.{name}").SPEC for name in modules]
     return tuple(sorted(found, key=lambda spec: spec.order))
 
 

@@ -39,9 +39,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .features import network_features
-from .libbpf import BpfError
-from .loader import (
+from ...features import network_features
+from ...libbpf import BpfError
+from ...loader import (
     BpfObject,
     Link,
     Program,
@@ -51,17 +51,17 @@ from .loader import (
     tc_clsact_detach,
     tc_clsact_query,
 )
-from .metrics import Family, Series
-from .model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage, ProbeStatus
-from .names import ip_text
-from .netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
-from .probes import Probe, ProbeSpec
-from .supervisor import ATTACHMENTS, Backoff, attach_reason
+from ...metrics import Family, Series
+from ...model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage, ProbeStatus
+from ...names import ip_text
+from ...netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
+from ...registry import Probe, ProbeSpec
+from ...supervisor import ATTACHMENTS, Backoff, attach_reason
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from .config import Config
+    from ...config import Config
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ SPEC = ProbeSpec(
     order=10,
     factory=_from_config,
     config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "top_flows"),
-    command="aiprobe.commands.flows:command",
+    command="aiprobe.probes.flows.command:command",
     metrics=METRICS,
     read_at_scrape=True,
 )

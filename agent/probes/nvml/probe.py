@@ -17,14 +17,14 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from .loader import ProbeUnavailable, Strategy
-from .metrics import PROCESS_LABELS, Family, Series
-from .model import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot, ProbeStatus
-from .names import process_name
-from .probes import Probe, ProbeSpec
+from ...loader import ProbeUnavailable, Strategy
+from ...metrics import PROCESS_LABELS, Family, Series
+from ...model import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot, ProbeStatus
+from ...names import process_name
+from ...registry import Probe, ProbeSpec
 
 T = TypeVar("T")
-log = logging.getLogger("aiprobe.nvml")
+log = logging.getLogger("aiprobe.probes.nvml.probe")
 
 PERCENT = 0.01
 MILLIWATT = 0.001
@@ -406,7 +406,7 @@ SPEC = ProbeSpec(
     requirement=nvml_unavailable,
     limitations=gpus_without_gpm,
     config_keys=("dcgm_compatible_metrics",),
-    command="aiprobe.commands.gpus:command",
+    command="aiprobe.probes.nvml.command:command",
     cli_name="gpus",
     metrics=METRICS,
 )

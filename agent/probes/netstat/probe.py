@@ -8,13 +8,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .loader import ProbeUnavailable, Strategy
-from .metrics import Family
-from .model import ProbeStatus, TcpCounters
-from .probes import Probe, ProbeSpec
+from ...loader import ProbeUnavailable, Strategy
+from ...metrics import Family
+from ...model import ProbeStatus, TcpCounters
+from ...registry import Probe, ProbeSpec
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ...config import Config
 
 SPAN = "/proc/net/netstat and /proc/net/snmp at each read"
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import click
 
-from ..cli import AiprobeError, emit_json, json_option
-from ..formatting import field, record_table
-from ..loader import ProbeUnavailable
-from ..model import GpuSnapshot
-from ..nvml import GPM_SAMPLE_GAP, NvmlProbe
+from ...cli import AiprobeError, emit_json, json_option
+from ...formatting import field, record_table
+from ...loader import ProbeUnavailable
+from ...model import GpuSnapshot
+from .probe import GPM_SAMPLE_GAP, NvmlProbe
 
 PROCESS_FIELDS = ("gpu_index", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio")
 
