@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Self
 from .features import Feature
 from .loader import Loaded, Strategy
 from .model import MapUsage, ProbeStatus
+from .refresh import NO_HOOKS, Hooks
 
 if TYPE_CHECKING:
     from .config import Config
@@ -106,6 +107,8 @@ class ProbeSpec:
     always: bool = False
     # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.
     read_at_scrape: bool = False
+    # Its part in each refresh: joins, rates, rule signals, process rows, snapshot sections.
+    hooks: Hooks = NO_HOOKS
 
     @property
     def subcommand(self) -> str:

@@ -30,9 +30,9 @@ from collections import Counter
 from pathlib import Path
 
 from aiprobe import formatting
-from aiprobe.model import GpuEngine, GpuInfo
 from aiprobe.probes.cuda.probe import STATIC_RUNTIME, CudaProbe, CudaProcess, mapped_cuda_libraries
 from aiprobe.probes.nvml.probe import NvmlProbe, started_probe
+from aiprobe.probes.nvml.records import GpuEngine, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_EXIT = 2

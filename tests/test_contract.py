@@ -9,9 +9,10 @@ import importlib
 from pathlib import Path
 
 import pytest
-from aiprobe import cuda, features
+from aiprobe import features
+from aiprobe.probes.cuda import probe as cuda
 from aiprobe.loader import BpfObject
-from aiprobe.registry import specs
+from aiprobe.registry import ProbeSpec, specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Calls whose first string argument names a map or a program.
@@ -19,12 +20,19 @@ _NAMING_CALLS = {"ring_buffer": "maps", "RingRecords": "maps", "_read_and_prune"
 
 
 def names_looked_up(module_name: str) -> dict[str, set[str]]:
-    """{"maps": ..., "programs": ...}: the names a module looks up in `obj.maps[...]`,
-    `obj.programs[...]`, the naming calls above and its `*_MAPS` / `*PROGRAMS` constants, with module
-    constants (XDP_PROGRAM) resolved."""
+    """{"maps": ..., "programs": ...}: the names a module (or every module of a package) looks up in
+    `obj.maps[...]`, `obj.programs[...]`, the naming calls above and its `*_MAPS` / `*PROGRAMS`
+    constants, with module constants (XDP_PROGRAM) resolved."""
+    path = AGENT / module_name.replace(".", "/")
+    if path.is_dir():
+        found: dict[str, set[str]] = {"maps": set(), "programs": set()}
+        for file in sorted(path.glob("*.py")):
+            for kind, names in names_looked_up(f"{module_name}.{file.stem}").items():
+                found[kind] |= names
+        return found
     module = importlib.import_module(f"aiprobe.{module_name}")
-    tree = ast.parse((AGENT / f"{module_name}.py").read_text())
-    found: dict[str, set[str]] = {"maps": set(), "programs": set()}
+    tree = ast.parse(path.with_suffix(".py").read_text())
+    found = {"maps": set(), "programs": set()}
 
     def text(node: ast.AST) -> str | None:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -59,20 +67,25 @@ def contents(object_name: str) -> tuple[set[str], set[str]]:
         obj.close()
 
 
+def _package_of(spec: ProbeSpec) -> str:
+    """The probe package declaring `spec` (probes.<name>), relative to aiprobe."""
+    return spec.factory.__module__.removeprefix("aiprobe.").rpartition(".")[0]
+
+
 @pytest.mark.parametrize("spec", [s for s in specs() if s.bpf_object], ids=lambda s: s.name)
 def test_probe_names_exist_in_its_object(spec) -> None:
     maps, programs = contents(spec.bpf_object)
-    looked_up = names_looked_up(spec.name)
+    looked_up = names_looked_up(_package_of(spec))
     declared = {program for strategy in spec.strategies for program in strategy.programs}
     assert looked_up["maps"] - maps == set(), f"maps missing from {spec.bpf_object}.bpf.o"
     assert (looked_up["programs"] | declared) - programs == set(), f"programs missing from {spec.bpf_object}.bpf.o"
 
 
 def test_the_scan_sees_lookups() -> None:
-    assert names_looked_up("flows") == {"maps": {"flows", "unattributed", "lost"},
+    assert names_looked_up("probes.flows") == {"maps": {"flows", "unattributed", "lost"},
                                         "programs": {"flows_xdp", "flows_ingress", "flows_egress"}}
     assert {"procs", "proc_slots", "unwritable", "free_procs", "flows", "counters", "slow_sends"} <= \
-        names_looked_up("sendlat")["maps"]
+        names_looked_up("probes.sendlat")["maps"]
 
 
 def test_cuda_strategies_and_entry_points_exist_in_its_object() -> None:

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 from aiprobe.config import RuleConfig
-from aiprobe.daemon import time_slicing_signals
 from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, kernel_buckets
-from aiprobe.model import CudaSnapshot
 from aiprobe.names import printable
+from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.probe import (
     CLOCK_TICKS,
     DRIVER,
@@ -38,6 +37,7 @@ from aiprobe.probes.cuda.probe import (
     process_record,
 )
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
+from aiprobe.probes.cuda.records import CudaSnapshot
 from aiprobe.probes.cuda.sched import STRATEGIES as SCHED_STRATEGIES
 from aiprobe.rules import RuleEngine
 from aiprobe.top_views import header_lines

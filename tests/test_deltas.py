@@ -8,7 +8,8 @@ import dataclasses
 from aiprobe.config import Config
 from aiprobe.deltas import Deltas, Rates, Totals, Window
 from aiprobe.exporters.prometheus import AgentCollector
-from aiprobe.model import ProcessSendLatency, Readings, SendLatencySnapshot
+from aiprobe.model import Readings
+from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
 
 
 def test_increase_counts_a_new_source_whole_and_a_decrease_as_a_restart() -> None:

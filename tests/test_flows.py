@@ -33,8 +33,8 @@ from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
-from aiprobe.model import FlowRecord, FlowsSnapshot
 from aiprobe.probes.flows.probe import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
+from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot
 from aiprobe.top_views import header_lines
 from fixtures import flows_frames as frames
 from helpers import PATIENCE, VethPair, programs_on, run, unique, wait_until

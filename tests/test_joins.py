@@ -11,18 +11,11 @@ from aiprobe.config import Config
 from aiprobe.containers import cgroup2_root, cgroup_of_pid
 from aiprobe.daemon import Agent
 from aiprobe.histogram import kernel_buckets
-from aiprobe.model import (
-    CudaProcess,
-    CudaSnapshot,
-    FlowRecord,
-    FlowsSnapshot,
-    GpuProcess,
-    GpuSnapshot,
-    InterfaceTotals,
-    ProcessSendLatency,
-    Readings,
-    SendLatencySnapshot,
-)
+from aiprobe.model import Readings
+from aiprobe.probes.cuda.records import CudaProcess, CudaSnapshot
+from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
+from aiprobe.probes.nvml.records import GpuProcess, GpuSnapshot
+from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
 
 COMM = Path("/proc/self/comm").read_text().strip()
 
@@ -61,7 +54,7 @@ def test_records_of_one_process_become_one_row_with_rates() -> None:
         agent._rates.end_round()
     assert (send.container, send.bytes_per_second, ingress.bytes_per_second) == ("host", 1000.0, 2000.0)
     assert cuda.context_switches_per_second == 0.0  # its counters did not move between the refreshes
-    (row,) = Agent._processes(readings)
+    (row,) = agent._processes(readings)
     assert (row.pid, row.comm, row.container, row.send_bytes, row.send_bytes_per_second) == \
         (pid, COMM, "host", 6000, 1000.0)
     assert (row.gpus, row.gpu_memory_used_bytes, row.gpu_utilization_ratio) == ([0, 1], 2 << 30, 0.5)

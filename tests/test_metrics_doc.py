@@ -10,29 +10,12 @@ from pathlib import Path
 from aiprobe.config import Config
 from aiprobe.exporters.prometheus import AgentCollector, doc_tables
 from aiprobe.histogram import HIST_SLOTS, exported_buckets, kernel_buckets
-from aiprobe.model import (
-    Alert,
-    ColdStart,
-    CudaContext,
-    CudaGpu,
-    CudaProcess,
-    CudaSnapshot,
-    FlowRecord,
-    FlowsSnapshot,
-    GpuEngine,
-    GpuInfo,
-    GpuProcess,
-    GpuSnapshot,
-    InterfaceTotals,
-    MapUsage,
-    ProbeStatus,
-    ProcessSendLatency,
-    Readings,
-    SendLatencySnapshot,
-    StreamEndpoint,
-    StreamsSnapshot,
-    TcpCounters,
-)
+from aiprobe.model import Alert, MapUsage, ProbeStatus, Readings
+from aiprobe.probes.cuda.records import ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
+from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
+from aiprobe.probes.netstat.records import TcpCounters
+from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
+from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 HISTOGRAM = exported_buckets(kernel_buckets([1] * HIST_SLOTS))

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import typing
 from pathlib import Path
 
 from aiprobe import model
 from aiprobe.histogram import kernel_buckets
+from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
+from aiprobe.probes.netstat.records import TcpCounters
+from aiprobe.probes.nvml.records import GpuInfo
+from aiprobe.probes.sendlat.records import ProcessSendLatency
+from aiprobe.registry import specs
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "snapshot.md"
 
 
 def records_in(cls: type) -> set[type]:
-    """Every model record type reachable from `cls`'s fields (lists, dicts, optionals unwrapped)."""
+    """Every record type reachable from `cls`'s fields (lists, dicts, optionals unwrapped)."""
     found = {cls}
-    hints = typing.get_type_hints(cls, vars(model))
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
     for hint in hints.values():
         for arg in _flatten(hint):
             if dataclasses.is_dataclass(arg) and arg not in found:
@@ -34,13 +40,15 @@ def _flatten(hint: object) -> list[object]:
 
 def test_every_snapshot_field_is_documented() -> None:
     documented = set(re.findall(r'"([a-z0-9_]+)":', DOC.read_text()))
-    missing = {f"{cls.__name__}.{field.name}" for cls in records_in(model.Snapshot)
-               for field in dataclasses.fields(cls) if field.name not in documented}
+    sections = [section.record for spec in specs() for section in spec.hooks.sections.values()]
+    records = {cls for root in (model.Snapshot, *sections) for cls in records_in(root)}
+    missing = {f"{cls.__name__}.{field.name}" for cls in records
+               for field in dataclasses.fields(cls) if field.name not in documented and field.name != "sections"}
     assert missing == set(), "fields of the snapshot missing from docs/snapshot.md"
 
 
 def test_joined_fields_stay_out_of_a_probes_own_document() -> None:
-    record = model.ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, kernel_buckets([0, 1]), start_ticks=99)
+    record = ProcessSendLatency(7, "app", 3, 1, 10, 0.5, 0.1, 0.2, kernel_buckets([0, 1]), start_ticks=99)
     record.container, record.bytes_per_second = "abc", 5.0
     own = record.to_dict()
     assert "container" not in own and "bytes_per_second" not in own
@@ -50,29 +58,30 @@ def test_joined_fields_stay_out_of_a_probes_own_document() -> None:
 
 
 def test_snapshot_document_has_every_section_and_empty_tcp_without_counters() -> None:
+    sections = {name: section.empty for spec in specs() for name, section in spec.hooks.sections.items()}
     snapshot = model.Snapshot(model.HostInfo("h", "k", "v", 1.0, 1.0), {"flows": model.ProbeStatus(True, "xdp+tcx")},
-                              [], [], [], [], None, [])
+                              [], [], sections)
     document = snapshot.to_dict()
-    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "gpus", "tcp", "alerts",
-                              "streams"]
+    assert list(document) == ["host", "probes", "processes", "flows", "interfaces", "streams", "gpus", "tcp",
+                              "alerts"]
     assert document["tcp"] == {}
     assert document["probes"]["flows"] == {"up": True, "strategy": "xdp+tcx", "span": "", "reason": "", "overflows": {}}
 
 
 def test_readings_find_records_inside_each_probes_reading() -> None:
-    flow = model.FlowRecord("eth0", "egress", "udp", "a", 1, "b", 2, 1, 1, 0.0, 0.0, 0, 0.0, 0.0)
-    totals = model.InterfaceTotals("eth0", "egress", 1, 1)
+    flow = FlowRecord("eth0", "egress", "udp", "a", 1, "b", 2, 1, 1, 0.0, 0.0, 0, 0.0, 0.0)
+    totals = InterfaceTotals("eth0", "egress", 1, 1)
     readings = model.Readings(records={
-        "flows": model.FlowsSnapshot(0.0, 1.0, [flow], [totals], 0, 0, 0, []),
-        "netstat": model.TcpCounters(1, 2, 3, 4), "sched": None})
-    assert readings.of(model.FlowRecord) == [flow]
-    assert readings.of(model.InterfaceTotals) == [totals]
-    assert readings.of(model.TcpCounters) == [model.TcpCounters(1, 2, 3, 4)]
-    assert readings.of(model.GpuInfo) == []
+        "flows": FlowsSnapshot(0.0, 1.0, [flow], [totals], 0, 0, 0, []),
+        "netstat": TcpCounters(1, 2, 3, 4), "sched": None})
+    assert readings.of(FlowRecord) == [flow]
+    assert readings.of(InterfaceTotals) == [totals]
+    assert readings.of(TcpCounters) == [TcpCounters(1, 2, 3, 4)]
+    assert readings.of(GpuInfo) == []
 
 
 def test_identities() -> None:
-    one = model.ProcessSendLatency(7, "app", 3, 0, 0, 0.0, None, None, [], start_ticks=100)
+    one = ProcessSendLatency(7, "app", 3, 0, 0, 0.0, None, None, [], start_ticks=100)
     other_cgroup = dataclasses.replace(one, cgroup_id=4)
     reused_pid = dataclasses.replace(one, start_ticks=200)
     assert len({one.identity(), other_cgroup.identity(), reused_pid.identity()}) == 3

@@ -131,7 +131,7 @@ def test_agent_exports_each_engines_switching_and_says_once_which_gpu_has_none(n
                              capture_output=True, text=True, check=True).stdout
     gpus = top[top.index("\nGPUS\n") + 1:].splitlines()
     columns = gpus[2].split()  # after the title and the header
-    assert [columns[0], *columns[-3:]] == ["0", "0", "2k/s", "4%"]  # busy CUDA contexts: no cuda probe
+    assert [columns[0], *columns[-3:]] == ["0", "-", "2k/s", "4%"]  # busy CUDA contexts: unknown, no cuda probe
     assert [line for line in agent.log.read_text().splitlines() if "GPM" in line] == [f"aiprobe: nvml: {A100_REFUSAL}"]
 
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import yaml
 from aiprobe.config import DEFAULT_RULES, RuleConfig
-from aiprobe.daemon import time_slicing_signals
 from aiprobe.exporters.rules_file import render
-from aiprobe.model import CudaContext, CudaGpu, GpuEngine, GpuInfo
+from aiprobe.probes.cuda.hooks import time_slicing_signals
+from aiprobe.probes.cuda.records import CudaContext, CudaGpu
+from aiprobe.probes.nvml.records import GpuEngine, GpuInfo
 from aiprobe.rules import RULES, RuleEngine, Signal, alert_name
 
 RULES_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "aiprobe-rules.yml"

@@ -30,10 +30,10 @@ import httpx
 import pytest
 from aiprobe.config import ConfigError, from_dict
 from aiprobe.histogram import HIST_SLOTS
-from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.probe import CudaProbe
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
+from aiprobe.probes.sendlat.records import StreamEndpoint, StreamsSnapshot
 from aiprobe.probes.sendlat.streams import StreamsProbe, _endpoint
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build

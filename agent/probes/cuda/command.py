@@ -10,10 +10,10 @@ import click
 
 from ...cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, strategy_option, ticks
 from ...formatting import Column, columns_for, table
-from ...model import AttachedLibrary, CudaSnapshot
 from ...names import printable
 from . import sched
 from .probe import LIBRARY_PREFIX, CudaProbe, strategies_with_scheduler
+from .records import AttachedLibrary, CudaSnapshot
 
 FIELDS = ("pid", "comm", "kernel_launches", "estimated_launches", "graph_launches", "counted_at", "runtime",
           "context_switches", "syncs", "sync_seconds_sum", "sync_p99_seconds", "runqueue_delay_p99_seconds",

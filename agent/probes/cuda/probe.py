@@ -50,12 +50,14 @@ from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quanti
 from ...libbpf import BpfError
 from ...loader import BpfObject, Link, Map, Strategy, load_first
 from ...metrics import PROCESS_LABELS, Family
-from ...model import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot, MapUsage, ProbeStatus
+from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, printable
 from ...procfs import StartTimes, start_ticks
 from ...registry import Probe, ProbeSpec, strategies_named
 from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 from . import sched
+from .hooks import CudaHooks
+from .records import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -226,6 +228,7 @@ SPEC = ProbeSpec(
                "Kernel and graph launches per second into contexts on the GPU, by the process behind them.",
                CudaContext, "launches_per_second", (*_GPU_LABELS, *PROCESS_LABELS)),
     ),
+    hooks=CudaHooks(),
 )
 
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from ...loader import ProbeUnavailable, Strategy
 from ...metrics import PROCESS_LABELS, Family
-from ...model import CudaProcess, ProbeStatus
+from ...model import ProbeStatus
 from ...registry import Probe, ProbeSpec
+from .records import CudaProcess
 
 if TYPE_CHECKING:
     from ...config import Config

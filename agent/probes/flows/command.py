@@ -17,9 +17,9 @@ from ...cli import (
     ticks,
 )
 from ...formatting import table
-from ...model import FlowsSnapshot
 from ...top_views import VIEWS
 from .probe import SPEC, FlowsProbe
+from .records import FlowsSnapshot
 
 TOP_ROWS = 20
 

@@ -52,11 +52,13 @@ from ...loader import (
     tc_clsact_query,
 )
 from ...metrics import Family, Series
-from ...model import FlowRecord, FlowsSnapshot, Identity, InterfaceAttachment, InterfaceTotals, MapUsage, ProbeStatus
+from ...model import Identity, MapUsage, ProbeStatus
 from ...names import ip_text
 from ...netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
 from ...registry import Probe, ProbeSpec
 from ...supervisor import ATTACHMENTS, Backoff, attach_reason
+from .hooks import FlowsHooks
+from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -131,6 +133,7 @@ SPEC = ProbeSpec(
     command="aiprobe.probes.flows.command:command",
     metrics=METRICS,
     read_at_scrape=True,
+    hooks=FlowsHooks(),
 )
 # Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
 TC_MODES = tuple(s.name for s in SPEC.strategies)

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 from ...loader import ProbeUnavailable, Strategy
 from ...metrics import Family
-from ...model import ProbeStatus, TcpCounters
+from ...model import ProbeStatus
 from ...registry import Probe, ProbeSpec
+from .hooks import NetstatHooks
+from .records import TcpCounters
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -90,4 +92,5 @@ SPEC = ProbeSpec(
                  "TCP segments retransmitted (Tcp RetransSegs)."),
         _counter("aiprobe_tcp_sent_segments_total", "sent_segments", "TCP segments sent (Tcp OutSegs)."),
     ),
+    hooks=NetstatHooks(),
 )

@@ -10,8 +10,8 @@ import click
 from ...cli import AiprobeError, emit_json, json_option
 from ...formatting import field, record_table
 from ...loader import ProbeUnavailable
-from ...model import GpuSnapshot
 from .probe import GPM_SAMPLE_GAP, NvmlProbe
+from .records import GpuSnapshot
 
 PROCESS_FIELDS = ("gpu_index", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio")
 

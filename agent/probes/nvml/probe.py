@@ -19,9 +19,11 @@ import pynvml
 
 from ...loader import ProbeUnavailable, Strategy
 from ...metrics import PROCESS_LABELS, Family, Series
-from ...model import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot, ProbeStatus
+from ...model import ProbeStatus
 from ...names import process_name
 from ...registry import Probe, ProbeSpec
+from .hooks import NvmlHooks
+from .records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
 
 T = TypeVar("T")
 log = logging.getLogger("aiprobe.probes.nvml.probe")
@@ -409,4 +411,5 @@ SPEC = ProbeSpec(
     command="aiprobe.probes.nvml.command:command",
     cli_name="gpus",
     metrics=METRICS,
+    hooks=NvmlHooks(),
 )

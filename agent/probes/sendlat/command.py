@@ -18,10 +18,10 @@ from ...cli import (
     ticks,
 )
 from ...formatting import bucket_histogram, columns_for, field, table
-from ...model import ProcessSendLatency, SlowSend
 from ...names import endpoint
 from ...registry import strategies_named
 from .probe import SPEC, SendLatencyProbe
+from .records import ProcessSendLatency, SlowSend
 
 SLOW_FIELDS = ("time", "pid", "comm", "local", "remote", "bytes", "duration_seconds")
 SLOW_COLUMNS = columns_for(SLOW_FIELDS, widths={"time": 9, "pid": 7, "comm": 16, "local": 24, "remote": 24,

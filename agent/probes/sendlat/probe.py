@@ -20,10 +20,12 @@ from ...budget import CpuBudget
 from ...histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from ...loader import BpfObject, Loaded, RingRecords, Strategy, load_first
 from ...metrics import PROCESS_LABELS, Family
-from ...model import FlowSendStats, MapUsage, ProbeStatus, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
 from ...procfs import StartTimes
 from ...registry import Probe, ProbeSpec, strategies_named
+from .hooks import SendLatencyHooks
+from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .streams import RECEIVE_SIDE  # the stream logic shares sendlat's programs (bpf/streams.h)
 
 if TYPE_CHECKING:
@@ -113,6 +115,7 @@ SPEC = ProbeSpec(
                "non-blocking send) to the next successful send on the socket.", ProcessSendLatency,
                "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True),
     ),
+    hooks=SendLatencyHooks(),
 )
 
 

@@ -17,18 +17,17 @@ from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from ...loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
 from ...metrics import PROCESS_LABELS, Family
-from ...model import MapUsage, ProbeStatus, StreamEndpoint, StreamsSnapshot, StreamStall
+from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
 from ...procfs import StartTimes
 from ...registry import Probe, ProbeSpec
+from .hooks import StreamsHooks
+from .records import CAUSES, PROTOCOLS, StreamEndpoint, StreamsSnapshot, StreamStall
 
 if TYPE_CHECKING:
     from ...config import Config
     from .probe import SendLatencyProbe
 
-# enum stream_protocol and enum stall_cause (bpf/streams.h).
-PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
-CAUSES = ("server", "network", "cpu", "gpu")
 MAX_PENDING_STALLS = 65536
 GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
 NO_GPU_CAUSE = "no gpu cause: the cuda probe is not running"
@@ -238,4 +237,5 @@ SPEC = ProbeSpec(
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
                expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
     ),
+    hooks=StreamsHooks(),
 )

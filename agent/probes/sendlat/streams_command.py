@@ -10,12 +10,12 @@ import click
 from ...cli import duration_option, emit_json, friendly_errors, json_option, require_privileges, ticks
 from ...formatting import columns_for, record_table, table
 from ...loader import ProbeUnavailable
-from ...model import StreamEndpoint, StreamStall
 from ...names import endpoint
 from ..cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from ..cuda.probe import CudaProbe
 from .probe import SendLatencyProbe
-from .streams import CAUSES, StreamsProbe
+from .records import CAUSES, StreamEndpoint, StreamStall
+from .streams import StreamsProbe
 
 STALL_FIELDS = ("time", "pid", "comm", "local", "remote", "protocol", "stream_id", "chunk", "gap_seconds", "cause")
 STALL_COLUMNS = columns_for(STALL_FIELDS, widths={"time": 9, "pid": 7, "comm": 16, "local": 22, "remote": 22,

@@ -1,0 +1,81 @@
+"""The cuda probe in the agent's refresh: each process's call rates, the context-switch storm,
+starved GPU threads and time-slicing rules, each GPU's active contexts (into NVML's GPUs), and its
+columns of the process table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ...histogram import quantile
+from ...model import Readings
+from ...refresh import Hooks, ProcessRows, Refresh, recent_buckets, target
+from ...rules import Signal
+from ..nvml.records import GpuInfo
+from ..nvml.signals import switching_evidence
+from .records import CudaContext, CudaGpu, CudaProcess, CudaSnapshot
+
+
+class CudaHooks(Hooks):
+    def join(self, reading: CudaSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
+        _join_active_contexts(readings.of(GpuInfo), reading.gpus)
+        procs: list[CudaProcess | CudaContext] = [*reading.processes, *reading.contexts]
+        for proc in procs:
+            workload = refresh.workload_of_pid(proc.pid)
+            proc.container, proc.pod_uid = workload.container, workload.pod_uid
+        return {proc.pid for proc in procs}
+
+    def rates(self, reading: CudaSnapshot, refresh: Refresh, now: float) -> None:
+        for cuda in reading.processes:
+            counters = [cuda.context_switches, cuda.kernel_launches, cuda.syncs, cuda.graph_launches]
+            (cuda.context_switches_per_second, cuda.kernel_launches_per_second, cuda.syncs_per_second,
+             cuda.graph_launches_per_second) = refresh.rate(("cuda", cuda.identity()), counters, now)
+
+    def signals(self, reading: CudaSnapshot, readings: Readings, refresh: Refresh, now: float) -> list[Signal]:
+        signals = []
+        for cuda in reading.processes:
+            switches = cuda.context_switches_per_second
+            signals.append(Signal("cuda_context_switch_storm", target(cuda), switches, {
+                "context_switches_per_second": round(switches, 1), "pid": cuda.pid}))
+            recent = recent_buckets(refresh, "runq", cuda.identity(), cuda.runqueue_histogram, now)
+            p99 = quantile(recent, 0.99)
+            if p99 is not None:
+                signals.append(Signal("gpu_threads_starved", target(cuda), p99, {
+                    "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
+                    "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
+        return signals + time_slicing_signals(reading.gpus, reading.contexts, readings.of(GpuInfo))
+
+    def process_rows(self, reading: CudaSnapshot, rows: ProcessRows) -> None:
+        for cuda in reading.processes:
+            entry = rows.row(cuda.pid, cuda.comm, cuda.container, cuda.pod_uid)
+            entry.cuda_context_switches_per_second = cuda.context_switches_per_second
+            entry.cuda_kernel_launches_per_second = cuda.kernel_launches_per_second
+            entry.cuda_syncs_per_second = cuda.syncs_per_second
+            entry.cuda_graph_launches_per_second = cuda.graph_launches_per_second
+            entry.cuda_counted_at = cuda.counted_at or None
+            entry.cuda_time_to_first_launch_seconds = cuda.cold_start.to_first_launch_seconds \
+                if cuda.cold_start else None
+            entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
+
+
+def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
+    """Each NVML GPU's active CUDA contexts (the cuda probe names a GPU by index or UUID)."""
+    active = {gpu.gpu: gpu.active_contexts for gpu in gpus}
+    for info in infos:
+        info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
+
+
+def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo]) -> list[Signal]:
+    """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
+    processes, launch rates, and the GPU's utilization and own measure of its switching (NVML, matched
+    by index or UUID) as evidence."""
+    by_key = {key: info for info in infos for key in (str(info.index), info.uuid)}
+    signals = []
+    for gpu in gpus:
+        active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
+        info = by_key.get(gpu.gpu)
+        signals.append(Signal("gpu_time_sliced", f"gpu{gpu.gpu}", gpu.active_contexts, {
+            "contexts": [{"pid": c.pid, "process": f"{c.comm or c.pid}@{c.container}", "context": c.context,
+                          "launches_per_second": round(c.launches_per_second, 1)} for c in active],
+            "utilization_ratio": None if info is None else info.utilization_gpu_ratio,
+            **switching_evidence(info)}))
+    return signals

@@ -1,0 +1,41 @@
+"""The nvml probe in the agent's refresh: its processes' containers, the GPUs' rules, its columns of
+the process table, and the snapshot's `gpus`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ...model import Readings
+from ...refresh import Hooks, ProcessRows, Refresh, Section
+from ...rules import Signal
+from ..flows.records import InterfaceTotals
+from .records import GpuInfo, GpuSnapshot
+from .signals import context_switch_signals, utilization_signals
+
+
+class NvmlHooks(Hooks):
+    sections = {"gpus": Section(GpuInfo)}
+
+    def join(self, reading: GpuSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
+        for proc in reading.processes:
+            workload = refresh.workload_of_pid(proc.pid)
+            proc.container, proc.pod_uid = workload.container, workload.pod_uid
+        return {proc.pid for proc in reading.processes}
+
+    def signals(self, reading: GpuSnapshot, readings: Readings, refresh: Refresh, now: float) -> list[Signal]:
+        # Traffic as the flows probe counts it at the interfaces (none without it).
+        ingress = sum(side.bytes_per_second for side in readings.of(InterfaceTotals) if side.direction == "ingress")
+        return utilization_signals(reading.gpus, ingress, refresh.config.traffic_floor_bytes_per_second) + \
+            context_switch_signals(reading.gpus)
+
+    def process_rows(self, reading: GpuSnapshot, rows: ProcessRows) -> None:
+        for gpu in reading.processes:
+            entry = rows.row(gpu.pid, gpu.comm, gpu.container, gpu.pod_uid)
+            entry.gpus.append(gpu.gpu_index)
+            entry.gpu_memory_used_bytes = (entry.gpu_memory_used_bytes or 0) + (gpu.used_memory_bytes or 0)
+            if gpu.sm_utilization_ratio is not None:
+                entry.gpu_utilization_ratio = (entry.gpu_utilization_ratio or 0) + gpu.sm_utilization_ratio
+
+    def snapshot(self, reading: GpuSnapshot) -> dict[str, Any]:
+        return {"gpus": reading.gpus}

@@ -1,0 +1,70 @@
+"""The nvml probe's records: GPUs, their engines and processes, as NVML reports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...model import JOINED, Record
+
+
+@dataclass
+class GpuEngine(Record):
+    """Context switches of one graphics engine of a GPU (GPM's GR0..GR7: GR0 alone without MIG, one or
+    more per GPU instance under MIG), between this read and the previous one."""
+
+    engine: int
+    context_switches_per_second: float | None  # over the engine's elapsed cycles at the SM clock
+    context_switching_ratio: float  # of the engine's time spent switching contexts
+    context_switch_seconds: float | None  # mean time per switch: cycles per switch / SM clock; None without switches
+
+
+@dataclass
+class GpuInfo(Record):
+    index: int
+    uuid: str
+    name: str
+    utilization_gpu_ratio: float | None = None
+    utilization_memory_ratio: float | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    sm_clock_hz: int | None = None
+    memory_clock_hz: int | None = None
+    clock_event_reasons: list[str] | None = None
+    pcie_tx_bytes_per_second: int | None = None
+    pcie_rx_bytes_per_second: int | None = None
+    compute_mode: str | None = None
+    # GPM, between this read and the previous one (None on the first read or without GPM).
+    gpm_context_switch_requests: float | None = None
+    gpm_context_switch_cycles_per_request: float | None = None
+    gpm_context_switch_active_ratio: float | None = None
+    # The same for every graphics engine in base units; the GPU's: switches per second and mean time
+    # per switch over all its engines, the switching share of its busiest engine.
+    context_switches_per_second: float | None = None
+    context_switching_ratio: float | None = None
+    context_switch_seconds: float | None = None
+    engines: list[GpuEngine] = field(default_factory=list)
+    # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
+    cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
+
+
+@dataclass
+class GpuProcess(Record):
+    pid: int  # host pid namespace
+    comm: str
+    gpu_index: int
+    gpu_uuid: str
+    used_memory_bytes: int | None
+    sm_utilization_ratio: float | None = None
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+
+@dataclass
+class GpuSnapshot(Record):
+    available: bool
+    reason: str = ""
+    gpus: list[GpuInfo] = field(default_factory=list)
+    processes: list[GpuProcess] = field(default_factory=list)

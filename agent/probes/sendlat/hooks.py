@@ -1,0 +1,94 @@
+"""The send path in the agent's refresh: each process's send rate, the send-stall and stream-stall
+rules, its columns of the process table, and the snapshot's `streams`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ...histogram import quantile
+from ...model import Readings
+from ...refresh import SIGNAL_WINDOW_SECONDS, Hooks, ProcessRows, Refresh, Section, recent_buckets, target
+from ...rules import Signal
+from .records import CAUSES, ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot, StreamStall
+
+MIN_SENDS_FOR_P99 = 1
+
+
+class SendLatencyHooks(Hooks):
+    def join(self, reading: SendLatencySnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
+        for send in reading.processes:
+            workload = refresh.workload(send.cgroup_id, send.pid)
+            send.container, send.pod_uid = workload.container, workload.pod_uid
+        return {send.pid for send in reading.processes}
+
+    def rates(self, reading: SendLatencySnapshot, refresh: Refresh, now: float) -> None:
+        for send in reading.processes:
+            (send.bytes_per_second,) = refresh.rate(("send", send.identity()), [send.bytes], now)
+
+    def signals(self, reading: SendLatencySnapshot, readings: Readings, refresh: Refresh,
+                now: float) -> list[Signal]:
+        stalls = (_send_stall(send, refresh, now) for send in reading.processes)
+        return [stall for stall in stalls if stall is not None]
+
+    def process_rows(self, reading: SendLatencySnapshot, rows: ProcessRows) -> None:
+        for send in reading.processes:
+            entry = rows.row(send.pid, send.comm, send.container, send.pod_uid)
+            entry.send_count, entry.send_bytes = send.count, send.bytes
+            entry.send_bytes_per_second = send.bytes_per_second
+            entry.send_p50_seconds, entry.send_p99_seconds = send.p50_seconds, send.p99_seconds
+            entry.send_errors, entry.send_unwritable_p99_seconds = dict(send.errors), send.unwritable_p99_seconds
+
+
+def _send_stall(proc: ProcessSendLatency, refresh: Refresh, now: float) -> Signal | None:
+    """The worse of two p99s over the window: how long sends blocked, and how long sockets stayed
+    unwritable (asynchronous servers never block in a send: their stalls show only there)."""
+    recent = recent_buckets(refresh, "send", proc.identity(), proc.histogram, now)
+    # Most processes never find a socket full: no window kept for them.
+    waits = recent_buckets(refresh, "unwritable", proc.identity(), proc.unwritable_histogram, now) \
+        if proc.unwritable_count else []
+    sends = recent[-1][1] if recent else 0
+    send_p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
+    unwritable_p99 = quantile(waits, 0.99)
+    worst = max((p99 for p99 in (send_p99, unwritable_p99) if p99 is not None), default=None)
+    if worst is None:
+        return None
+    return Signal("network_send_stall", target(proc), worst, {
+        "send_p99_seconds": None if send_p99 is None else round(send_p99, 6), "sends": int(sends),
+        "unwritable_p99_seconds": None if unwritable_p99 is None else round(unwritable_p99, 6),
+        "unwritable_periods": int(waits[-1][1]) if waits else 0, "window_seconds": SIGNAL_WINDOW_SECONDS,
+        "pid": proc.pid, "threshold_seconds": refresh.config.rules["network_send_stall"].threshold})
+
+
+class StreamsHooks(Hooks):
+    sections = {"streams": Section(StreamEndpoint)}
+
+    def join(self, reading: StreamsSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
+        streams: list[StreamEndpoint | StreamStall] = [*reading.endpoints, *reading.stalls]
+        for stream in streams:
+            stream.container = refresh.workload(stream.cgroup_id, stream.pid).container
+        return {stream.pid for stream in streams}
+
+    def rates(self, reading: StreamsSnapshot, refresh: Refresh, now: float) -> None:
+        for stream in reading.endpoints:
+            (stream.streams_per_second,) = refresh.rate(("streams", stream.identity()), [stream.streams], now)
+
+    def signals(self, reading: StreamsSnapshot, readings: Readings, refresh: Refresh, now: float) -> list[Signal]:
+        """Stalls of each process's responses in the window, their causes as evidence."""
+        by_target: dict[str, dict[str, Any]] = {}
+        for endpoint in reading.endpoints:
+            recent = refresh.recent(("stalls", endpoint.identity()),
+                                    [float(endpoint.stalls.get(c, 0)) for c in CAUSES], now)
+            seen = by_target.setdefault(target(endpoint), {"pid": endpoint.pid, "ports": set(), "causes": {}})
+            for cause, count in zip(CAUSES, recent, strict=True):
+                if count:
+                    seen["causes"][cause] = seen["causes"].get(cause, 0) + int(count)
+                    seen["ports"].add(f"{endpoint.port}/{endpoint.protocol}")
+        return [Signal("token_streams_stalling", name, float(sum(seen["causes"].values())), {
+            "cause": max(seen["causes"], key=seen["causes"].get) if seen["causes"] else "",
+            "stalls_by_cause": seen["causes"], "endpoints": sorted(seen["ports"]), "pid": seen["pid"],
+            "window_seconds": SIGNAL_WINDOW_SECONDS,
+            "threshold_seconds": refresh.config.stream_stall_threshold_ms / 1e3}) for name, seen in by_target.items()]
+
+    def snapshot(self, reading: StreamsSnapshot) -> dict[str, Any]:
+        return {"streams": sorted(reading.endpoints, key=lambda e: e.streams_per_second, reverse=True)}

@@ -1,0 +1,156 @@
+"""The send path's records: send latency per process and flow, slow sends, token streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
+
+# enum stream_protocol and enum stall_cause (bpf/streams.h).
+PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
+CAUSES = ("server", "network", "cpu", "gpu")
+
+
+@dataclass
+class ProcessSendLatency(Record):
+    """Sends of one process in one cgroup since the probe started (monotonic counters). Failed
+    sends are not sends: they are counted apart, by error."""
+
+    pid: int
+    comm: str
+    cgroup_id: int
+    count: int  # successful sends (that returned bytes)
+    bytes: int
+    sum_seconds: float  # of the timed sends
+    p50_seconds: float | None  # None before the first timed send
+    p99_seconds: float | None
+    histogram: Histogram = field(metadata=HISTOGRAM)  # timed sends (all, or 1 in N per thread)
+    start_ticks: int = 0  # the process's start (/proc/PID/stat): with pid and cgroup, its identity
+    timed: int = 0  # sends in `histogram`
+    errors: dict[str, int] = field(default_factory=dict)  # failed sends by error; EAGAIN is back-pressure
+    # Unwritable time: from a send that found the socket full (EAGAIN, or a short non-blocking
+    # send) to the next successful send on it.
+    unwritable_count: int = 0
+    unwritable_sum_seconds: float = 0.0
+    unwritable_p99_seconds: float | None = None
+    unwritable_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
+    bytes_per_second: float = field(default=0.0, metadata=JOINED)
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id
+
+
+@dataclass
+class FlowSendStats(Record):
+    """Sends of one process on one TCP connection since the probe started."""
+
+    pid: int
+    local_address: str
+    local_port: int
+    remote_address: str
+    remote_port: int
+    count: int
+    bytes: int
+    sum_seconds: float
+
+
+@dataclass
+class SocketEvent(Record):
+    """What a kernel event on a TCP connection says of where it happened: thread, process, connection."""
+
+    pid: int
+    tid: int
+    comm: str
+    cgroup_id: int
+    local_address: str
+    local_port: int
+    remote_address: str
+    remote_port: int
+
+
+@dataclass
+class SlowSend(SocketEvent):
+    """One send slower than the threshold."""
+
+    bytes: int
+    duration_seconds: float
+
+
+@dataclass
+class SendLatencySnapshot(Record):
+    strategy: str
+    span: str
+    processes: list[ProcessSendLatency] = field(default_factory=list)
+    flows: list[FlowSendStats] = field(default_factory=list)
+    slow_sends: list[SlowSend] = field(default_factory=list)  # since the previous read
+    lost_events: int = 0  # slow sends lost since start
+    uncounted_sends: int = 0  # sends of processes beyond the table's capacity, since start
+    sample_every: int = 1  # 1 send in this many per thread is timed now; counts are exact regardless
+
+
+@dataclass
+class StreamEndpoint(Record):
+    """Responses of one process (in one cgroup) on one listening port, by protocol, since the probe
+    started (monotonic counters). A response starts at its first body write; see docs/streams.md."""
+
+    pid: int
+    comm: str
+    cgroup_id: int
+    port: int  # the listening (local) port
+    protocol: str  # "sse" | "grpc" | "http2" | "http" | "tls" | "tcp" (not recognised)
+    streams: int  # responses that wrote a first byte
+    chunks: int  # their writes, headers-only and last-chunk writes excluded
+    bytes: int
+    completed: int  # responses that ended (the next request, the last chunk or the connection's end)
+    ttfb_p50_seconds: float | None
+    ttfb_p99_seconds: float | None
+    ttfb_sum_seconds: float
+    ttfb_histogram: Histogram = field(metadata=HISTOGRAM)
+    gaps: int = 0
+    gap_p50_seconds: float | None = None
+    gap_p99_seconds: float | None = None
+    gap_sum_seconds: float = 0.0
+    gap_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
+    duration_sum_seconds: float = 0.0
+    duration_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
+    stalls: dict[str, int] = field(default_factory=dict)  # cause -> gaps above the threshold
+    durations_unknown: int = 0  # ended responses whose duration could not be known: not in duration_histogram
+    start_ticks: int = 0
+    streams_per_second: float = field(default=0.0, metadata=JOINED)
+    container: str = field(default="host", metadata=JOINED)
+    pod_uid: str = field(default="", metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol
+
+
+@dataclass
+class StreamStall(SocketEvent):
+    """One gap between two writes of a response above the threshold, with the evidence of its cause."""
+
+    protocol: str
+    stream_id: int  # the HTTP/2 stream; 0: the connection's response (HTTP/1.x, TLS, TCP)
+    gap_seconds: float
+    elapsed_seconds: float  # from the request to the write that ended the gap
+    chunk: int  # that write's number in the response, from 1
+    cause: str  # "network" | "cpu" | "gpu" | "server"
+    unwritable_seconds: float  # the socket was full during the gap
+    blocked_send_seconds: float  # the write ending the gap blocked (timed sends only)
+    runqueue_seconds: float  # the writing thread waited runnable for a CPU
+    cuda_sync_seconds: float  # a thread of the process was inside a CUDA synchronization (cuda probe)
+    container: str = field(default="host", metadata=JOINED)
+
+
+@dataclass
+class StreamsSnapshot(Record):
+    strategy: str
+    span: str
+    stall_threshold_seconds: float
+    endpoints: list[StreamEndpoint] = field(default_factory=list)
+    stalls: list[StreamStall] = field(default_factory=list)  # since the previous read
+    lost_stalls: int = 0  # stall events lost since start
+    uncounted_streams: int = 0  # responses beyond the endpoint table's capacity, since start
+    untimed_h2_streams: int = 0  # HTTP/2 streams beyond the streams timed at once on a connection, since start
+    cuda_syncs_seen: bool = False  # the cuda probe runs: stalls spent in CUDA synchronizations are `gpu`
