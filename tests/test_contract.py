@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from aiprobe import features
-from aiprobe.probes.cuda import probe as cuda
 from aiprobe.loader import BpfObject
+from aiprobe.probes.cuda import probe as cuda
 from aiprobe.registry import ProbeSpec, specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
