@@ -26,9 +26,9 @@ AGENT_SUBCOMMANDS = {
 
 def subcommands() -> dict[str, str]:
     """subcommand -> "module:attribute"."""
-    from .registry import specs
+    from .registry import faces
 
-    return {**AGENT_SUBCOMMANDS, **{spec.subcommand: spec.command for spec in specs() if spec.command}}
+    return {**AGENT_SUBCOMMANDS, **{face.subcommand: face.command for face in faces() if face.command}}
 
 
 class AiprobeError(click.ClickException):

@@ -246,22 +246,22 @@ def _validate_rule(name: str, table: Any) -> RuleConfig:
 
 
 def _validate_strategies(table: Any) -> dict[str, str]:
-    from .registry import specs, strategies_named
+    from .registry import faces, owner, strategies_named
 
     if not isinstance(table, dict):
         raise ConfigError("strategies: expected a table of probe = strategy")
-    known = {spec.name: spec for spec in specs() if len(spec.strategies) > 1 and not spec.follows_strategy}
-    hosts = {spec.name: spec.runs_with for spec in specs() if spec.follows_strategy}
+    choices = {face.name: face for face in faces() if len(face.strategies) > 1}
     for probe, name in table.items():
-        if probe in hosts:
-            raise ConfigError(f"strategies.{probe}: {probe} runs on {hosts[probe]}'s strategy; "
-                              f"set strategies.{hosts[probe]}")
-        if probe not in known:
-            raise ConfigError(f"strategies.{probe}: not a probe with a choice of strategies "
-                              f"(those: {', '.join(known)})")
+        face = choices.get(probe)
+        if face is not None and owner(face).follows(face):
+            raise ConfigError(f"strategies.{probe}: {probe} runs on {owner(face).name}'s strategy; "
+                              f"set strategies.{owner(face).name}")
+        if face is None:
+            known = ", ".join(n for n, f in choices.items() if not owner(f).follows(f))
+            raise ConfigError(f"strategies.{probe}: not a probe with a choice of strategies (those: {known})")
         name = _check_value(f"strategies.{probe}", name, "")
         try:
-            strategies_named(known[probe], name)
+            strategies_named(face, name)
         except ValueError as exc:
             raise ConfigError(f"strategies.{probe}: {exc}") from None
     return dict(table)

@@ -26,7 +26,7 @@ from .loader import ProbeUnavailable
 from .model import Alert, HostInfo, ProbeStatus, ProcessRow, Readings, Snapshot
 from .names import process_name
 from .refresh import SIGNAL_WINDOW_SECONDS, ProcessRows
-from .registry import Probe, ProbeSpec, selected, specs
+from .registry import Face, Part, Probe, ProbeSpec, faces, selected
 from .rules import RuleEngine, Signal
 from .supervisor import SUPERVISOR
 from .system import kernel_release
@@ -54,6 +54,7 @@ class Agent:
         self.config = config
         self._on_transitions = on_transitions
         self._probes: dict[str, Probe] = {}
+        self._faces: dict[str, Face] = {}  # every running probe and part, by name
         self._down: dict[str, ProbeStatus] = {}
         self._cgroups = CgroupIndex()
         self._sockets = SocketOwners()
@@ -82,25 +83,34 @@ class Agent:
     def _start_probe(self, spec: ProbeSpec) -> None:
         if spec.factory is None:
             return
-        probe = spec.factory(self.config, self._probes)
+        probe = spec.factory(self.config)
         try:
             probe.start()
         except Exception as exc:  # a probe that cannot run says why; the others keep going
             log.warning("probe %s unavailable: %s", spec.name, exc)
             self._down[spec.name] = ProbeStatus(False, reason=_unavailable_reason(exc))
+            for part in spec.parts:
+                self._down[part.name] = ProbeStatus(False, reason=f"runs inside the {spec.name} probe, which is "
+                                                                  "not running")
             probe.close()
             return
         self._probes[spec.name] = probe
+        self._faces.update({spec.name: probe, **probe.parts()})
+
+    def _selected_faces(self) -> list[Part]:
+        return sorted((face for spec in selected(self.config.probes) for face in spec.faces),
+                      key=lambda face: face.order)
 
     @property
     def status(self) -> dict[str, ProbeStatus]:
-        """Every selected probe's status, in registry order."""
-        statuses = {**{name: probe.status() for name, probe in self._probes.items()}, **self._down}
-        return {spec.name: statuses[spec.name] for spec in selected(self.config.probes) if spec.name in statuses}
+        """Every selected probe's and part's status, in registry order."""
+        statuses = {**{name: face.status() for name, face in self._faces.items()}, **self._down}
+        return {face.name: statuses[face.name] for face in self._selected_faces() if face.name in statuses}
 
     def close(self) -> None:
+        self._faces.clear()
         while self._probes:
-            _, probe = self._probes.popitem()  # the last started first: sched before the cuda it runs in
+            _, probe = self._probes.popitem()  # the last started first
             try:
                 probe.close()
             except Exception as exc:  # closing the others matters more
@@ -128,8 +138,8 @@ class Agent:
     def refresh(self) -> dict[str, Any]:
         now = time.time()
         readings = Readings()
-        for name, probe in list(self._probes.items()):
-            readings.records[name] = self._read(name, probe, readings.collectors)
+        for name, face in list(self._faces.items()):
+            readings.records[name] = self._read(name, face, readings.collectors)
         self.elapsed = now - self._last_refresh if self._last_refresh is not None else 0.0
         # Joins read /proc and cgroupfs, which any process shapes: a failure costs the joins, not the refresh.
         self._collect("join", lambda: self._join(readings), readings.collectors)
@@ -141,8 +151,8 @@ class Agent:
         if transitions and self._on_transitions is not None:
             self._on_transitions(transitions, now)
         readings.probes = self.status
-        readings.map_usage = {name: probe.map_usage() for name, probe in self._probes.items()}
-        readings.events_lost = {name: probe.events_lost() for name, probe in self._probes.items()}
+        readings.map_usage = {name: face.map_usage() for name, face in self._faces.items()}
+        readings.events_lost = {name: face.events_lost() for name, face in self._faces.items()}
         readings.alerts = self._rules.active
         SUPERVISOR.fill(readings)
         self.readings = readings
@@ -167,9 +177,9 @@ class Agent:
         for name in self._read_at_scrape:
             with self._newest_lock:
                 at = self._newest.get(name, (None, None))[0]
-            probe = self._probes.get(name)
-            if probe is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
-                self._read(name, probe, collectors)
+            face = self._faces.get(name)
+            if face is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
+                self._read(name, face, collectors)
         with self._newest_lock:
             fresh = {name: record for name, (_at, record) in self._newest.items()}
         cached = self._scraped
@@ -179,8 +189,8 @@ class Agent:
         self._scraped = (last, readings)
         return readings
 
-    def _read(self, name: str, probe: Probe, collectors: dict[str, tuple[float, bool]]) -> Any:
-        record = self._collect(name, probe.read, collectors)
+    def _read(self, name: str, face: Face, collectors: dict[str, tuple[float, bool]]) -> Any:
+        record = self._collect(name, face.read, collectors)
         finished = time.monotonic()
         if record is not None and name in self._read_at_scrape:
             with self._newest_lock:  # the probe reads one at a time: the one that finished last read last
@@ -201,10 +211,10 @@ class Agent:
 
     # --- joins: who is behind a pid, a cgroup or a socket ---
 
-    def _hooked(self, readings: Readings) -> list[tuple[ProbeSpec, Any]]:
-        """Each running probe's spec with its reading of this refresh, in registry order."""
-        return [(spec, readings.records[spec.name]) for spec in selected(self.config.probes)
-                if readings.records.get(spec.name) is not None]
+    def _hooked(self, readings: Readings) -> list[tuple[Part, Any]]:
+        """Each running probe and part with its reading of this refresh, in registry order."""
+        return [(face, readings.records[face.name]) for face in self._selected_faces()
+                if readings.records.get(face.name) is not None]
 
     def workload_of_pid(self, pid: int) -> Workload:
         if pid not in self._workloads:
@@ -247,7 +257,7 @@ class Agent:
     # --- the snapshot document (docs/snapshot.md) ---
 
     def _build_snapshot(self, readings: Readings, now: float) -> Snapshot:
-        sections = {name: section.empty for spec in specs() for name, section in spec.hooks.sections.items()}
+        sections = {name: section.empty for face in faces() for name, section in face.hooks.sections.items()}
         for spec, reading in self._hooked(readings):
             sections.update(spec.hooks.snapshot(reading))
         return Snapshot(

@@ -603,6 +603,14 @@ class Strategy:
     programs: tuple[str, ...] = ()
     features: tuple[str, ...] = ()
     span: str = ""
+    # The strategy of a part loaded in the same attempt (cuda's uprobes with a scheduler strategy).
+    part: Strategy | None = None
+
+    @property
+    def attempt(self) -> str:
+        """What a failed load of this attempt is reported under: the part's strategy where it has one
+        (the probe's own then failed with each of them)."""
+        return self.part.name if self.part else self.name
 
 
 @dataclass
@@ -637,7 +645,7 @@ def load_first(
             attach(obj, strategy)
         except BpfError as exc:
             obj.close()
-            skipped[strategy.name] = str(exc)
+            skipped[strategy.attempt] = str(exc)
             continue
         except BaseException:
             obj.close()

@@ -1,22 +1,25 @@
-"""The probe registry. A probe is one module `agent/<name>.py` declaring `SPEC = ProbeSpec(...)`: its
-name, strategies, factory from the config, config keys, CLI command and metric families. Everything
-that lists probes derives the list from here: `aiprobe check`, the CLI, config validation, the
-daemon and the exporter. Adding a probe touches only its own files.
+"""The probe registry. A probe is a package `agent/probes/<name>/`, one of whose modules declares
+`SPEC = ProbeSpec(...)`: its name, strategies, BPF object, factory from the config, config keys,
+CLI command, metric families, hooks into the refresh, and the parts riding on its programs.
+Everything that lists probes derives the list from here: `aiprobe check`, the CLI, config
+validation, the daemon and the exporter. Adding a probe touches only its own files; the core
+imports no probe.
 
 Every probe has one life cycle (`Probe`): `start()` loads and attaches (raising `ProbeUnavailable`
 with every strategy's reason), `read()` returns its model records, `status()` says what runs and
-why not, `close()` detaches everything and may be called any number of times.
+why not, `close()` detaches everything and may be called any number of times. `faces()` gives the
+probe and each of its parts by name: what the agent reads, reports and exports one by one.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from .features import Feature
 from .loader import Loaded, Strategy
@@ -29,6 +32,37 @@ if TYPE_CHECKING:
 
 # A probe module is recognised by its declaration, so registering a probe needs no list elsewhere.
 _DECLARES_SPEC = re.compile(r"^SPEC = ProbeSpec\(", re.MULTILINE)
+
+
+class Face(Protocol):
+    """A probe, or a part of one, as the agent reads and reports it."""
+
+    def read(self) -> Any: ...
+
+    def status(self) -> ProbeStatus: ...
+
+    def map_usage(self) -> list[MapUsage]: ...
+
+    def events_lost(self) -> int: ...
+
+
+@dataclass
+class Unavailable:
+    """The face of a part that cannot run, and why."""
+
+    reason: str
+
+    def read(self) -> None:
+        return None
+
+    def status(self) -> ProbeStatus:
+        return ProbeStatus(False, reason=self.reason)
+
+    def map_usage(self) -> list[MapUsage]:
+        return []
+
+    def events_lost(self) -> int:
+        return 0
 
 
 class Probe:
@@ -66,6 +100,10 @@ class Probe:
     def events_lost(self) -> int:
         return 0
 
+    def parts(self) -> dict[str, Face]:
+        """Each part it runs (`ProbeSpec.parts`), by name, or why that part cannot run."""
+        return {}
+
     def close(self) -> None:
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
@@ -79,34 +117,29 @@ class Probe:
         self.close()
 
 
-# factory(config, probes started before this one) -> an unstarted probe
-Factory = Callable[["Config", Mapping[str, Probe]], Probe]
+# factory(config) -> an unstarted probe
+Factory = Callable[["Config"], Probe]
 
 
-@dataclass(frozen=True)
-class ProbeSpec:
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """What users see of a probe, or of a part of it with a face of its own: a status, records,
+    metrics, hooks into the refresh and a command. Streams ride on the send path's programs and the
+    scheduler side on cuda's: parts of those probes, loaded and owned by them (`ProbeSpec.parts`)."""
+
     name: str
     description: str
-    strategies: tuple[Strategy, ...]
     order: int  # place in `aiprobe check`, the snapshot's `probes` and the start order
-    bpf_object: str = ""  # its agent/bpf_objects/<name>.bpf.o, if it has one
-    factory: Factory | None = None
+    # Its chain (a part with none of its own runs on those of its probe's strategies it names).
+    strategies: tuple[Strategy, ...] = ()
     # A prerequisite outside the kernel (a user-space library, a device); returns why it is unmet.
     requirement: Callable[[], str | None] | None = None
-    # What the probe cannot see on this host though it runs (a GPU without GPM), one line each.
+    # What it cannot see on this host though it runs (a GPU without GPM), one line each.
     limitations: Callable[[], list[str]] | None = None
-    config_keys: tuple[str, ...] = ()  # the Config fields only this probe reads
+    config_keys: tuple[str, ...] = ()  # the Config fields only it reads
     command: str = ""  # "module:attribute" of its `aiprobe <cli_name>` command
-    cli_name: str = ""  # defaults to the probe's name
+    cli_name: str = ""  # defaults to its name
     metrics: tuple[Family, ...] = ()
-    # Runs inside another probe (sched's programs live in cuda's object): selected with it.
-    runs_with: str | None = None
-    # Runs on that probe's strategy (streams is part of sendlat's programs): not chosen on its own.
-    follows_strategy: bool = False
-    # Cheap host-wide counters that run whatever the config selects.
-    always: bool = False
-    # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.
-    read_at_scrape: bool = False
     # Its part in each refresh: joins, rates, rule signals, process rows, snapshot sections.
     hooks: Hooks = NO_HOOKS
 
@@ -114,10 +147,28 @@ class ProbeSpec:
     def subcommand(self) -> str:
         return self.cli_name or self.name
 
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeSpec(Part):
+    """A probe: one BPF object (or none) and what loads it, with the parts riding on its programs."""
+
+    bpf_object: str = ""  # its agent/bpf_objects/<name>.bpf.o, if it has one
+    factory: Factory | None = None
+    parts: tuple[Part, ...] = ()
+    # Cheap host-wide counters that run whatever the config selects.
+    always: bool = False
+    # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.
+    read_at_scrape: bool = False
+
     @property
-    def selectable(self) -> bool:
-        """Whether the config's `probes` names it."""
-        return self.runs_with is None and not self.always
+    def faces(self) -> tuple[Part, ...]:
+        """The probe itself, then its parts."""
+        return (self, *self.parts)
+
+    def follows(self, part: Part) -> bool:
+        """Whether `part` runs on this probe's strategy rather than on a chain of its own."""
+        own = {s.name for s in self.strategies}
+        return part is not self and bool(part.strategies) and all(s.name in own for s in part.strategies)
 
 
 @cache
@@ -131,30 +182,42 @@ def specs() -> tuple[ProbeSpec, ...]:
     return tuple(sorted(found, key=lambda spec: spec.order))
 
 
-def spec(name: str) -> ProbeSpec:
-    return next(s for s in specs() if s.name == name)
+def faces() -> tuple[Part, ...]:
+    """Every probe and part, in order."""
+    return tuple(sorted((face for spec in specs() for face in spec.faces), key=lambda face: face.order))
 
 
-def strategies_named(spec: ProbeSpec, name: str | None) -> tuple[Strategy, ...]:
-    """The probe's chain, or only its strategy `name` when one is forced (`--strategy`, the config's
+def owner(part: Part) -> ProbeSpec:
+    """The probe a part belongs to (a probe is its own)."""
+    return next(spec for spec in specs() if any(face is part for face in spec.faces))
+
+
+def face(name: str) -> Part:
+    """The probe or part of that name."""
+    return next(f for f in faces() if f.name == name)
+
+
+def strategies_named(part: Part, name: str | None) -> tuple[Strategy, ...]:
+    """The chain, or only its strategy `name` when one is forced (`--strategy`, the config's
     `strategies`): to keep BPF trampolines off a host, or to compare strategies. ValueError, naming
-    the chain, when the probe has no such strategy."""
+    the chain, when there is no such strategy."""
     if name is None:
-        return spec.strategies
-    forced = tuple(s for s in spec.strategies if s.name == name)
+        return part.strategies
+    forced = tuple(s for s in part.strategies if s.name == name)
     if not forced:
-        chain = ", ".join(s.name for s in spec.strategies)
-        raise ValueError(f"{spec.name} has no strategy {name!r} (its chain: {chain})")
+        chain = ", ".join(s.name for s in part.strategies)
+        raise ValueError(f"{part.name} has no strategy {name!r} (its chain: {chain})")
     return forced
 
 
 def selectable_names() -> tuple[str, ...]:
-    return tuple(s.name for s in specs() if s.selectable)
+    """What the config's `probes` may name: every probe but those that always run."""
+    return tuple(s.name for s in specs() if not s.always)
 
 
 def selected(names: tuple[str, ...]) -> list[ProbeSpec]:
     """The probes a config's `probes` runs, in start order."""
-    return [s for s in specs() if s.always or s.name in names or s.runs_with in names]
+    return [s for s in specs() if s.always or s.name in names]
 
 
 @dataclass
@@ -183,7 +246,7 @@ class ProbePlan:
         }
 
 
-def plan(spec: ProbeSpec, features: dict[str, Feature]) -> ProbePlan:
+def plan(spec: Part, features: dict[str, Feature]) -> ProbePlan:
     """The first strategy whose kernel features all work here, and why the ones before it don't."""
     unmet = spec.requirement() if spec.requirement else None
     if unmet:

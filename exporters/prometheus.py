@@ -24,7 +24,7 @@ from aiprobe.config import Config
 from aiprobe.deltas import Totals
 from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
 from aiprobe.model import Readings
-from aiprobe.registry import specs
+from aiprobe.registry import faces
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -260,7 +260,7 @@ class AgentCollector(Collector):
         self._rendered: Readings | None = None
         self.processes = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
         self._views = [_FamilyView(family, self.processes, config.idle_series_seconds, config.top_flows)
-                       for spec in specs() for family in spec.metrics
+                       for face in faces() for family in face.metrics
                        if not family.option or getattr(config, family.option)]
 
     def collect(self) -> Iterable[Metric]:
@@ -316,9 +316,9 @@ def doc_tables() -> dict[str, list[str]]:
     """The rows of docs/metrics.md's tables: the main one and the DCGM-compatible one."""
     main = doc_rows("agent", (family for family, _ in AGENT_FAMILIES))
     dcgm: list[str] = []
-    for spec in specs():
-        main += doc_rows(spec.name, (f for f in spec.metrics if not f.option))
-        dcgm += doc_rows(spec.name, (f for f in spec.metrics if f.option))
+    for face in faces():
+        main += doc_rows(face.name, (f for f in face.metrics if not f.option))
+        dcgm += doc_rows(face.name, (f for f in face.metrics if f.option))
     main += doc_rows("rules", (family for family, _ in RULE_FAMILIES))
     return {"main": main, "dcgm": dcgm}
 

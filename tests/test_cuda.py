@@ -172,7 +172,7 @@ def test_two_copies_of_the_library_are_probed_and_counted_separately(cuda_libs, 
 @pytest.mark.bpf
 @pytest.mark.parametrize("sched", SCHED_STRATEGIES, ids=lambda s: s.name)
 def test_each_scheduler_strategy_times_wakeups_of_gpu_threads(cuda_libs, drivers, sched) -> None:
-    [strategy] = [s for s in CUDA_STRATEGIES if s.name == f"uprobe+{sched.name}"]
+    [strategy] = [s for s in CUDA_STRATEGIES if s.part == sched]
     with CudaProbe(rescan_interval=0.2, strategies=[strategy]) as probe:
         assert probe.sched_strategy == sched.name
         driver = Driver(cuda_libs.libdir, 0, 0, 20, sync_us=500)

@@ -15,7 +15,7 @@ from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTot
 from aiprobe.probes.netstat.records import TcpCounters
 from aiprobe.probes.nvml.records import GpuInfo
 from aiprobe.probes.sendlat.records import ProcessSendLatency
-from aiprobe.registry import specs
+from aiprobe.registry import faces
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "snapshot.md"
 
@@ -40,7 +40,7 @@ def _flatten(hint: object) -> list[object]:
 
 def test_every_snapshot_field_is_documented() -> None:
     documented = set(re.findall(r'"([a-z0-9_]+)":', DOC.read_text()))
-    sections = [section.record for spec in specs() for section in spec.hooks.sections.values()]
+    sections = [section.record for face in faces() for section in face.hooks.sections.values()]
     records = {cls for root in (model.Snapshot, *sections) for cls in records_in(root)}
     missing = {f"{cls.__name__}.{field.name}" for cls in records
                for field in dataclasses.fields(cls) if field.name not in documented and field.name != "sections"}
@@ -58,7 +58,7 @@ def test_joined_fields_stay_out_of_a_probes_own_document() -> None:
 
 
 def test_snapshot_document_has_every_section_and_empty_tcp_without_counters() -> None:
-    sections = {name: section.empty for spec in specs() for name, section in spec.hooks.sections.items()}
+    sections = {name: section.empty for face in faces() for name, section in face.hooks.sections.items()}
     snapshot = model.Snapshot(model.HostInfo("h", "k", "v", 1.0, 1.0), {"flows": model.ProbeStatus(True, "xdp+tcx")},
                               [], [], sections)
     document = snapshot.to_dict()

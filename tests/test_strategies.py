@@ -21,7 +21,7 @@ from aiprobe.config import Config, ConfigError, from_dict
 from aiprobe.loader import ProbeUnavailable
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
 from aiprobe.probes.sendlat.streams import StreamsProbe
-from aiprobe.registry import Probe, plan, selected, spec, specs, strategies_named
+from aiprobe.registry import Face, Probe, face, faces, owner, plan, selected, strategies_named
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.sendlat_peer import build, sender_cmd, sink
 from helpers import PATIENCE, VethPair
@@ -36,7 +36,7 @@ EXPECTED = {
     (6, 12): {"sendlat": "fentry", "streams": "fentry", "flows": "tcx", **ALWAYS},
     (6, 18): {"sendlat": "tracepoint", "streams": "tracepoint", "flows": "tcx", **ALWAYS},
 }
-FORCEABLE = [(name, strategy.name) for name in ("flows", "sendlat", "sched") for strategy in spec(name).strategies]
+FORCEABLE = [(name, strategy.name) for name in ("flows", "sendlat", "sched") for strategy in face(name).strategies]
 SSE_EVENTS = 20
 # How a kernel says it lacks a hook: no such BTF type or tracepoint (ESRCH, ENOENT), or a program
 # type it refuses (fentry here: EPERM at load).
@@ -49,23 +49,20 @@ def kernel_series() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def running_probes(config: Config) -> Iterator[dict[str, Probe]]:
-    """The config's probes, started through the registry's factories as the agent starts them; one
-    that runs inside another may be unavailable under that one's strategy (streams under kprobe)."""
-    running: dict[str, Probe] = {}
+def running_probes(config: Config) -> Iterator[dict[str, Face]]:
+    """The config's probes, started through the registry's factories as the agent starts them, and
+    the parts they run (streams may be unavailable under sendlat's strategy: kprobe), by name."""
+    running: list[Probe] = []
+    faces: dict[str, Face] = {}
     try:
         for probe_spec in selected(config.probes):
-            probe = probe_spec.factory(config, running)
-            try:
-                probe.start()
-            except ProbeUnavailable:
-                if probe_spec.runs_with is None:
-                    raise
-                continue
-            running[probe_spec.name] = probe
-        yield running
+            probe = probe_spec.factory(config)
+            probe.start()
+            running.append(probe)
+            faces.update({probe_spec.name: probe, **probe.parts()})
+        yield faces
     finally:
-        for probe in reversed(running.values()):
+        for probe in reversed(running):
             probe.close()
 
 
@@ -83,7 +80,7 @@ def test_config_strategies_are_checked_against_each_probes_chain() -> None:
         ({"sendlat": "kprobes"}, "strategies.sendlat: sendlat has no strategy 'kprobes' "
                                  "(its chain: fentry, kprobe, tracepoint, syscall)"),
         ({"gpu": "x"}, "strategies.gpu: not a probe with a choice of strategies (those: "
-                       + ", ".join(s.name for s in specs() if len(s.strategies) > 1 and not s.follows_strategy)
+                       + ", ".join(f.name for f in faces() if len(f.strategies) > 1 and not owner(f).follows(f))
                        + ")"),
         ({"streams": "fentry"}, "strategies.streams: streams runs on sendlat's strategy; set strategies.sendlat"),
         ({"flows": 1}, "strategies.flows: expected a string, got 1"),
@@ -95,7 +92,7 @@ def test_config_strategies_are_checked_against_each_probes_chain() -> None:
 
 @pytest.mark.parametrize("command", ["sendlat", "flows", "cuda"])
 def test_strategy_option_offers_the_chain_and_refuses_other_names(aiprobe_cli: list[str], command: str) -> None:
-    chain = [s.name for s in spec("sched" if command == "cuda" else command).strategies]
+    chain = [s.name for s in face("sched" if command == "cuda" else command).strategies]
     result = subprocess.run([*aiprobe_cli, command, "--strategy", "bogus"], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"'bogus' is not one of {', '.join(map(repr, chain))}" in result.stderr
@@ -109,15 +106,15 @@ def test_each_probe_picks_the_strategy_expected_on_this_kernel(veth: VethPair, k
     expected = EXPECTED.get(kernel_series())
     if expected is None:
         pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to EXPECTED")
-    # What `aiprobe check` offers, then what the agent's probes run (cuda's names its scheduler side).
-    assert {name: plan(spec(name), kernel_features).strategy for name in expected} == expected
+    # What `aiprobe check` offers, then what the agent's probes and their parts run.
+    assert {name: plan(face(name), kernel_features).strategy for name in expected} == expected
     with running_probes(probes_config(veth)) as running:
         assert {name: running[name].status().strategy for name in expected} == \
-            {**expected, "cuda": f"uprobe+{expected['sched']}"}
+            expected
 
 
 def skip_unless_the_kernel_has(probe: str, strategy: str, kernel_features: dict) -> None:
-    [chosen] = [s for s in spec(probe).strategies if s.name == strategy]
+    [chosen] = [s for s in face(probe).strategies if s.name == strategy]
     missing = [name for name in chosen.features if not kernel_features[name].available]
     if missing:
         pytest.skip(f"{probe} {strategy}: this kernel lacks {', '.join(missing)}")
@@ -139,7 +136,7 @@ def test_config_forces_each_strategy_of_the_chain(veth: VethPair, kernel_feature
 
 
 @pytest.mark.bpf
-@pytest.mark.parametrize("strategy", [s.name for s in spec("sendlat").strategies])
+@pytest.mark.parametrize("strategy", [s.name for s in face("sendlat").strategies])
 def test_sendlat_command_with_each_strategy_counts_every_send(aiprobe_cli: list[str], cbuild, kernel_features: dict,
                                                               strategy: str) -> None:
     skip_unless_the_kernel_has("sendlat", strategy, kernel_features)
@@ -188,10 +185,10 @@ def read_response(port: int) -> bytes:
 
 
 @pytest.mark.bpf
-@pytest.mark.parametrize("strategy", [s.name for s in spec("streams").strategies])
+@pytest.mark.parametrize("strategy", [s.name for s in face("streams").strategies])
 def test_streams_under_each_strategy_counts_every_chunk_of_a_response(kernel_features: dict, strategy: str) -> None:
     skip_unless_the_kernel_has("streams", strategy, kernel_features)
-    sendlat = SendLatencyProbe(per_flow=False, strategies=strategies_named(spec("sendlat"), strategy))
+    sendlat = SendLatencyProbe(per_flow=False, strategies=strategies_named(face("sendlat"), strategy))
     with sendlat, StreamsProbe(sendlat) as streams, socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         server = threading.Thread(target=serve_events, args=(listener, SSE_EVENTS))

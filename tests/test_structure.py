@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiprobe.cli import subcommands
 from aiprobe.config import Config, probe_names
-from aiprobe.registry import specs
+from aiprobe.registry import faces, specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 # Keys about the agent as a whole rather than one probe.
@@ -34,11 +34,14 @@ def test_library_modules_import_neither_click_nor_the_cli() -> None:
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
-def test_every_probe_is_registered_once_with_a_factory() -> None:
-    names = [spec.name for spec in specs()]
-    assert names == ["flows", "sendlat", "streams", "cuda", "sched", "nvml", "netstat"]
+def test_every_probe_is_registered_once_with_a_factory_and_one_owner_per_bpf_object() -> None:
+    assert [face.name for face in faces()] == ["flows", "sendlat", "streams", "cuda", "sched", "nvml", "netstat"]
     assert all(spec.factory is not None for spec in specs())
-    # sched runs with cuda, streams with sendlat, netstat always
+    owners = [spec.bpf_object for spec in specs() if spec.bpf_object]
+    assert len(owners) == len(set(owners)), "a BPF object with two owners"
+    # streams is part of sendlat, sched of cuda; netstat runs always
+    assert {spec.name: [part.name for part in spec.parts] for spec in specs() if spec.parts} == \
+        {"sendlat": ["streams"], "cuda": ["sched"]}
     assert probe_names() == ("flows", "sendlat", "cuda", "nvml")
 
 
@@ -51,14 +54,14 @@ def test_probe_commands_come_from_the_registry() -> None:
 
 
 def test_every_config_key_is_the_agents_or_one_probes() -> None:
-    claimed = [key for spec in specs() for key in spec.config_keys]
+    claimed = [key for face in faces() for key in face.config_keys]
     assert len(claimed) == len(set(claimed)), "a key claimed by two probes"
     assert {f.name for f in fields(Config)} == AGENT_KEYS | set(claimed)
 
 
 def test_metric_tables_name_fields_their_records_have() -> None:
-    for spec in specs():
-        for family in spec.metrics:
+    for face in faces():
+        for family in face.metrics:
             names = {f.name for f in fields(family.record)}
             getters = [family.value, family.sum_field,
                        *(g for _, g in family.labels), *(g for _, g in family.expand)]

@@ -10,7 +10,7 @@ from .. import __version__, libbpf
 from ..cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
 from ..features import probe_features
 from ..probes.flows.probe import foreign_xdp_holders
-from ..registry import ProbePlan, plan, specs
+from ..registry import ProbePlan, faces, plan
 from ..system import kernel_release, prepare_mounts
 
 
@@ -58,7 +58,7 @@ def command(as_json: bool) -> None:
     """Print the kernel capability matrix and the strategy each probe would use."""
     require_privileges()
     features = probe_features()
-    plans = [plan(spec, features) for spec in specs()]
+    plans = [plan(face, features) for face in faces()]
     report = {
         "version": __version__,
         "kernel": kernel_release(),

@@ -67,7 +67,7 @@ def _announce(library: AttachedLibrary) -> None:
 
 @click.command()
 @duration_option
-@strategy_option(sched.SPEC, "the scheduler side's chain (the uprobes have no alternative)")
+@strategy_option(sched.PART, "the scheduler side's chain (the uprobes have no alternative)")
 @click.option("--cpu-budget", type=click.FloatRange(0, 64), default=0.0, show_default=True,
               help="Fraction of one CPU the kernel-launch uprobes may cost; past it they are duty-cycled and "
                    "launch counts estimated (0: count every launch).")

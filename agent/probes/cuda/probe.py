@@ -53,7 +53,7 @@ from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, printable
 from ...procfs import StartTimes, start_ticks
-from ...registry import Probe, ProbeSpec, strategies_named
+from ...registry import Face, Probe, ProbeSpec, strategies_named
 from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 from . import sched
 from .hooks import CudaHooks
@@ -138,13 +138,10 @@ _UPROBE_SPAN = ("libcuda.so and libcudart.so entry points (launches, graph launc
 
 # The uprobes with each scheduler strategy in turn, then without a scheduler side at all.
 STRATEGIES = (
-    *(
-        Strategy(f"uprobe+{s.name}", UPROBE_PROGRAMS + s.programs, ("uprobe", *s.features), f"{_UPROBE_SPAN}; {s.span}")
-        for s in sched.STRATEGIES
-    ),
-    Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), f"{_UPROBE_SPAN}; no scheduler side"),
+    *(Strategy("uprobe", UPROBE_PROGRAMS + s.programs, ("uprobe", *s.features), _UPROBE_SPAN, part=s)
+      for s in sched.STRATEGIES),
+    Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),
 )
-
 
 
 def strategies_with_scheduler(name: str | None) -> tuple[Strategy, ...]:
@@ -152,8 +149,8 @@ def strategies_with_scheduler(name: str | None) -> tuple[Strategy, ...]:
     the config's `strategies.sched`)."""
     if name is None:
         return STRATEGIES
-    [forced] = strategies_named(sched.SPEC, name)
-    return tuple(s for s in STRATEGIES if s.name == f"uprobe+{forced.name}")
+    [forced] = strategies_named(sched.PART, name)
+    return tuple(s for s in STRATEGIES if s.part == forced)
 
 
 def _cold_start(phase: str) -> Callable[[CudaProcess], float | None]:
@@ -176,11 +173,12 @@ SPEC = ProbeSpec(
     name="cuda",
     description="CUDA driver and runtime calls per process: launches, graph launches, syncs, context changes, "
                 "cold start; contexts sharing a GPU",
-    strategies=(Strategy("uprobe", UPROBE_PROGRAMS, ("uprobe",), _UPROBE_SPAN),),
+    strategies=(STRATEGIES[-1],),
     bpf_object="cuda",
     order=30,
-    factory=lambda config, _running: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched")),
-                                               cpu_budget=config.cuda_cpu_budget or None),
+    factory=lambda config: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched")),
+                                     cpu_budget=config.cuda_cpu_budget or None),
+    parts=(sched.PART,),
     config_keys=("cuda_cpu_budget",),
     command="aiprobe.probes.cuda.command:command",
     metrics=(
@@ -781,8 +779,11 @@ class CudaProbe(Probe):
     @property
     def sched_strategy(self) -> str | None:
         """tp_btf, raw_tp or tracepoint; None when no scheduler program could attach."""
-        strategy = self.strategy or ""
-        return strategy.split("+", 1)[1] if "+" in strategy else None
+        part = self.loaded.strategy.part if self.loaded is not None else None
+        return part.name if part is not None else None
+
+    def parts(self) -> dict[str, Face]:
+        return {sched.PART.name: sched.SchedProbe(self)} if self.loaded is not None else {}
 
     def start(self) -> None:
         self._started_ns = time.monotonic_ns()

@@ -5,23 +5,19 @@ and `processes`: a thread becomes GPU-driving when a uprobe first sees it call i
 scheduler programs act on those threads only, and `sched_process_exit` removes a thread's entry
 when it exits (its counts stay in its process's entry). `aiprobe.probes.cuda.probe.CudaProbe` loads them
 together, trying the strategies below in order (tp_btf → raw_tp → tracepoint). `SchedProbe` is the
-scheduler side's own face: its status (the strategy cuda chose for it, or why none), and its
-records are the runqueue fields of cuda's `CudaProcess` records.
+scheduler side's own face (`CudaProbe.parts`): its status (the strategy cuda chose for it, or why
+none); its records are the runqueue fields of cuda's `CudaProcess` records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...loader import ProbeUnavailable, Strategy
 from ...metrics import PROCESS_LABELS, Family
 from ...model import ProbeStatus
-from ...registry import Probe, ProbeSpec
+from ...registry import Part, Probe
 from .records import CudaProcess
-
-if TYPE_CHECKING:
-    from ...config import Config
 
 _SPAN = "sched_wakeup / preemption to sched_switch onto a CPU, GPU-driving threads only"
 TRACEPOINTS = ("sched_wakeup", "sched_switch", "sched_process_exit")
@@ -55,18 +51,11 @@ class SchedProbe(Probe):
         self._host = None
 
 
-def _from_config(_config: Config, running: Mapping[str, Probe]) -> Probe:
-    return SchedProbe(running.get("cuda"))
-
-
-SPEC = ProbeSpec(
+PART = Part(
     name="sched",
     description="run-queue delay and involuntary preemptions of GPU-driving threads",
     strategies=STRATEGIES,
-    bpf_object="cuda",
     order=40,
-    factory=_from_config,
-    runs_with="cuda",
     metrics=(
         Family("aiprobe_gpu_thread_runqueue_delay_seconds", "histogram",
                "Time GPU-driving threads waited runnable for a CPU (wakeup to on-CPU).", CudaProcess,

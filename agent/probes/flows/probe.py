@@ -61,7 +61,7 @@ from .hooks import FlowsHooks
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable
 
     from ...config import Config
 
@@ -72,7 +72,7 @@ TC_PROGRAM_OF = {"ingress": "flows_ingress", "egress": "flows_egress"}  # kernel
 PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 
 
-def _from_config(config: Config, _running: Mapping[str, Probe]) -> Probe:
+def _from_config(config: Config) -> Probe:
     return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
                       idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"),
                       xdp_interfaces=list(config.xdp_interfaces))

@@ -4,7 +4,6 @@ probe always runs: one read of two small files per refresh."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,7 +67,7 @@ class NetstatProbe(Probe):
         self.reason = self.reason or "closed"
 
 
-def _from_config(_config: Config, _running: Mapping[str, Probe]) -> Probe:
+def _from_config(_config: Config) -> Probe:
     return NetstatProbe()
 
 

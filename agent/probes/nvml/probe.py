@@ -404,7 +404,7 @@ SPEC = ProbeSpec(
     description="GPU utilization, memory, power, clocks and processes from NVML",
     strategies=(Strategy("nvml", span=SPAN),),
     order=50,
-    factory=lambda _config, _running: NvmlProbe(),
+    factory=lambda _config: NvmlProbe(),
     requirement=nvml_unavailable,
     limitations=gpus_without_gpm,
     config_keys=("dcgm_compatible_metrics",),

@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 from ... import btf
 from ...budget import CpuBudget
 from ...histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, Loaded, RingRecords, Strategy, load_first
+from ...loader import BpfObject, Loaded, ProbeUnavailable, RingRecords, Strategy, load_first
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
 from ...procfs import StartTimes
-from ...registry import Probe, ProbeSpec, strategies_named
+from ...registry import Face, Probe, ProbeSpec, Unavailable, strategies_named
 from .hooks import SendLatencyHooks
 from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, SlowSend
-from .streams import RECEIVE_SIDE  # the stream logic shares sendlat's programs (bpf/streams.h)
+from .streams import PART as STREAMS
+from .streams import RECEIVE_SIDE, StreamsProbe  # the stream logic shares sendlat's programs (bpf/streams.h)
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -46,7 +47,8 @@ def _error_count(name: str) -> Any:
 def _from_config(config: Config) -> SendLatencyProbe:
     return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
                             cpu_budget=config.sendlat_cpu_budget or None,
-                            strategies=strategies_named(SPEC, config.strategies.get("sendlat")))
+                            strategies=strategies_named(SPEC, config.strategies.get("sendlat")),
+                            stall_threshold_ms=config.stream_stall_threshold_ms)
 
 
 SPEC = ProbeSpec(
@@ -84,7 +86,8 @@ SPEC = ProbeSpec(
     ),
     bpf_object=OBJECT,
     order=20,
-    factory=lambda config, _running: _from_config(config),
+    factory=_from_config,
+    parts=(STREAMS,),
     config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
     command="aiprobe.probes.sendlat.command:command",
     metrics=(
@@ -205,11 +208,12 @@ class SendLatencyProbe(Probe):
 
     def __init__(
         self, threshold_ms: float = 10.0, pid: int | None = None, strategies: Sequence[Strategy] | None = None,
-        per_flow: bool = True, cpu_budget: float | None = None,
+        per_flow: bool = True, cpu_budget: float | None = None, stall_threshold_ms: float | None = None,
     ) -> None:
         """`per_flow=False` skips the per-flow counters (in the kernel too): the agent takes flows
         from the flows probe, and reading thousands of connections each second is not free.
-        `cpu_budget` (a fraction of one CPU) makes each read() adapt timing to the send rate."""
+        `cpu_budget` (a fraction of one CPU) makes each read() adapt timing to the send rate.
+        `stall_threshold_ms` runs the streams part too (`parts()`), with that stall threshold."""
         super().__init__()
         if threshold_ms < 0:
             raise ValueError("threshold_ms must not be negative")
@@ -222,6 +226,8 @@ class SendLatencyProbe(Probe):
         self._starts = StartTimes()
         self.sample_every = 1
         self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
+        self._stall_threshold_ms = stall_threshold_ms
+        self._streams: Face | None = None
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -230,9 +236,23 @@ class SendLatencyProbe(Probe):
         try:
             self._slow_sends = RingRecords(self.loaded.obj, "slow_sends", "slow_send_event", _slow_send,
                                            MAX_PENDING_SLOW_SENDS)
+            if self._stall_threshold_ms is not None:
+                self._streams = self._start_streams(self._stall_threshold_ms)
         except BaseException:
             self.close()
             raise
+
+    def _start_streams(self, stall_threshold_ms: float) -> Face:
+        """The streams part on this probe's programs, or why it cannot run on this strategy."""
+        streams = StreamsProbe(self, stall_threshold_ms)
+        try:
+            streams.start()
+        except ProbeUnavailable as exc:
+            return Unavailable("; ".join(exc.reasons.values()))
+        return streams
+
+    def parts(self) -> dict[str, Face]:
+        return {STREAMS.name: self._streams} if self._streams is not None else {}
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0,
@@ -332,5 +352,8 @@ class SendLatencyProbe(Probe):
         return [MapUsage(name, self._entries.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
 
     def close(self) -> None:
+        if isinstance(self._streams, StreamsProbe):
+            self._streams.close()
+        self._streams = None
         self._slow_sends = None  # its ring is freed with the object
         super().close()

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
@@ -20,13 +19,9 @@ from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
 from ...procfs import StartTimes
-from ...registry import Probe, ProbeSpec
+from ...registry import Part, Probe
 from .hooks import StreamsHooks
 from .records import CAUSES, PROTOCOLS, StreamEndpoint, StreamsSnapshot, StreamStall
-
-if TYPE_CHECKING:
-    from ...config import Config
-    from .probe import SendLatencyProbe
 
 MAX_PENDING_STALLS = 65536
 GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
@@ -90,9 +85,7 @@ class StreamsProbe(Probe):
     """The stream side of a running `SendLatencyProbe` (`host`). Stalls (gaps >= stall_threshold_ms)
     are kept from one `read()` to the next; `poll()` shows them as they happen."""
 
-    spec: ProbeSpec
-
-    def __init__(self, host: SendLatencyProbe | None, stall_threshold_ms: float = 250.0) -> None:
+    def __init__(self, host: Probe | None, stall_threshold_ms: float = 250.0) -> None:
         super().__init__()
         if stall_threshold_ms <= 0:
             raise ValueError("stall_threshold_ms must be positive")
@@ -191,25 +184,17 @@ class StreamsProbe(Probe):
         self._host = None
 
 
-def _from_config(config: Config, running: Mapping[str, Probe]) -> Probe:
-    return StreamsProbe(running.get("sendlat"), stall_threshold_ms=config.stream_stall_threshold_ms)  # type: ignore[arg-type]
-
-
 def _stalls_of(cause: str) -> Any:
     return lambda endpoint: endpoint.stalls.get(cause, 0)
 
 
 STREAM_LABELS = (("port", "port"), ("protocol", "protocol"), *PROCESS_LABELS)
 
-SPEC = ProbeSpec(
+PART = Part(
     name="streams",
     description="token streams: time to first byte, chunk gaps and stalls of every response a TCP server writes",
     strategies=STRATEGIES,
-    bpf_object="sendlat",
     order=25,
-    factory=_from_config,
-    runs_with="sendlat",
-    follows_strategy=True,
     config_keys=("stream_stall_threshold_ms",),
     command="aiprobe.probes.sendlat.streams_command:command",
     metrics=(

@@ -45,7 +45,7 @@ def _cuda_syncs(stack: contextlib.ExitStack) -> None:
     """The cuda probe's uprobes alone (no scheduler programs: only syncs are wanted), so stalls spent in
     CUDA synchronizations get cause gpu; without them (the status line says so) none does."""
     with contextlib.suppress(ProbeUnavailable):
-        stack.enter_context(CudaProbe(strategies=[s for s in CUDA_STRATEGIES if s.name == "uprobe"]))
+        stack.enter_context(CudaProbe(strategies=[s for s in CUDA_STRATEGIES if s.part is None]))
 
 
 @click.command()
