@@ -1,5 +1,9 @@
 """Agent configuration: a TOML file, validated at start (docs/config.md documents every key).
 
+The agent's own keys are `Config`'s fields; each probe declares its keys in its package as a
+`Settings` dataclass (its section), and the registry hands them to the loader (`Catalog`), so this
+module names no probe. Every key sits at the top level of the file whichever section it belongs to.
+
 Validation is strict: an unknown key or a value of the wrong type or range is one error line naming
 the key (`ConfigError`), so a typo never silently disables a rule.
 """
@@ -14,7 +18,7 @@ import tomllib
 import urllib.parse
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .names import printable
 
@@ -22,11 +26,33 @@ DEFAULT_PORT = 9645
 MAX_FILE_BYTES = 1 << 20
 
 
-def probe_names() -> tuple[str, ...]:
-    """The probes `probes` may name: the registry's (aiprobe.registry)."""
-    from .registry import selectable_names
+def limits(low: float, high: float, *, whole: bool = False) -> dict[str, Any]:
+    """A number key's range, inclusive: outside it a value is a mistake (nan, inf, 1e308 seconds), not
+    a wish. `whole`: an integer."""
+    return {"limits": (low, high), "whole": whole}
 
-    return selectable_names()
+
+def non_empty(hint: str = "") -> dict[str, Any]:
+    """A list that must name something: an empty one would silently mean "everything" or "nothing"."""
+    return {"non_empty": True, "hint": f" ({hint})" if hint else ""}
+
+
+class Settings:
+    """Base of a probe's section: a frozen dataclass in the probe's package whose fields are its keys,
+    with their defaults and, for numbers, their `limits`."""
+
+
+S = TypeVar("S", bound=Settings)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What the probes declare that a config names (`aiprobe.registry.catalog()`)."""
+
+    probes: tuple[str, ...] = ()  # what `probes` may name, the default
+    sections: tuple[type[Settings], ...] = ()
+    chains: dict[str, tuple[str, ...]] = field(default_factory=dict)  # what `strategies` may force, by name
+    hosts: dict[str, str] = field(default_factory=dict)  # parts that run on their probe's strategy -> the probe
 
 
 class ConfigError(ValueError):
@@ -36,10 +62,10 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RuleConfig:
     enabled: bool = True
-    threshold: float = 0.0
+    threshold: float = field(default=0.0, metadata=limits(0.0, 1e12))
     # The rule stops firing only below `clear` (hysteresis); defaults to the threshold.
-    clear: float | None = None
-    for_seconds: float = 30.0
+    clear: float | None = field(default=None, metadata=limits(0.0, 1e12))
+    for_seconds: float = field(default=30.0, metadata=limits(0.0, 86_400.0))
     severity: str = "warning"
 
     @property
@@ -78,19 +104,11 @@ DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND = 10_000.0
 @dataclass(frozen=True)
 class Config:
     listen: str = f"0.0.0.0:{DEFAULT_PORT}"
-    interval_seconds: float = 1.0
-    interfaces: tuple[str, ...] = ("*",)
-    exclude: tuple[str, ...] = ("lo",)
-    xdp_interfaces: tuple[str, ...] = ()
-    probes: tuple[str, ...] = field(default_factory=probe_names)
-    top_flows: int = 100
-    flow_idle_seconds: float = 30.0
-    slow_send_threshold_ms: float = 10.0
-    stream_stall_threshold_ms: float = 250.0
-    sendlat_cpu_budget: float = 0.01  # of one CPU, for sendlat's programs; past it, 1 send in N is timed
-    cuda_cpu_budget: float = 0.01  # of one CPU, for the kernel-launch uprobes; past it, they are duty-cycled
-    dcgm_compatible_metrics: bool = False
-    traffic_floor_bytes_per_second: float = DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND
+    interval_seconds: float = field(default=1.0, metadata=limits(0.1, 3600.0))
+    # The probes to run (their names: the registry's); None: every one.
+    probes: tuple[str, ...] | None = field(default=None, metadata=non_empty())
+    traffic_floor_bytes_per_second: float = field(default=DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND,
+                                                  metadata=limits(0.0, 1e12))
     alertmanager_url: str | None = None
     # TLS and basic auth, Prometheus exporter-toolkit format (exporters/webconfig.py)
     web_config_file: str | None = None
@@ -100,51 +118,44 @@ class Config:
     alert_log: str = "-"  # "-" is stdout; a path appends JSON lines to that file
     # Bounded series under churn: distinct `process` label values (the rest are process="other"),
     # and how long a label set may go unseen before it leaves /metrics.
-    max_process_labels: int = 200
-    idle_series_seconds: float = 300.0
+    max_process_labels: int = field(default=200, metadata=limits(1, 100_000, whole=True))
+    idle_series_seconds: float = field(default=300.0, metadata=limits(1.0, 7 * 86_400.0))
     rules: dict[str, RuleConfig] = field(default_factory=lambda: dict(DEFAULT_RULES))
     # probe -> the one strategy of its chain to run (default: the first the kernel allows)
     strategies: dict[str, str] = field(default_factory=dict)
+    # Each probe's section, as set in the file (the others read as their defaults: `settings`).
+    sections: tuple[Settings, ...] = ()
 
     @property
     def listen_address(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host.strip("[]") or "0.0.0.0", int(port)
 
+    def settings(self, kind: type[S]) -> S:
+        """A probe's section."""
+        return next((section for section in self.sections if isinstance(section, kind)), None) or kind()
 
-# key -> (type check, human description); ranges are checked in _check_value.
-_TOP_LEVEL = {f.name for f in fields(Config)} - {"rules", "strategies"}
+    def with_settings(self, *sections: Settings) -> Config:
+        """This config with those sections in place of their kinds'."""
+        kinds = {type(section) for section in sections}
+        return replace(self, sections=(*(s for s in self.sections if type(s) not in kinds), *sections))
+
+
+_TOP_LEVEL = {f.name for f in fields(Config)} - {"rules", "strategies", "sections"}
 _RULE_KEYS = {f.name for f in fields(RuleConfig)}
 _SEVERITIES = ("info", "warning", "critical")
 
 
-# Every number's range, inclusive: outside it a value is a mistake (nan, inf, 1e308 seconds), not a wish.
-_RANGES: dict[str, tuple[float, float]] = {
-    "interval_seconds": (0.1, 3600.0),
-    "top_flows": (1, 100_000),
-    "flow_idle_seconds": (1.0, 86_400.0),
-    "slow_send_threshold_ms": (0.001, 60_000.0),
-    "stream_stall_threshold_ms": (1.0, 600_000.0),
-    "sendlat_cpu_budget": (0.0, 64.0),
-    "cuda_cpu_budget": (0.0, 64.0),
-    "traffic_floor_bytes_per_second": (0.0, 1e12),
-    "max_process_labels": (1, 100_000),
-    "idle_series_seconds": (1.0, 7 * 86_400.0),
-    # [rules.*]
-    "threshold": (0.0, 1e12),
-    "clear": (0.0, 1e12),
-    "for_seconds": (0.0, 86_400.0),
-}
-# Lists that must name something: an empty one would silently mean "everything" or "nothing".
-_NON_EMPTY = ("interfaces", "probes")
+def _field(holder: type, key: str) -> Any:
+    return next(f for f in fields(holder) if f.name == key)
 
 
-def _check_number(key: str, value: Any, expected: float | int) -> float | int:
+def _check_number(key: str, value: Any, expected: float | int, bounds: tuple[float, float]) -> float | int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-    low, high = _RANGES[key.rsplit(".", 1)[-1]]
+    low, high = bounds
     if not low <= value <= high:
         raise ConfigError(f"{key}: expected {low:g} to {high:g}, got {value!r}")
     return float(value) if isinstance(expected, float) else value
@@ -158,18 +169,25 @@ def _check_text(key: str, value: Any) -> str:
     return value
 
 
-def _check_value(key: str, value: Any, expected: Any) -> Any:
-    if isinstance(expected, bool) or expected is bool:
+def _check_value(key: str, value: Any, holder: type) -> Any:
+    """`value` for key (qualified, e.g. rules.x.threshold) of the dataclass `holder`, checked against
+    its field: the default's type, and the field's limits."""
+    declared = _field(holder, key.rsplit(".", 1)[-1])
+    expected = declared.default_factory() if callable(declared.default_factory) else declared.default
+    if isinstance(expected, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
-    if isinstance(expected, float | int):
-        return _check_number(key, value, expected)
-    if isinstance(expected, tuple):
+    if "limits" in declared.metadata:
+        value = _check_number(key, value, 0.0 if expected is None else expected, declared.metadata["limits"])
+        if declared.metadata["whole"] and not isinstance(value, int):
+            raise ConfigError(f"{key}: expected a whole number, got {value!r}")
+        return value
+    if isinstance(expected, tuple) or declared.metadata.get("non_empty"):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
-        if not value and key in _NON_EMPTY:
-            hint = ' (["*"] for all)' if key == "interfaces" else ""
+        if not value and declared.metadata.get("non_empty"):
+            hint = declared.metadata.get("hint", "")
             raise ConfigError(f"{key}: expected at least one entry{hint}")
         return tuple(_check_text(key, item) for item in value)
     return _check_text(key, value)
@@ -204,22 +222,16 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-def _validate_top(key: str, value: Any) -> Any:
-    defaults = Config()
-    expected = getattr(defaults, key)
-    if expected is None:  # optional strings
-        expected = ""
-    value = _check_value(key, value, expected)
+def _validate_top(key: str, value: Any, catalog: Catalog) -> Any:
+    value = _check_value(key, value, Config)
     if key == "listen":
         host, sep, port = value.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not _is_ip(host.strip("[]") or "0.0.0.0"):
             raise ConfigError(f"listen: expected IP:PORT or [IPv6]:PORT, got {value!r}")
     if key == "probes":
-        unknown = set(value) - set(probe_names())
+        unknown = set(value) - set(catalog.probes)
         if unknown:
-            raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(probe_names())})")
-    if key in ("top_flows", "max_process_labels") and not isinstance(value, int):
-        raise ConfigError(f"{key}: expected a whole number, got {value!r}")
+            raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(catalog.probes)})")
     if key == "snapshot_api" and value not in ("local", "network"):
         raise ConfigError(f"snapshot_api: expected \"local\" or \"network\", got {value!r}")
     if key == "alertmanager_url":
@@ -237,38 +249,35 @@ def _validate_rule(name: str, table: Any) -> RuleConfig:
         qualified = f"rules.{name}.{key}"
         if key not in _RULE_KEYS:
             raise ConfigError(f"{qualified}: unknown key (known: {', '.join(sorted(_RULE_KEYS))})")
-        expected = 0.0 if key == "clear" else getattr(rule, key)
-        value = _check_value(qualified, value, expected)
+        value = _check_value(qualified, value, RuleConfig)
         if key == "severity" and value not in _SEVERITIES:
             raise ConfigError(f"{qualified}: expected one of {', '.join(_SEVERITIES)}, got {value!r}")
         rule = replace(rule, **{key: value})
     return rule
 
 
-def _validate_strategies(table: Any) -> dict[str, str]:
-    from .registry import faces, owner, strategies_named
-
+def _validate_strategies(table: Any, catalog: Catalog) -> dict[str, str]:
     if not isinstance(table, dict):
         raise ConfigError("strategies: expected a table of probe = strategy")
-    choices = {face.name: face for face in faces() if len(face.strategies) > 1}
     for probe, name in table.items():
-        face = choices.get(probe)
-        if face is not None and owner(face).follows(face):
-            raise ConfigError(f"strategies.{probe}: {probe} runs on {owner(face).name}'s strategy; "
-                              f"set strategies.{owner(face).name}")
-        if face is None:
-            known = ", ".join(n for n, f in choices.items() if not owner(f).follows(f))
-            raise ConfigError(f"strategies.{probe}: not a probe with a choice of strategies (those: {known})")
-        name = _check_value(f"strategies.{probe}", name, "")
-        try:
-            strategies_named(face, name)
-        except ValueError as exc:
-            raise ConfigError(f"strategies.{probe}: {exc}") from None
+        if probe in catalog.hosts:
+            host = catalog.hosts[probe]
+            raise ConfigError(f"strategies.{probe}: {probe} runs on {host}'s strategy; set strategies.{host}")
+        if probe not in catalog.chains:
+            raise ConfigError(f"strategies.{probe}: not a probe with a choice of strategies "
+                              f"(those: {', '.join(catalog.chains)})")
+        name = _check_text(f"strategies.{probe}", name)
+        if name not in catalog.chains[probe]:
+            raise ConfigError(f"strategies.{probe}: {probe} has no strategy {name!r} "
+                              f"(its chain: {', '.join(catalog.chains[probe])})")
     return dict(table)
 
 
-def from_dict(data: dict[str, Any]) -> Config:
-    values: dict[str, Any] = {}
+def from_dict(data: dict[str, Any], catalog: Catalog = Catalog()) -> Config:
+    """The config a parsed file says, every key checked; what it leaves out is the default."""
+    owners = {f.name: section for section in catalog.sections for f in fields(section)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {"probes": catalog.probes or None}
+    in_sections: dict[type[Settings], dict[str, Any]] = {section: {} for section in catalog.sections}
     for key, value in data.items():
         if key == "rules":
             if not isinstance(value, dict):
@@ -277,12 +286,14 @@ def from_dict(data: dict[str, Any]) -> Config:
             rules.update({name: _validate_rule(name, table) for name, table in value.items()})
             values["rules"] = rules
         elif key == "strategies":
-            values["strategies"] = _validate_strategies(value)
+            values["strategies"] = _validate_strategies(value, catalog)
         elif key in _TOP_LEVEL:
-            values[key] = _validate_top(key, value)
+            values[key] = _validate_top(key, value, catalog)
+        elif key in owners:
+            in_sections[owners[key]][key] = _check_value(key, value, owners[key])
         else:
             raise ConfigError(f"{key}: unknown key")
-    return Config(**values)
+    return Config(**values, sections=tuple(section(**keys) for section, keys in in_sections.items()))
 
 
 def read_config_file(path: str | Path, what: str = "config") -> bytes:
@@ -305,8 +316,9 @@ def read_config_file(path: str | Path, what: str = "config") -> bytes:
     return data
 
 
-def load(path: str | Path | None, **overrides: Any) -> Config:
-    """The config from `path` (None: defaults), then command-line `overrides` (None values ignored)."""
+def load(path: str | Path | None, catalog: Catalog = Catalog(), **overrides: Any) -> Config:
+    """The config from `path` (None: defaults), then command-line `overrides` (None values ignored);
+    the probes' keys are those of `catalog`."""
     data: dict[str, Any] = {}
     if path is not None:
         raw = read_config_file(path)
@@ -319,6 +331,6 @@ def load(path: str | Path | None, **overrides: Any) -> Config:
         except RecursionError:
             raise ConfigError(f"config {path}: nested too deeply") from None
     data.update({k: v for k, v in overrides.items() if v is not None})
-    config = from_dict(data)
+    config = from_dict(data, catalog)
     check_alert_log(config.alert_log)
     return config

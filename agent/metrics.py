@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
 
 Getter = str | Callable[[Any], Any]  # a record field, or a function of the record
 Series = tuple[tuple[str, ...], list[float]]  # label values, sample values
@@ -29,8 +32,8 @@ class Family:
       and go; without it: the record's own (monotonic) value.
     histogram: `value` holds cumulative buckets and `sum_field` their sum; always per identity.
     `expand` turns one record into one sample per (label value, getter) under label `expand_label`.
-    `series`, given the config's `top_flows`, makes a stateful function from the records to the
-    family's series, for a family the rules above cannot say (flows: the top K and `other`).
+    `series`, given the config, makes a stateful function from the records to the family's series,
+    for a family the rules above cannot say (flows: the top K and `other`).
     """
 
     name: str
@@ -44,8 +47,8 @@ class Family:
     per_identity: bool = False
     expand_label: str = ""
     expand: tuple[tuple[str, Getter], ...] = ()
-    series: Callable[[int], Callable[[list[Any]], list[Series]]] | None = None
-    option: str = ""  # a Config flag that must be on (DCGM names)
+    series: Callable[[Config], Callable[[list[Any]], list[Series]]] | None = None
+    option: Callable[[Config], bool] | None = None  # whether the config wants it (DCGM names)
     doc_note: str = ""  # extra words in docs/metrics.md only
 
     @property

@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self
 
+from .config import Catalog, Settings
 from .features import Feature
 from .loader import Loaded, Strategy
 from .model import MapUsage, ProbeStatus
@@ -136,7 +137,9 @@ class Part:
     requirement: Callable[[], str | None] | None = None
     # What it cannot see on this host though it runs (a GPU without GPM), one line each.
     limitations: Callable[[], list[str]] | None = None
-    config_keys: tuple[str, ...] = ()  # the Config fields only it reads
+    # What `aiprobe check` adds for it about this host: report key -> (heading, lines).
+    check_notes: Callable[[], dict[str, tuple[str, list[str]]]] | None = None
+    settings: type[Settings] | None = None  # its keys of the config file
     command: str = ""  # "module:attribute" of its `aiprobe <cli_name>` command
     cli_name: str = ""  # defaults to its name
     metrics: tuple[Family, ...] = ()
@@ -210,14 +213,25 @@ def strategies_named(part: Part, name: str | None) -> tuple[Strategy, ...]:
     return forced
 
 
+def catalog() -> Catalog:
+    """What the config may name of the probes: their names, sections and chains."""
+    return Catalog(
+        probes=selectable_names(),
+        sections=tuple(face.settings for face in faces() if face.settings is not None),
+        chains={face.name: tuple(s.name for s in face.strategies) for face in faces()
+                if len(face.strategies) > 1 and not owner(face).follows(face)},
+        hosts={face.name: owner(face).name for face in faces() if owner(face).follows(face)},
+    )
+
+
 def selectable_names() -> tuple[str, ...]:
     """What the config's `probes` may name: every probe but those that always run."""
     return tuple(s.name for s in specs() if not s.always)
 
 
-def selected(names: tuple[str, ...]) -> list[ProbeSpec]:
-    """The probes a config's `probes` runs, in start order."""
-    return [s for s in specs() if s.always or s.name in names]
+def selected(names: tuple[str, ...] | None) -> list[ProbeSpec]:
+    """The probes a config's `probes` runs (None: every one), in start order."""
+    return [s for s in specs() if s.always or names is None or s.name in names]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import psutil
 
 from .config import DEFAULT_PORT, ConfigError, load
 from .names import printable, printable_document
+from .registry import catalog
 from .system import UserError, require_privileges
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -141,7 +142,7 @@ class InProcessAgent:
         from .daemon import Agent  # loads BPF: only when no agent answers
 
         try:
-            config = load(None, interfaces=interfaces, interval_seconds=interval)
+            config = load(None, catalog(), interfaces=interfaces, interval_seconds=interval)
         except ConfigError as exc:
             raise UserError(str(exc)) from None
         require_privileges()

@@ -176,11 +176,11 @@ class ProcessLabels:
 class _FamilyView:
     """One Family rendered from one refresh's records, keeping what its counters need across refreshes."""
 
-    def __init__(self, family: Family, processes: ProcessLabels, idle_seconds: float, top: int) -> None:
+    def __init__(self, family: Family, processes: ProcessLabels, config: Config) -> None:
         self.family = family
-        self.totals: Totals[tuple[str, ...]] = Totals(idle_seconds)
+        self.totals: Totals[tuple[str, ...]] = Totals(config.idle_series_seconds)
         self.bounds: list[float] = []  # histogram bucket bounds (fixed per probe)
-        self.series = family.series(top) if family.series is not None else None
+        self.series = family.series(config) if family.series is not None else None
         self._processes = processes
         self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
 
@@ -259,9 +259,9 @@ class AgentCollector(Collector):
         self._families: list[Metric] = []
         self._rendered: Readings | None = None
         self.processes = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
-        self._views = [_FamilyView(family, self.processes, config.idle_series_seconds, config.top_flows)
+        self._views = [_FamilyView(family, self.processes, config)
                        for face in faces() for family in face.metrics
-                       if not family.option or getattr(config, family.option)]
+                       if family.option is None or family.option(config)]
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
@@ -317,8 +317,8 @@ def doc_tables() -> dict[str, list[str]]:
     main = doc_rows("agent", (family for family, _ in AGENT_FAMILIES))
     dcgm: list[str] = []
     for face in faces():
-        main += doc_rows(face.name, (f for f in face.metrics if not f.option))
-        dcgm += doc_rows(face.name, (f for f in face.metrics if f.option))
+        main += doc_rows(face.name, (f for f in face.metrics if f.option is None))
+        dcgm += doc_rows(face.name, (f for f in face.metrics if f.option is not None))
     main += doc_rows("rules", (family for family, _ in RULE_FAMILIES))
     return {"main": main, "dcgm": dcgm}
 

@@ -6,20 +6,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from aiprobe.config import Config, ConfigError, from_dict, load
+from aiprobe.config import ConfigError, from_dict, load
+from aiprobe.registry import catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_shipped_example_is_the_defaults() -> None:
-    assert load(ROOT / "deploy" / "aiprobe.toml") == Config()
+    assert load(ROOT / "deploy" / "aiprobe.toml", catalog()) == load(None, catalog())
 
 
 def test_values_and_overrides() -> None:
-    config = load(None, listen="127.0.0.1:9999", probes=["flows"], interfaces=None)
+    config = load(None, catalog(), listen="127.0.0.1:9999", probes=["flows"], interfaces=None)
     assert config.listen_address == ("127.0.0.1", 9999)
     assert config.probes == ("flows",)
-    rules = from_dict({"rules": {"gpu_saturated": {"threshold": 0.9, "for_seconds": 5}}}).rules
+    rules = from_dict({"rules": {"gpu_saturated": {"threshold": 0.9, "for_seconds": 5}}}, catalog()).rules
     assert rules["gpu_saturated"].threshold == 0.9 and rules["gpu_saturated"].for_seconds == 5.0
     assert rules["gpu_saturated"].clear_threshold == 0.85  # untouched keys keep their defaults
 
@@ -39,7 +40,7 @@ def test_values_and_overrides() -> None:
 ])
 def test_bad_keys_and_values_name_the_key(data: dict, names: str) -> None:
     with pytest.raises(ConfigError) as exc:
-        from_dict(data)
+        from_dict(data, catalog())
     assert str(exc.value).startswith(names + ":")
 
 

@@ -19,6 +19,7 @@ from aiprobe.config import load
 from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
 from aiprobe.exporters.prometheus import AgentCollector
+from aiprobe.registry import catalog
 from helpers import unique, wait_until
 
 pytestmark = pytest.mark.bpf
@@ -80,7 +81,7 @@ def send_bytes_total(collector: AgentCollector, comm: str) -> float:
 
 def test_send_bytes_total_counts_exactly_through_cgroup_moves() -> None:
     comm = f"mv-{secrets.token_hex(3)}"
-    config = load(None, probes=["sendlat"])
+    config = load(None, catalog(), probes=["sendlat"])
     with sink() as port, cgroups(2) as (first, second), Agent(config) as agent:
         collector = AgentCollector(config, build_info={})
         sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port), comm], stdin=subprocess.PIPE,

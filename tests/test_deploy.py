@@ -18,6 +18,7 @@ import pytest
 import yaml
 from aiprobe import system
 from aiprobe.config import from_dict
+from aiprobe.registry import catalog
 from kubernetes_validate.utils import all_versions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,7 +283,7 @@ def test_daemonset_has_what_a_gpu_node_agent_needs(base: list[dict]) -> None:
 
 
 def test_configmap_is_a_valid_agent_config_on_the_served_port(base: list[dict]) -> None:
-    config = from_dict(tomllib.loads(by_kind(base, "ConfigMap")["data"]["aiprobe.toml"]))
+    config = from_dict(tomllib.loads(by_kind(base, "ConfigMap")["data"]["aiprobe.toml"]), catalog())
     _, port = config.listen_address
     [container] = containers(base)
     assert [p["containerPort"] for p in container["ports"] if p["name"] == "metrics"] == [port]

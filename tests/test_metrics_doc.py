@@ -15,6 +15,7 @@ from aiprobe.probes.cuda.records import ColdStart, CudaContext, CudaGpu, CudaPro
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
 from aiprobe.probes.netstat.records import TcpCounters
 from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
+from aiprobe.probes.nvml.settings import NvmlSettings
 from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -54,7 +55,7 @@ def every_kind_of_reading() -> Readings:
 
 
 def exported() -> dict[str, tuple[str, set[str]]]:
-    collector = AgentCollector(Config(dcgm_compatible_metrics=True),
+    collector = AgentCollector(Config().with_settings(NvmlSettings(dcgm_compatible_metrics=True)),
                                build_info={"version": "0", "kernel": "k", "libbpf": "1.1"})
     collector.update(every_kind_of_reading())
     out = {}

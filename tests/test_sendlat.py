@@ -25,6 +25,7 @@ from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
 from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, exported_buckets, kernel_buckets, quantile
 from aiprobe.loader import ProbeUnavailable, Strategy
+from aiprobe.probes.sendlat.hooks import send_stall
 from aiprobe.probes.sendlat.probe import (
     MAX_SAMPLE_EVERY,
     SPEC,
@@ -354,7 +355,7 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
     assert_histograms_consistent([record], observed=["aiprobe_tcp_sendmsg_duration_seconds",
                                                      "aiprobe_tcp_socket_unwritable_seconds"])
     # The agent's send-stall rule sees the stall through the unwritable time alone.
-    stall = Agent(Config())._send_stall(record, time.monotonic())
+    stall = send_stall(record, Agent(Config()), time.monotonic())
     assert stall.evidence["send_p99_seconds"] < 0.05 < stall.value
     assert stall.value == pytest.approx(paused, rel=0.30)
 

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 import pytest
 from aiprobe.config import Config, ConfigError, from_dict
 from aiprobe.loader import ProbeUnavailable
+from aiprobe.probes.flows.settings import FlowsSettings
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
 from aiprobe.probes.sendlat.streams import StreamsProbe
-from aiprobe.registry import Face, Probe, face, faces, owner, plan, selected, strategies_named
+from aiprobe.registry import Face, Probe, catalog, face, faces, owner, plan, selected, strategies_named
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.sendlat_peer import build, sender_cmd, sink
 from helpers import PATIENCE, VethPair
@@ -67,14 +68,15 @@ def running_probes(config: Config) -> Iterator[dict[str, Face]]:
 
 
 def probes_config(veth: VethPair, **strategies: str) -> Config:
-    return Config(interfaces=(veth.host,), exclude=(), probes=("flows", "sendlat", "cuda"), strategies=strategies)
+    return Config(probes=("flows", "sendlat", "cuda"), strategies=strategies).with_settings(
+        FlowsSettings(interfaces=(veth.host,), exclude=()))
 
 
 # ---- validated against the chain ----
 
 
 def test_config_strategies_are_checked_against_each_probes_chain() -> None:
-    assert from_dict({"strategies": {"sendlat": "kprobe", "sched": "raw_tp"}}).strategies == \
+    assert from_dict({"strategies": {"sendlat": "kprobe", "sched": "raw_tp"}}, catalog()).strategies == \
         {"sendlat": "kprobe", "sched": "raw_tp"}
     for table, message in [
         ({"sendlat": "kprobes"}, "strategies.sendlat: sendlat has no strategy 'kprobes' "
@@ -86,7 +88,7 @@ def test_config_strategies_are_checked_against_each_probes_chain() -> None:
         ({"flows": 1}, "strategies.flows: expected a string, got 1"),
     ]:
         with pytest.raises(ConfigError) as exc:
-            from_dict({"strategies": table})
+            from_dict({"strategies": table}, catalog())
         assert str(exc.value) == message
 
 

@@ -34,7 +34,9 @@ from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.probe import CudaProbe
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
 from aiprobe.probes.sendlat.records import StreamEndpoint, StreamsSnapshot
+from aiprobe.probes.sendlat.settings import StreamsSettings
 from aiprobe.probes.sendlat.streams import StreamsProbe, _endpoint
+from aiprobe.registry import catalog
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
 from helpers import free_port, wait_until
@@ -440,6 +442,6 @@ def test_endpoint_entry_becomes_a_record() -> None:
 
 
 def test_stall_threshold_must_be_positive() -> None:
-    assert from_dict({"stream_stall_threshold_ms": 100}).stream_stall_threshold_ms == 100.0
+    assert from_dict({"stream_stall_threshold_ms": 100}, catalog()).settings(StreamsSettings) == StreamsSettings(100.0)
     with pytest.raises(ConfigError, match="stream_stall_threshold_ms"):
-        from_dict({"stream_stall_threshold_ms": 0})
+        from_dict({"stream_stall_threshold_ms": 0}, catalog())

@@ -1,37 +1,89 @@
-"""The architecture, checked: library modules import neither click nor the CLI, every probe declares
-itself once in the registry, and every config key belongs to the agent or to exactly one probe."""
+"""The architecture, checked: a probe is a package under agent/probes/ that the core never imports;
+no import cycles; library modules import neither click nor the CLI; every probe declares itself once
+in the registry, one owner per BPF object; every config key belongs to the agent or to one probe's
+section."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 from aiprobe.cli import subcommands
-from aiprobe.config import Config, probe_names
-from aiprobe.registry import faces, specs
+from aiprobe.config import Config
+from aiprobe.registry import catalog, faces, selectable_names, specs
 
-AGENT = Path(__file__).resolve().parent.parent / "agent"
-# Keys about the agent as a whole rather than one probe.
-AGENT_KEYS = {"listen", "interval_seconds", "probes", "traffic_floor_bytes_per_second", "alertmanager_url",
-              "alert_log", "rules", "web_config_file", "snapshot_api", "max_process_labels", "idle_series_seconds",
-              "strategies"}
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = ROOT / "agent"
+PROBES = AGENT / "probes"
+
+
+def module_of(path: Path) -> str:
+    """aiprobe's dotted name of a file under agent/."""
+    parts = path.relative_to(AGENT).with_suffix("").parts
+    return ".".join(("aiprobe", *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
 def imports(path: Path) -> set[str]:
+    """The absolute names of the modules a file imports (where it names one of aiprobe's modules,
+    `from . import x` counts as importing x)."""
+    package = module_of(path) if path.name == "__init__.py" else module_of(path).rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            found.add("." * node.level + (node.module or ""))
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names}
     return found
 
 
+def graph() -> dict[str, set[str]]:
+    """Module -> the aiprobe modules it imports, for every module under agent/."""
+    modules = {module_of(path): path for path in AGENT.rglob("*.py")}
+    return {name: imports(path) & set(modules) - {name} for name, path in modules.items()}
+
+
 def test_library_modules_import_neither_click_nor_the_cli() -> None:
-    offenders = {path.name: sorted(imports(path) & {"click", ".cli", "aiprobe.cli", ".commands"})
-                 for path in AGENT.glob("*.py") if path.name != "cli.py"}
+    commands = {"aiprobe.cli"} | {name for name in graph() if name.startswith("aiprobe.commands")
+                                  or name.rpartition(".")[2].endswith("command")}
+    offenders = {name: sorted(imports(path) & ({"click"} | commands))
+                 for path in AGENT.rglob("*.py") if (name := module_of(path)) not in commands}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_core_imports_no_probe_and_probes_import_no_command_of_the_agent() -> None:
+    core = {name: sorted(i for i in found if i.startswith("aiprobe.probes."))
+            for name, found in graph().items() if not name.startswith("aiprobe.probes")}
+    assert {name: found for name, found in core.items() if found} == {}
+
+
+def test_no_import_cycle() -> None:
+    edges, seen, cycles = graph(), set(), []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append([*path[path.index(module):], module])
+            return
+        if module in seen:
+            return
+        for imported in sorted(edges[module]):
+            visit(imported, [*path, module])
+        seen.add(module)
+
+    for module in sorted(edges):
+        visit(module, [])
+    assert cycles == []
+
+
+def test_every_package_under_agent_is_installed() -> None:
+    """pyproject.toml lists packages (agent/ is installed as aiprobe): a probe's must be there."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {module_of(init) for init in AGENT.rglob("__init__.py")}
+    assert packages <= listed
 
 
 def test_every_probe_is_registered_once_with_a_factory_and_one_owner_per_bpf_object() -> None:
@@ -42,7 +94,7 @@ def test_every_probe_is_registered_once_with_a_factory_and_one_owner_per_bpf_obj
     # streams is part of sendlat, sched of cuda; netstat runs always
     assert {spec.name: [part.name for part in spec.parts] for spec in specs() if spec.parts} == \
         {"sendlat": ["streams"], "cuda": ["sched"]}
-    assert probe_names() == ("flows", "sendlat", "cuda", "nvml")
+    assert selectable_names() == ("flows", "sendlat", "cuda", "nvml")
 
 
 def test_probe_commands_come_from_the_registry() -> None:
@@ -54,9 +106,10 @@ def test_probe_commands_come_from_the_registry() -> None:
 
 
 def test_every_config_key_is_the_agents_or_one_probes() -> None:
-    claimed = [key for face in faces() for key in face.config_keys]
-    assert len(claimed) == len(set(claimed)), "a key claimed by two probes"
-    assert {f.name for f in fields(Config)} == AGENT_KEYS | set(claimed)
+    sections = [face.settings for face in faces() if face.settings is not None]
+    assert set(catalog().sections) == set(sections) and len(sections) == len(set(sections))
+    keys = [f.name for section in sections for f in fields(section)] + [f.name for f in fields(Config)]
+    assert len(keys) == len(set(keys)), "a key claimed twice"
 
 
 def test_metric_tables_name_fields_their_records_have() -> None:

@@ -15,10 +15,11 @@ import click
 
 from .. import __version__, libbpf
 from ..cli import require_privileges, ticks
-from ..config import Config, ConfigError, load, probe_names
+from ..config import Config, ConfigError, load
 from ..daemon import Agent
 from ..model import Alert
 from ..names import endpoint
+from ..registry import catalog, selectable_names
 from ..system import kernel_release
 
 log = logging.getLogger("aiprobe.agent")
@@ -39,7 +40,7 @@ class ConfigProblem(click.ClickException):
 @click.option("--config", "config_path", metavar="PATH", help="TOML config (docs/config.md).")
 @click.option("--listen", help="HOST:PORT to serve /metrics, /healthz, /api/v1/snapshot (default 0.0.0.0:9645).")
 @click.option("--interfaces", help="Comma-separated globs of interfaces to watch (default: all up, except lo).")
-@click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(probe_names())}).")
+@click.option("--probes", help=f"Comma-separated probes to run (default: {','.join(selectable_names())}).")
 @click.option("--alertmanager", "alertmanager_url", help="Alertmanager base URL to push alerts to.")
 @click.option("--web.config.file", "web_config_file", metavar="PATH",
               help="TLS and basic auth, in the Prometheus exporter-toolkit web config format.")
@@ -49,7 +50,7 @@ def command(config_path: str | None, listen: str | None, interfaces: str | None,
             alertmanager_url: str | None, web_config_file: str | None, dcgm: bool | None) -> None:
     """Run every available probe and serve Prometheus metrics, health and the snapshot API."""
     try:
-        config = load(config_path, listen=listen, interfaces=_csv(interfaces), probes=_csv(probes),
+        config = load(config_path, catalog(), listen=listen, interfaces=_csv(interfaces), probes=_csv(probes),
                       alertmanager_url=alertmanager_url, web_config_file=web_config_file,
                       dcgm_compatible_metrics=dcgm)
     except ConfigError as exc:

@@ -9,7 +9,6 @@ import click
 from .. import __version__, libbpf
 from ..cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
 from ..features import probe_features
-from ..probes.flows.probe import foreign_xdp_holders
 from ..registry import ProbePlan, faces, plan
 from ..system import kernel_release, prepare_mounts
 
@@ -19,7 +18,7 @@ def _short(detail: str) -> str:
     return detail.split(" — ")[0]
 
 
-def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
+def _print_text(report: dict[str, Any], plans: list[ProbePlan], notes: dict[str, tuple[str, list[str]]]) -> None:
     click.echo(f"aiprobe {report['version']} · kernel {report['kernel']} · libbpf {report['libbpf']}")
     click.echo("\nKernel capabilities (each from a real load and attach):")
     for name, feature in report["features"].items():
@@ -28,10 +27,11 @@ def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
     click.echo("\nMounts:")
     for name, mount in report["mounts"].items():
         click.echo(f"  {name:<12} {mount['path']}: {mount['detail']}")
-    if report["xdp_held_by_others"]:
-        click.echo("\nXDP hooks held by other programs (flows attaches there once they leave):")
-        for held in report["xdp_held_by_others"]:
-            click.echo(f"  {held}")
+    for key, (heading, _) in notes.items():
+        if report[key]:
+            click.echo(f"\n{heading}")
+            for line in report[key]:
+                click.echo(f"  {line}")
     click.echo("\nProbes:")
     for probe in plans:
         if probe.available:
@@ -42,13 +42,6 @@ def _print_text(report: dict[str, Any], plans: list[ProbePlan]) -> None:
                 click.echo(f"  {'':<12} {limitation}")
         else:
             click.echo(f"  {probe.probe:<12} {'unavailable':<12} {_short(probe.reason)}")
-
-
-def _xdp_held_by_others() -> list[str]:
-    try:
-        return foreign_xdp_holders()
-    except Exception as exc:  # netlink refused: say so in the list, check goes on
-        return [f"cannot list interfaces: {exc}"]
 
 
 @click.command()
@@ -66,11 +59,13 @@ def command(as_json: bool) -> None:
         "features": {name: f.as_dict() for name, f in features.items()},
         "mounts": {name: vars(m) for name, m in prepare_mounts().items()},
         "probes": {p.probe: p.as_dict() for p in plans},
-        "xdp_held_by_others": _xdp_held_by_others(),
     }
+    # What each probe adds about this host (the XDP hooks other programs hold).
+    notes = {key: note for face in faces() if face.check_notes for key, note in face.check_notes().items()}
+    report.update({key: lines for key, (_, lines) in notes.items()})
     if as_json:
         emit_json(report)
     else:
-        _print_text(report, plans)
+        _print_text(report, plans, notes)
     if not any(p.available for p in plans):
         raise AiprobeError("no probe can run on this host")

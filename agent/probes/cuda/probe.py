@@ -58,6 +58,7 @@ from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 from . import sched
 from .hooks import CudaHooks
 from .records import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
+from .settings import CudaSettings
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -177,9 +178,9 @@ SPEC = ProbeSpec(
     bpf_object="cuda",
     order=30,
     factory=lambda config: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched")),
-                                     cpu_budget=config.cuda_cpu_budget or None),
+                                     cpu_budget=config.settings(CudaSettings).cuda_cpu_budget or None),
     parts=(sched.PART,),
-    config_keys=("cuda_cpu_budget",),
+    settings=CudaSettings,
     command="aiprobe.probes.cuda.command:command",
     metrics=(
         Family("aiprobe_cuda_context_switches_total", "counter",

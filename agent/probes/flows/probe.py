@@ -59,6 +59,7 @@ from ...registry import Probe, ProbeSpec
 from ...supervisor import ATTACHMENTS, Backoff, attach_reason
 from .hooks import FlowsHooks
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
+from .settings import FlowsSettings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -73,9 +74,10 @@ PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 
 
 def _from_config(config: Config) -> Probe:
-    return FlowsProbe(interfaces=list(config.interfaces), exclude=list(config.exclude),
-                      idle_timeout=config.flow_idle_seconds, strategy=config.strategies.get("flows"),
-                      xdp_interfaces=list(config.xdp_interfaces))
+    settings = config.settings(FlowsSettings)
+    return FlowsProbe(interfaces=list(settings.interfaces), exclude=list(settings.exclude),
+                      idle_timeout=settings.flow_idle_seconds, strategy=config.strategies.get("flows"),
+                      xdp_interfaces=list(settings.xdp_interfaces))
 
 
 FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
@@ -84,8 +86,8 @@ FLOW_LABELS = tuple((name, "") for name in FLOW_LABEL_NAMES)  # named only: TopF
 _SIDE = (("interface", "interface"), ("direction", "direction"))
 
 
-def _top_flows(field: str) -> Callable[[int], Callable[[list[FlowsSnapshot]], list[Series]]]:
-    return lambda k: TopFlows(k, field)
+def _top_flows(field: str) -> Callable[[Config], Callable[[list[FlowsSnapshot]], list[Series]]]:
+    return lambda config: TopFlows(config.settings(FlowsSettings).top_flows, field)
 
 
 METRICS = (
@@ -129,7 +131,8 @@ SPEC = ProbeSpec(
     bpf_object="flows",
     order=10,
     factory=_from_config,
-    config_keys=("interfaces", "exclude", "xdp_interfaces", "flow_idle_seconds", "top_flows"),
+    settings=FlowsSettings,
+    check_notes=lambda: _check_notes(),  # defined with the attach code below
     command="aiprobe.probes.flows.command:command",
     metrics=METRICS,
     read_at_scrape=True,
@@ -208,6 +211,15 @@ def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
     if prog_id is None:
         return str(exc)
     return f"another XDP program holds the interface ({program_name(prog_id)!r}, id {prog_id}); left in place"
+
+
+def _check_notes() -> dict[str, tuple[str, list[str]]]:
+    try:
+        held = foreign_xdp_holders()
+    except Exception as exc:  # netlink refused: say so in the list, check goes on
+        held = [f"cannot list interfaces: {exc}"]
+    return {"xdp_held_by_others": ("XDP hooks held by other programs (flows attaches there once they leave):",
+                                   held)}
 
 
 def foreign_xdp_holders() -> list[str]:

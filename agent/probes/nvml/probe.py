@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pynvml
 
@@ -24,9 +24,13 @@ from ...names import process_name
 from ...registry import Probe, ProbeSpec
 from .hooks import NvmlHooks
 from .records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
+from .settings import NvmlSettings
 
 T = TypeVar("T")
-log = logging.getLogger("aiprobe.probes.nvml.probe")
+if TYPE_CHECKING:
+    from ...config import Config
+
+log = logging.getLogger("aiprobe.nvml")
 
 PERCENT = 0.01
 MILLIWATT = 0.001
@@ -332,21 +336,25 @@ _DCGM_LABELS = (("gpu", "index"), ("UUID", "uuid"), ("modelName", "name"))
 
 
 def _gauge(name: str, value: str, help_text: str, labels: tuple[tuple[str, Any], ...] = _GPU_LABELS,
-           scale: float = 1.0, option: str = "") -> Family:
+           scale: float = 1.0, option: Callable[[Config], bool] | None = None) -> Family:
     return Family(name, "gauge", help_text, GpuInfo, value, labels, scale=scale, option=option)
+
+
+def _dcgm_compatible(config: Config) -> bool:
+    return config.settings(NvmlSettings).dcgm_compatible_metrics
 
 
 def _dcgm(name: str, value: str, help_text: str, scale: float = 1.0) -> Family:
     # dcgm-exporter's names and units, so dashboards built for it keep working (--dcgm-compatible).
-    return _gauge(name, value, help_text, _DCGM_LABELS, scale, option="dcgm_compatible_metrics")
+    return _gauge(name, value, help_text, _DCGM_LABELS, scale, option=_dcgm_compatible)
 
 
-def _engine_series(field: str) -> Callable[[int], Callable[[list[GpuInfo]], list[Series]]]:
+def _engine_series(field: str) -> Callable[[Config], Callable[[list[GpuInfo]], list[Series]]]:
     """One series per graphics engine of each GPU: its engines are a list inside the GPU's record."""
     def series(gpus: list[GpuInfo]) -> list[Series]:
         return [((str(gpu.index), gpu.uuid, str(engine.engine)), [value]) for gpu in gpus
                 for engine in gpu.engines if (value := getattr(engine, field)) is not None]
-    return lambda _top_flows: series
+    return lambda _config: series
 
 
 def _engine_gauge(name: str, field: str, help_text: str) -> Family:
@@ -407,7 +415,7 @@ SPEC = ProbeSpec(
     factory=lambda _config: NvmlProbe(),
     requirement=nvml_unavailable,
     limitations=gpus_without_gpm,
-    config_keys=("dcgm_compatible_metrics",),
+    settings=NvmlSettings,
     command="aiprobe.probes.nvml.command:command",
     cli_name="gpus",
     metrics=METRICS,

@@ -11,6 +11,7 @@ from ...model import Readings
 from ...refresh import SIGNAL_WINDOW_SECONDS, Hooks, ProcessRows, Refresh, Section, recent_buckets, target
 from ...rules import Signal
 from .records import CAUSES, ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot, StreamStall
+from .settings import StreamsSettings
 
 MIN_SENDS_FOR_P99 = 1
 
@@ -28,7 +29,7 @@ class SendLatencyHooks(Hooks):
 
     def signals(self, reading: SendLatencySnapshot, readings: Readings, refresh: Refresh,
                 now: float) -> list[Signal]:
-        stalls = (_send_stall(send, refresh, now) for send in reading.processes)
+        stalls = (send_stall(send, refresh, now) for send in reading.processes)
         return [stall for stall in stalls if stall is not None]
 
     def process_rows(self, reading: SendLatencySnapshot, rows: ProcessRows) -> None:
@@ -40,7 +41,7 @@ class SendLatencyHooks(Hooks):
             entry.send_errors, entry.send_unwritable_p99_seconds = dict(send.errors), send.unwritable_p99_seconds
 
 
-def _send_stall(proc: ProcessSendLatency, refresh: Refresh, now: float) -> Signal | None:
+def send_stall(proc: ProcessSendLatency, refresh: Refresh, now: float) -> Signal | None:
     """The worse of two p99s over the window: how long sends blocked, and how long sockets stayed
     unwritable (asynchronous servers never block in a send: their stalls show only there)."""
     recent = recent_buckets(refresh, "send", proc.identity(), proc.histogram, now)
@@ -84,11 +85,12 @@ class StreamsHooks(Hooks):
                 if count:
                     seen["causes"][cause] = seen["causes"].get(cause, 0) + int(count)
                     seen["ports"].add(f"{endpoint.port}/{endpoint.protocol}")
+        threshold = refresh.config.settings(StreamsSettings).stream_stall_threshold_ms / 1e3
         return [Signal("token_streams_stalling", name, float(sum(seen["causes"].values())), {
             "cause": max(seen["causes"], key=seen["causes"].get) if seen["causes"] else "",
             "stalls_by_cause": seen["causes"], "endpoints": sorted(seen["ports"]), "pid": seen["pid"],
-            "window_seconds": SIGNAL_WINDOW_SECONDS,
-            "threshold_seconds": refresh.config.stream_stall_threshold_ms / 1e3}) for name, seen in by_target.items()]
+            "window_seconds": SIGNAL_WINDOW_SECONDS, "threshold_seconds": threshold})
+            for name, seen in by_target.items()]
 
     def snapshot(self, reading: StreamsSnapshot) -> dict[str, Any]:
         return {"streams": sorted(reading.endpoints, key=lambda e: e.streams_per_second, reverse=True)}

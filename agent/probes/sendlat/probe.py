@@ -26,6 +26,7 @@ from ...procfs import StartTimes
 from ...registry import Face, Probe, ProbeSpec, Unavailable, strategies_named
 from .hooks import SendLatencyHooks
 from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .settings import SendLatencySettings, StreamsSettings
 from .streams import PART as STREAMS
 from .streams import RECEIVE_SIDE, StreamsProbe  # the stream logic shares sendlat's programs (bpf/streams.h)
 
@@ -45,10 +46,11 @@ def _error_count(name: str) -> Any:
 
 
 def _from_config(config: Config) -> SendLatencyProbe:
-    return SendLatencyProbe(threshold_ms=config.slow_send_threshold_ms, per_flow=False,
-                            cpu_budget=config.sendlat_cpu_budget or None,
+    settings = config.settings(SendLatencySettings)
+    return SendLatencyProbe(threshold_ms=settings.slow_send_threshold_ms, per_flow=False,
+                            cpu_budget=settings.sendlat_cpu_budget or None,
                             strategies=strategies_named(SPEC, config.strategies.get("sendlat")),
-                            stall_threshold_ms=config.stream_stall_threshold_ms)
+                            stall_threshold_ms=config.settings(StreamsSettings).stream_stall_threshold_ms)
 
 
 SPEC = ProbeSpec(
@@ -88,7 +90,7 @@ SPEC = ProbeSpec(
     order=20,
     factory=_from_config,
     parts=(STREAMS,),
-    config_keys=("slow_send_threshold_ms", "sendlat_cpu_budget"),
+    settings=SendLatencySettings,
     command="aiprobe.probes.sendlat.command:command",
     metrics=(
         Family("aiprobe_tcp_send_bytes_total", "counter", "Bytes sent by successful TCP sends.", ProcessSendLatency,

@@ -22,6 +22,7 @@ from ...procfs import StartTimes
 from ...registry import Part, Probe
 from .hooks import StreamsHooks
 from .records import CAUSES, PROTOCOLS, StreamEndpoint, StreamsSnapshot, StreamStall
+from .settings import StreamsSettings
 
 MAX_PENDING_STALLS = 65536
 GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
@@ -195,7 +196,7 @@ PART = Part(
     description="token streams: time to first byte, chunk gaps and stalls of every response a TCP server writes",
     strategies=STRATEGIES,
     order=25,
-    config_keys=("stream_stall_threshold_ms",),
+    settings=StreamsSettings,
     command="aiprobe.probes.sendlat.streams_command:command",
     metrics=(
         Family("aiprobe_streams_total", "counter", "Responses that wrote a first body byte.", StreamEndpoint,
