@@ -211,3 +211,24 @@ def record_table(rows: Iterable[dict[str, Any]], keys: Iterable[str]) -> list[st
     """`table()` of model records (as documents) over the given fields."""
     rows = list(rows)
     return table(columns_for(keys, rows), rows)
+
+
+@dataclass(frozen=True)
+class View:
+    name: str
+    title: str
+    columns: tuple[Column, ...]
+    sort_key: str  # the default sort column
+    descending: bool
+    probes: tuple[str, ...]  # probes (and parts) whose data fills it: a down one says why in the view
+    rows: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    identity: tuple[str, ...] = ()  # row fields naming the same row across refreshes (the cursor follows it)
+
+    def row_id(self, row: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(row.get(field) for field in self.identity)
+
+    def column_index(self, key: str) -> int:
+        return next(i for i, column in enumerate(self.columns) if column.key == key)
+
+    def cells(self, row: dict[str, Any]) -> list[str]:
+        return [column.cell(row) for column in self.columns]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from .config import Catalog, Settings
 from .features import Feature
+from .formatting import Column, View
 from .loader import Loaded, Strategy
 from .model import MapUsage, ProbeStatus
 from .refresh import NO_HOOKS, Hooks
@@ -145,6 +146,9 @@ class Part:
     metrics: tuple[Family, ...] = ()
     # Its part in each refresh: joins, rates, rule signals, process rows, snapshot sections.
     hooks: Hooks = NO_HOOKS
+    # What `aiprobe top` shows of it: its columns of the process table, its own views.
+    process_columns: tuple[Column, ...] = ()
+    views: tuple[View, ...] = ()
 
     @property
     def subcommand(self) -> str:

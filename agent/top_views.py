@@ -1,48 +1,14 @@
-"""What `aiprobe top` shows: the header and five views (processes, flows, streams, GPUs, alerts), declared as
-columns over docs/snapshot.md fields. The interactive screen and `--batch` text both render these."""
+"""What `aiprobe top` shows: the header and its views, declared as columns over docs/snapshot.md fields:
+processes (with each probe's columns), each probe's own views (flows, streams, GPUs), and alerts.
+The interactive screen and `--batch` text both render these."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
-from . import formatting
-from .formatting import Column, table
-from .names import endpoint
-
-
-@dataclass(frozen=True)
-class View:
-    name: str
-    title: str
-    columns: tuple[Column, ...]
-    sort_key: str  # the default sort column
-    descending: bool
-    probes: tuple[str, ...]  # probes whose data fills this view: a down one says why in the view
-    rows: Callable[[dict[str, Any]], list[dict[str, Any]]]
-    identity: tuple[str, ...] = ()  # row fields naming the same row across refreshes (the cursor follows it)
-
-    def row_id(self, row: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(row.get(field) for field in self.identity)
-
-    def column_index(self, key: str) -> int:
-        return next(i for i, column in enumerate(self.columns) if column.key == key)
-
-    def cells(self, row: dict[str, Any]) -> list[str]:
-        return [column.cell(row) for column in self.columns]
-
-
-def _flow_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            **flow,
-            "local": endpoint(flow.get("local_address"), flow.get("local_port")),
-            "remote": endpoint(flow.get("remote_address"), flow.get("remote_port")),
-            "dir": {"ingress": "in", "egress": "out"}.get(flow.get("direction"), flow.get("direction")),
-        }
-        for flow in snapshot.get("flows") or []
-    ]
+from . import formatting, registry
+from .formatting import Column, View, table
 
 
 def _evidence(evidence: dict[str, Any]) -> str:
@@ -62,119 +28,42 @@ def _alert_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-STALL_CAUSES = ("network", "cpu", "gpu", "server")
+def _processes(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(snapshot.get("processes") or [])
 
 
-def _stream_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
-    """Endpoints with their stalls as `network 2 cpu 1` and their total (for sorting)."""
-    rows = []
-    for stream in snapshot.get("streams") or []:
-        stalls = stream.get("stalls") or {}
-        rows.append({**stream, "stall_count": sum(stalls.values()),
-                     "stalls_text": " ".join(f"{c} {stalls[c]}" for c in STALL_CAUSES if stalls.get(c)) or "-"})
-    return rows
+ALERTS = View(
+    "alerts", "Alerts",
+    (
+        Column("SINCE", "age_seconds", 6, text=formatting.age),
+        Column("STATE", "state", 7, numeric=False),
+        Column("RULE", "rule", 25, numeric=False),
+        Column("TARGET", "target", 18, numeric=False),
+        Column("EVIDENCE", "evidence_text", 44, numeric=False),
+        Column("SEVERITY", "severity", 8, numeric=False),
+    ),
+    "age_seconds", False, (), _alert_rows,
+    identity=("rule", "target"),
+)
 
 
-def _listed(field: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
-    return lambda snapshot: list(snapshot.get(field) or [])
-
-
-VIEWS: dict[str, View] = {
-    view.name: view
-    for view in (
-        View(
-            "processes", "Processes",
-            (
-                Column("COMM", "comm", 15, numeric=False),
-                Column("PID", "pid", 7, text=str),
-                Column("CONTAINER", "container", 12, numeric=False),
-                Column("SEND p50", "send_p50_seconds", 9),
-                Column("SEND p99", "send_p99_seconds", 9),
-                Column("SEND", "send_bytes_per_second", 10),
-                Column("THR CTX", "cuda_context_switches_per_second", 8),  # a thread changing its context
-                Column("LAUNCH", "cuda_kernel_launches_per_second", 8),
-                Column("GRAPHS", "cuda_graph_launches_per_second", 8),
-                Column("1ST LAUNCH", "cuda_time_to_first_launch_seconds", 10),  # cold start, recent processes
-                Column("RUNQ p99", "runqueue_delay_p99_seconds", 9),
-                Column("GPU", "gpu_utilization_ratio", 5),
-                Column("GPU MEM", "gpu_memory_used_bytes", 9),
-            ),
-            "send_bytes_per_second", True, ("sendlat", "cuda", "sched", "nvml"), _listed("processes"),
-            identity=("pid",),
+@cache
+def views() -> dict[str, View]:
+    """The views in order: processes (each probe's columns after the process's own), each probe's
+    views in registry order, then alerts."""
+    faces = registry.faces()
+    processes = View(
+        "processes", "Processes",
+        (
+            Column("COMM", "comm", 15, numeric=False),
+            Column("PID", "pid", 7, text=str),
+            Column("CONTAINER", "container", 12, numeric=False),
+            *(column for face in faces for column in face.process_columns),
         ),
-        View(
-            "flows", "Flows",
-            (
-                Column("DIR", "dir", 3, numeric=False),
-                Column("PROTO", "protocol", 5, numeric=False),
-                Column("LOCAL", "local", 21, numeric=False),
-                Column("REMOTE", "remote", 21, numeric=False),
-                Column("RATE", "bytes_per_second", 10),
-                Column("PKTS", "packets_per_second", 7),
-                Column("TOTAL", "bytes", 9),
-                Column("PACKETS", "packets", 8),
-                Column("IFACE", "interface", 10, numeric=False),
-                Column("PROCESS", "comm", 15, numeric=False),
-                Column("CONTAINER", "container", 12, numeric=False),
-            ),
-            "bytes_per_second", True, ("flows",), _flow_rows,
-            identity=("interface", "direction", "protocol", "local", "remote"),
-        ),
-        View(
-            "streams", "Streams",
-            (
-                Column("PORT", "port", 6, text=str),
-                Column("PROTO", "protocol", 6, numeric=False),
-                Column("PROCESS", "comm", 15, numeric=False),
-                Column("CONTAINER", "container", 12, numeric=False),
-                Column("STREAMS", "streams_per_second", 8),
-                Column("TTFB p50", "ttfb_p50_seconds", 9),
-                Column("TTFB p99", "ttfb_p99_seconds", 9),
-                Column("GAP p50", "gap_p50_seconds", 9),
-                Column("GAP p99", "gap_p99_seconds", 9),
-                Column("STALLS", "stall_count", 7, text=str),
-                Column("BY CAUSE", "stalls_text", 24, numeric=False),
-            ),
-            "streams_per_second", True, ("streams",), _stream_rows,
-            identity=("pid", "port", "protocol"),
-        ),
-        View(
-            "gpus", "GPUs",
-            (
-                Column("GPU", "index", 3, text=str),
-                Column("NAME", "name", 16, numeric=False),
-                Column("UTIL", "utilization_gpu_ratio", 5),
-                Column("MEM%", "utilization_memory_ratio", 5),
-                Column("MEM USED", "memory_used_bytes", 9),
-                Column("MEM TOTAL", "memory_total_bytes", 9),
-                Column("POWER", "power_watts", 8),
-                Column("TEMP", "temperature_celsius", 6),
-                Column("SM CLK", "sm_clock_hz", 9),
-                Column("MEM CLK", "memory_clock_hz", 9),
-                Column("THROTTLE", "clock_event_reasons", 20, numeric=False),
-                Column("CUDA CTXS", "cuda_active_contexts", 9),  # 2+: time-sliced between contexts
-                # The GPU's own measure of that time-slicing (GPM): its switches, and its busiest engine's share.
-                Column("CTX SW", "context_switches_per_second", 8),
-                Column("SWITCHING", "context_switching_ratio", 9),
-            ),
-            "index", False, ("nvml",), _listed("gpus"),
-            identity=("index",),
-        ),
-        View(
-            "alerts", "Alerts",
-            (
-                Column("SINCE", "age_seconds", 6, text=formatting.age),
-                Column("STATE", "state", 7, numeric=False),
-                Column("RULE", "rule", 25, numeric=False),
-                Column("TARGET", "target", 18, numeric=False),
-                Column("EVIDENCE", "evidence_text", 44, numeric=False),
-                Column("SEVERITY", "severity", 8, numeric=False),
-            ),
-            "age_seconds", False, (), _alert_rows,
-            identity=("rule", "target"),
-        ),
+        "send_bytes_per_second", True, tuple(face.name for face in faces if face.process_columns), _processes,
+        identity=("pid",),
     )
-}
+    return {view.name: view for view in (processes, *(view for face in faces for view in face.views), ALERTS)}
 
 
 def sort_rows(rows: list[dict[str, Any]], key: str, descending: bool) -> list[dict[str, Any]]:
@@ -234,7 +123,7 @@ def probe_notices(view: View, snapshot: dict[str, Any]) -> list[str]:
 def text_report(snapshot: dict[str, Any]) -> str:
     """One snapshot as plain text, every view a table in its default order (`top --batch`)."""
     lines = header_lines(snapshot)
-    for view in VIEWS.values():
+    for view in views().values():
         lines += ["", f"{view.title.upper()}", *probe_notices(view, snapshot)]
         lines += table(view.columns, visible_rows(view, snapshot, view.sort_key, view.descending))
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import pytest
 from aiprobe import formatting
 from aiprobe.commands.top import HelpScreen, TopApp, run_batch
 from aiprobe.top_source import SnapshotError, _is_agent, normalize_url
-from aiprobe.top_views import VIEWS, text_report
+from aiprobe.top_views import text_report, views
 from textual.pilot import Pilot
 from textual.widgets import DataTable
 
@@ -321,7 +321,7 @@ def test_help_lists_keys_and_q_quits() -> None:
 
 def test_text_report_has_every_view() -> None:
     report = text_report(SNAPSHOT)
-    for view in VIEWS.values():
+    for view in views().values():
         assert view.title.upper() in report
     assert "tritonserver" in report and "[2001:db8::9]:51234" in report and "network_send_stall" in report
 

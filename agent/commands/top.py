@@ -24,8 +24,9 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
 from ..cli import AiprobeError, friendly_errors, interval_option, ticks
+from ..formatting import View
 from ..top_source import DEFAULT_URL, Credentials, SnapshotError, SnapshotSource, normalize_url, open_source
-from ..top_views import VIEWS, View, header_lines, probe_notices, text_report, visible_rows
+from ..top_views import header_lines, probe_notices, text_report, views, visible_rows
 
 # Signals that end top like `q` does: terminal restored first, then the probes closed.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -97,8 +98,8 @@ class TopApp(App[None]):
         self.source = source
         self.interval = interval
         self.snapshot: dict[str, Any] = {}
-        self.view: View = VIEWS["processes"]
-        self.states = {name: ViewState(view.sort_key, view.descending) for name, view in VIEWS.items()}
+        self.view: View = views()["processes"]
+        self.states = {name: ViewState(view.sort_key, view.descending) for name, view in views().items()}
         self.paused = False
         self.error = ""
         self.updated: float | None = None
@@ -155,7 +156,7 @@ class TopApp(App[None]):
 
     def render_tabs(self) -> None:
         tabs = Text()
-        for name, view in VIEWS.items():
+        for name, view in views().items():
             label = f" {view.title} "
             tabs.append(label, style="reverse bold" if name == self.view.name else "")
         column = self.view.columns[self.view.column_index(self.state.sort_key)]
@@ -207,7 +208,7 @@ class TopApp(App[None]):
     # --- actions -----------------------------------------------------------------------------
 
     def action_view(self, name: str) -> None:
-        self.view = VIEWS[name]
+        self.view = views()[name]
         self.render_all()
 
     def action_reverse_sort(self) -> None:

@@ -59,6 +59,7 @@ from . import sched
 from .hooks import CudaHooks
 from .records import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 from .settings import CudaSettings
+from .view import PROCESS_COLUMNS
 
 RESCAN_INTERVAL = 1.0
 REVISIT_INTERVAL = 30.0  # the longest a process already seen waits before its maps are read again
@@ -228,6 +229,7 @@ SPEC = ProbeSpec(
                CudaContext, "launches_per_second", (*_GPU_LABELS, *PROCESS_LABELS)),
     ),
     hooks=CudaHooks(),
+    process_columns=PROCESS_COLUMNS,
 )
 
 

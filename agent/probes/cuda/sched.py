@@ -18,6 +18,7 @@ from ...metrics import PROCESS_LABELS, Family
 from ...model import ProbeStatus
 from ...registry import Part, Probe
 from .records import CudaProcess
+from .view import SCHED_PROCESS_COLUMNS
 
 _SPAN = "sched_wakeup / preemption to sched_switch onto a CPU, GPU-driving threads only"
 TRACEPOINTS = ("sched_wakeup", "sched_switch", "sched_process_exit")
@@ -64,4 +65,5 @@ PART = Part(
                "Times a GPU-driving thread was preempted while runnable.", CudaProcess, "involuntary_preemptions",
                PROCESS_LABELS, per_identity=True),
     ),
+    process_columns=SCHED_PROCESS_COLUMNS,
 )

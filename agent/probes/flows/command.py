@@ -17,16 +17,16 @@ from ...cli import (
     ticks,
 )
 from ...formatting import table
-from ...top_views import VIEWS
 from .probe import SPEC, FlowsProbe
 from .records import FlowsSnapshot
+from .view import VIEW
 
 TOP_ROWS = 20
 
 
 def render_table(snapshot: FlowsSnapshot, rows: int = TOP_ROWS) -> str:
     """The flows view of `aiprobe top` over this probe's flows (no process join here)."""
-    view = VIEWS["flows"]
+    view = VIEW
     lines = table(view.columns, view.rows({"flows": [flow.to_dict() for flow in snapshot.flows[:rows]]}))
     lines.append(
         f"{len(snapshot.flows)} flows · evictions {snapshot.evictions} · insert failures {snapshot.insert_failures}"

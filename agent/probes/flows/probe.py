@@ -60,6 +60,7 @@ from ...supervisor import ATTACHMENTS, Backoff, attach_reason
 from .hooks import FlowsHooks
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
 from .settings import FlowsSettings
+from .view import VIEW
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -137,6 +138,7 @@ SPEC = ProbeSpec(
     metrics=METRICS,
     read_at_scrape=True,
     hooks=FlowsHooks(),
+    views=(VIEW,),
 )
 # Each strategy's name is how it attaches the tc programs: "tcx" or "clsact".
 TC_MODES = tuple(s.name for s in SPEC.strategies)

@@ -25,6 +25,7 @@ from ...registry import Probe, ProbeSpec
 from .hooks import NvmlHooks
 from .records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
 from .settings import NvmlSettings
+from .view import PROCESS_COLUMNS, VIEW
 
 T = TypeVar("T")
 if TYPE_CHECKING:
@@ -420,4 +421,6 @@ SPEC = ProbeSpec(
     cli_name="gpus",
     metrics=METRICS,
     hooks=NvmlHooks(),
+    process_columns=PROCESS_COLUMNS,
+    views=(VIEW,),
 )

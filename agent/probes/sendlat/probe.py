@@ -29,6 +29,7 @@ from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, Slo
 from .settings import SendLatencySettings, StreamsSettings
 from .streams import PART as STREAMS
 from .streams import RECEIVE_SIDE, StreamsProbe  # the stream logic shares sendlat's programs (bpf/streams.h)
+from .view import PROCESS_COLUMNS
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -121,6 +122,7 @@ SPEC = ProbeSpec(
                "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True),
     ),
     hooks=SendLatencyHooks(),
+    process_columns=PROCESS_COLUMNS,
 )
 
 

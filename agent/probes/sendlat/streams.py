@@ -23,6 +23,7 @@ from ...registry import Part, Probe
 from .hooks import StreamsHooks
 from .records import CAUSES, PROTOCOLS, StreamEndpoint, StreamsSnapshot, StreamStall
 from .settings import StreamsSettings
+from .view import STREAMS_VIEW
 
 MAX_PENDING_STALLS = 65536
 GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
@@ -224,4 +225,5 @@ PART = Part(
                expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
     ),
     hooks=StreamsHooks(),
+    views=(STREAMS_VIEW,),
 )
