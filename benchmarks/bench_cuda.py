@@ -123,7 +123,7 @@ def _measure(libdir: Path, call: Call) -> list[Result]:
 
 
 def duty_cycle_switching(libdir: Path) -> list[Result]:
-    """What one duty cycle of the launch probes takes (agent/cuda.py LaunchProbes): attaching and
+    """What one duty cycle of the launch probes takes (agent/probes/cuda/probe.py LaunchProbes): attaching and
     detaching (in parallel) the kernel-launch uprobes of one libcuda."""
     library = str(libdir / "libcuda.so.1")
     offsets = elf.function_offsets(library, set(DRIVER_KERNEL_LAUNCHES))

@@ -39,7 +39,7 @@ struct {
 } contexts SEC(".maps");
 
 
-/* The kernel-launch uprobes' duty cycle (agent/cuda.py, LaunchProbes), written by user space only,
+/* The kernel-launch uprobes' duty cycle (agent/probes/cuda/probe.py, LaunchProbes), written by user space only,
  * in a section of their own. launch_epoch is bumped each time the uprobes are attached again: a
  * runtime launch whose uretprobe was detached while it ran never closed, and its thread's
  * runtime_depth, left from an older attachment, is stale. launch_counting gates the kernel-launch

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0
 /* Per-flow throughput at tc: ingress (after GRO) and egress (before GSO) on every watched
  * interface, counted as the frames that cross the wire (flows.h). XDP is an opt-in ingress hook
- * for physical NICs (agent/flows.py says why it is not the default). All hooks share one parser and
+ * for physical NICs (agent/probes/flows/probe.py says why it is not the default). All hooks share one parser and
  * one flow table; the hot path (a known flow) is one hash lookup and atomic adds. */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>

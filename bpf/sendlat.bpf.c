@@ -4,7 +4,7 @@
  * unwritable (first EAGAIN to the next successful send on the socket); per flow, counters; each send
  * slower than a threshold, as a ring-buffer event.
  *
- * Four ways to find a send's start and end, one per strategy (agent/sendlat.py), best first:
+ * Four ways to find a send's start and end, one per strategy (agent/probes/sendlat/probe.py), best first:
  *   fentry/fexit on tcp_sendmsg; kprobe/kretprobe on tcp_sendmsg; for kernels with neither, the
  *   first tcp:tcp_sendmsg_locked of a call up to sock:sock_send_length (TCP sends only pay); and for
  *   kernels without that tracepoint, the send syscalls' entry (raw sys_enter, which every syscall on

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: GPL-2.0 */
-/* TCP send latency: the structs agent/sendlat.py reads through this object's BTF. */
+/* TCP send latency: the structs agent/probes/sendlat/probe.py reads through this object's BTF. */
 #ifndef AIPROBE_SENDLAT_H
 #define AIPROBE_SENDLAT_H
 
@@ -14,7 +14,7 @@ struct sendlat_proc_key {
 	__u64 cgroup_id;
 };
 
-/* Why a send failed: the index into sendlat_proc_stats.errors (agent/sendlat.py names them). */
+/* Why a send failed: the index into sendlat_proc_stats.errors (agent/probes/sendlat/probe.py names them). */
 enum send_error {
 	SEND_ERROR_EAGAIN,	/* also EWOULDBLOCK: the socket buffer is full (back-pressure) */
 	SEND_ERROR_EPIPE,

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /* Token streams seen from the wire: per response of a TCP server socket, time to first byte, the gaps
  * between its writes, its duration, chunks and bytes; stalls (gaps above a threshold) as ring-buffer
- * events with the evidence of their cause. agent/streams.py reads the structs below through BTF.
+ * events with the evidence of their cause. agent/probes/sendlat/streams.py reads the structs below through BTF.
  *
  * No program of its own on the send path: sendlat's programs call stream_send_begin() where a send
  * starts (they have its msghdr there) and stream_send_end() where it returns, so a send pays one
