@@ -172,7 +172,6 @@ class Readings:
     attach_errors: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (probe, target, reason)
     notifications: dict[str, int] = field(default_factory=dict)  # Alertmanager pushes by result
     alert_log_errors: int = 0
-    process_labels_folded: int = 0  # the exporter's: process names summed into process="other" so far
 
     def of(self, kind: type[Any]) -> list[Any]:
         """Every record of `kind`, whichever probe returned it (directly or inside its reading)."""

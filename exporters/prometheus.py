@@ -1,6 +1,9 @@
 """Prometheus exposition: the metric families that probes declare as tables over model records
 (`SPEC.metrics`, aiprobe.metrics.Family), plus the agent's own, rendered at each scrape from the
-agent's readings (the counters of probes that are cheap to read, read then).
+readings the agent gives then (Agent.scrape_readings: the last refresh's, flows read again).
+
+The exporter only reads the model: whatever it needs across scrapes (the delta engine's totals, the
+top K flows, which process names have a label) it keeps itself.
 
 Labels stay bounded: processes are labelled by name and container (never pid), flows only for the
 top K by rate with the rest summed per interface and direction into `remote_address="other"`
@@ -34,6 +37,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 Samples = list[tuple[Sequence[str], float]]
+# An agent family's samples, from the collector (its build info, its own counts) and one reading.
+AgentSamples = Callable[["AgentCollector", Readings], Samples]
 OTHER_PROCESS = "other"
 MAX_FOLDED_REMEMBERED = 10_000
 
@@ -41,29 +46,29 @@ MAX_FOLDED_REMEMBERED = 10_000
 BUILD_LABELS = ("kernel", "libbpf", "version")
 
 
-def _build_info(build: dict[str, str], _r: Readings) -> Samples:
-    return [([build.get(label, "") for label in BUILD_LABELS], 1)]
+def _build_info(collector: AgentCollector, _r: Readings) -> Samples:
+    return [([collector.build_info.get(label, "") for label in BUILD_LABELS], 1)]
 
 
-def _probe_up(_build: dict[str, str], r: Readings) -> Samples:
+def _probe_up(_collector: AgentCollector, r: Readings) -> Samples:
     return [([name, status.strategy or "none"], 1 if status.up else 0) for name, status in r.probes.items()]
 
 
-def _map_usage(field: str) -> Callable[[dict[str, str], Readings], Samples]:
-    return lambda _build, r: [([usage.map, probe], getattr(usage, field))
-                              for probe, usages in r.map_usage.items() for usage in usages]
+def _map_usage(field: str) -> AgentSamples:
+    return lambda _collector, r: [([usage.map, probe], getattr(usage, field))
+                                  for probe, usages in r.map_usage.items() for usage in usages]
 
 
-def _collectors(index: int) -> Callable[[dict[str, str], Readings], Samples]:
-    return lambda _build, r: [([name], float(result[index])) for name, result in r.collectors.items()]
+def _collectors(index: int) -> AgentSamples:
+    return lambda _collector, r: [([name], float(result[index])) for name, result in r.collectors.items()]
 
 
-def _bottlenecks(_build: dict[str, str], r: Readings) -> Samples:
+def _bottlenecks(_collector: AgentCollector, r: Readings) -> Samples:
     return [([a.rule, a.severity, a.target], 1) for a in r.alerts if a.state == "firing"]
 
 
-# The agent's own families: (description, samples from the build info and one refresh's readings).
-AGENT_FAMILIES: tuple[tuple[AgentFamily, Callable[[dict[str, str], Readings], Samples]], ...] = (
+# The agent's own families: (description, samples).
+AGENT_FAMILIES: tuple[tuple[AgentFamily, AgentSamples], ...] = (
     (AgentFamily("aiprobe_build_info", "gauge", "aiprobe version, kernel and libbpf; always 1.",
                  BUILD_LABELS), _build_info),
     (AgentFamily("aiprobe_probe_up", "gauge", "1 when the probe runs, with the strategy it runs.",
@@ -76,31 +81,32 @@ AGENT_FAMILIES: tuple[tuple[AgentFamily, Callable[[dict[str, str], Readings], Sa
                  "Entries a bounded BPF map could not hold: failed inserts and evictions (what was lost).",
                  ("map", "probe")), _map_usage("overflows")),
     (AgentFamily("aiprobe_events_lost_total", "counter", "Events a probe could not deliver (ring buffer full).",
-                 ("probe",)), lambda _build, r: [([probe], count) for probe, count in r.events_lost.items()]),
+                 ("probe",)), lambda _collector, r: [([probe], count) for probe, count in r.events_lost.items()]),
     (AgentFamily("aiprobe_collector_duration_seconds", "gauge", "Time the last refresh of a collector took.",
                  ("collector",)), _collectors(0)),
     (AgentFamily("aiprobe_collector_success", "gauge", "1 when the last refresh of a collector succeeded.",
                  ("collector",)), _collectors(1)),
     (AgentFamily("aiprobe_collector_errors_total", "counter", "Refreshes in which a collector failed.",
-                 ("collector",)), lambda _build, r: [([name], n) for name, n in r.collector_errors.items()]),
+                 ("collector",)), lambda _collector, r: [([name], n) for name, n in r.collector_errors.items()]),
     (AgentFamily("aiprobe_thread_restarts_total", "counter",
                  "Times a background thread (cuda_scan, link_watcher, alertmanager, http) was run again after "
-                 "it failed.", ("thread",)), lambda _build, r: [([name], n) for name, n in r.thread_restarts.items()]),
+                 "it failed.", ("thread",)),
+     lambda _collector, r: [([name], n) for name, n in r.thread_restarts.items()]),
     (AgentFamily("aiprobe_attach_errors_total", "counter",
                  "Failed attempts to attach a probe to a target (an interface, a library); each is retried "
                  "with back-off.", ("probe", "reason", "target"),
                  doc_note="`reason`: busy (another program holds the hook), unsupported, permission, gone, "
                  "resources, other."),
-     lambda _build, r: [([probe, reason, target], n) for (probe, target, reason), n in r.attach_errors.items()]),
+     lambda _collector, r: [([probe, reason, target], n) for (probe, target, reason), n in r.attach_errors.items()]),
     (AgentFamily("aiprobe_alertmanager_notifications_total", "counter",
                  "Pushes of the current alerts to Alertmanager, by result (success, failure).", ("result",)),
-     lambda _build, r: [([result], n) for result, n in r.notifications.items()]),
+     lambda _collector, r: [([result], n) for result, n in r.notifications.items()]),
     (AgentFamily("aiprobe_alert_log_errors_total", "counter",
                  "Alert transitions that could not be written to alert_log (a full disk, a vanished file).", ()),
-     lambda _build, r: [([], r.alert_log_errors)]),
+     lambda _collector, r: [([], r.alert_log_errors)]),
     (AgentFamily("aiprobe_process_labels_folded_total", "counter",
                  "Process names summed into process=\"other\" because max_process_labels names were in use.", ()),
-     lambda _build, r: [([], r.process_labels_folded)]),
+     lambda collector, _r: [([], collector.processes.folded_total)]),
 )
 
 RULE_FAMILIES = (
@@ -152,7 +158,7 @@ class ProcessLabels:
         self._idle = idle_seconds
         self._admitted: dict[str, float] = {}  # name -> last seen (monotonic)
         self._folded: dict[str, float] = {}
-        self.folded_total = 0
+        self.folded_total: int = 0
         self._now = time.monotonic()
 
     def label(self, name: str) -> str:
@@ -245,57 +251,53 @@ class _FamilyView:
 
 
 class AgentCollector(Collector):
-    """prometheus_client collector. With a `source`, every scrape renders what it returns then, as
-    node_exporter reads at scrape time: a counter is never a refresh behind the scrape, so a 1 s
-    scrape never sees a flat step from refresh/scrape aliasing. Without one, it serves the families
-    of the last `update()`."""
+    """prometheus_client collector, pulled: each scrape renders what `source` returns then, as
+    node_exporter reads at scrape time, so a counter is never a refresh behind the scrape (a 1 s
+    scrape never sees a flat step from refresh/scrape aliasing). A reading that comes back again
+    (the same object) is served as rendered.
 
-    def __init__(self, config: Config, *, build_info: dict[str, str],
-                 source: Callable[[], Readings] | None = None) -> None:
-        self._config = config
-        self._build_info = build_info
+    `absorb` counts a refresh no scrape may see: a process that exited is reported by the one
+    refresh after its exit, so its last increase must reach the delta engine then. It renders
+    nothing and keeps no reading (full-resolution histograms, thousands of them under churn): the
+    delta engine keeps what it needs, as numbers per source."""
+
+    def __init__(self, config: Config, *, build_info: dict[str, str], source: Callable[[], Readings]) -> None:
+        self.build_info = build_info
         self._source = source
         self._lock = threading.Lock()  # one render at a time, in the order of the readings
         self._families: list[Metric] = []
         self._rendered: Readings | None = None
-        self.processes = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
+        self.processes: ProcessLabels = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
         self._views = [_FamilyView(family, self.processes, config)
                        for face in faces() for family in face.metrics
                        if family.option is None or family.option(config)]
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
-            readings = self._source() if self._source is not None else None
-            if readings is not None and readings is not self._rendered:
+            readings = self._source()
+            if readings is not self._rendered:
                 self._families, self._rendered = self._render(readings), readings
             return list(self._families)
 
     def absorb(self, readings: Readings) -> None:
-        """Feeds one refresh's counters to the delta engine, scraped or not. A source gone by the next
-        scrape (a process that exited is reported by the one refresh after its exit) must still add
-        its last increase; building the families waits for a scrape."""
+        """Adds one refresh's counters to the delta engine, scraped or not (feeding the same
+        readings again, as the scrape that renders them does, adds nothing)."""
         with self._lock:
             for view in self._views:
                 view.absorb(readings.of(view.family.record))
             self.processes.end_round()
 
-    def update(self, readings: Readings) -> None:
-        with self._lock:
-            self._families = self._render(readings)
-
     def _render(self, readings: Readings) -> list[Metric]:
         families = [view.render(readings.of(view.family.record)) for view in self._views]
         self.processes.end_round()
-        readings.process_labels_folded = self.processes.folded_total
         families = self._agent_families(AGENT_FAMILIES, readings) + families
         return families + self._agent_families(RULE_FAMILIES, readings)
 
-    def _agent_families(self, table: Iterable[tuple[AgentFamily, Callable[[dict[str, str], Readings], Samples]]],
-                        readings: Readings) -> list[Metric]:
+    def _agent_families(self, table: Iterable[tuple[AgentFamily, AgentSamples]], readings: Readings) -> list[Metric]:
         families = []
         for family, samples in table:
             metric = _metric(family.name, family.kind, family.help, list(family.labels))
-            for labels, value in samples(self._build_info, readings):
+            for labels, value in samples(self, readings):
                 metric.add_metric(list(labels), value)
             families.append(metric)
         return families

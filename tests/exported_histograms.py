@@ -27,8 +27,8 @@ Series = tuple[list[tuple[float, float]], float]  # cumulative (le, count), asce
 
 def rendered(records: Iterable[Any]) -> str:
     """/metrics as the agent's exporter renders it from these records."""
-    collector = AgentCollector(from_dict({}), build_info={})
-    collector.update(Readings(records={str(i): record for i, record in enumerate(records)}))
+    readings = Readings(records={str(i): record for i, record in enumerate(records)})
+    collector = AgentCollector(from_dict({}), build_info={}, source=lambda: readings)
     text: str = generate_latest(registry_for(collector, process_metrics=False)).decode()
     return text
 

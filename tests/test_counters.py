@@ -83,7 +83,7 @@ def test_send_bytes_total_counts_exactly_through_cgroup_moves() -> None:
     comm = f"mv-{secrets.token_hex(3)}"
     config = load(None, catalog(), probes=["sendlat"])
     with sink() as port, cgroups(2) as (first, second), Agent(config) as agent:
-        collector = AgentCollector(config, build_info={})
+        collector = AgentCollector(config, build_info={}, source=agent.scrape_readings)
         sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port), comm], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
         try:
@@ -91,7 +91,6 @@ def test_send_bytes_total_counts_exactly_through_cgroup_moves() -> None:
 
             def refresh() -> float:
                 agent.refresh()
-                collector.update(agent.readings)
                 return send_bytes_total(collector, comm)
 
             sent = 0

@@ -3,6 +3,7 @@ stay monotonic per label set through pid reuse, cgroup moves and evicted entries
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from aiprobe.config import Config
@@ -65,36 +66,69 @@ def sends(*records: ProcessSendLatency) -> Readings:
     return Readings(records={"sendlat": SendLatencySnapshot("tracepoint", "", list(records))})
 
 
-def send_bytes_total(collector: AgentCollector) -> float:
-    (family,) = [f for f in collector.collect() if f.name == "aiprobe_tcp_send_bytes"]
-    return sum(sample.value for sample in family.samples if sample.labels["process"] == "app")
+def sender(pid: int, comm: str, sent: int) -> ProcessSendLatency:
+    return ProcessSendLatency(pid, comm, 100, 1, sent, 0.0, None, None, [], start_ticks=5)
+
+
+class Scraped:
+    """An exporter pulling from a stand-in for the agent: `refresh()` makes new readings the latest,
+    as Agent.refresh() does, and counts them (as `aiprobe agent` does after each refresh)."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.latest = Readings()
+        self.collector = AgentCollector(config or Config(), build_info={}, source=lambda: self.latest)
+
+    def refresh(self, readings: Readings, *, counted: bool = True) -> None:
+        self.latest = readings
+        if counted:
+            self.collector.absorb(readings)
+
+    def samples(self, name: str) -> dict[str, float]:
+        """The family's samples by `process` label."""
+        (family,) = [f for f in self.collector.collect() if f.name == name]
+        return {sample.labels.get("process", ""): sample.value for sample in family.samples}
+
+
+def send_bytes_total(scraped: Scraped) -> float:
+    return scraped.samples("aiprobe_tcp_send_bytes")["app"]
 
 
 def test_send_bytes_total_through_a_cgroup_move_and_pid_reuse() -> None:
     """One process with entries under two cgroups (it moved) is two sources of one label set: the
     counter grows by what each sent, however the entries' order changes between refreshes."""
-    collector = AgentCollector(Config(), build_info={})
-    before = ProcessSendLatency(7, "app", 100, 1, 1000, 0.0, None, None, [], start_ticks=5)
+    scraped = Scraped()
+    before = sender(7, "app", 1000)
     after = dataclasses.replace(before, cgroup_id=200, bytes=300)
-    collector.update(sends(before))
-    assert send_bytes_total(collector) == 1000
-    collector.update(sends(before, after))
-    assert send_bytes_total(collector) == 1300
-    collector.update(sends(dataclasses.replace(after, bytes=500), before))
-    assert send_bytes_total(collector) == 1500
+    scraped.refresh(sends(before), counted=False)  # scraped before it was counted: counted once all the same
+    assert send_bytes_total(scraped) == 1000
+    scraped.refresh(sends(before, after))
+    assert send_bytes_total(scraped) == 1300
+    scraped.refresh(sends(dataclasses.replace(after, bytes=500), before))
+    assert send_bytes_total(scraped) == 1500
     reused = dataclasses.replace(after, start_ticks=9, bytes=50)  # pid 7 again, a new process
-    collector.update(sends(reused))
-    assert send_bytes_total(collector) == 1550
+    scraped.refresh(sends(reused))
+    assert send_bytes_total(scraped) == 1550
 
 
 def test_a_process_seen_by_one_unscraped_refresh_still_counts_at_the_next_scrape() -> None:
     """A short-lived process's counts are read once, by the refresh after it exited; /metrics renders
     at scrape time, so that refresh must reach the delta engine even when no scrape follows it."""
-    latest: list[Readings] = []
-    collector = AgentCollector(Config(), build_info={}, source=lambda: latest[-1])
-    process = ProcessSendLatency(7, "app", 100, 1, 1000, 0.0, None, None, [], start_ticks=5)
-    for readings in (sends(process), sends()):  # two refreshes, the process gone by the second
-        latest.append(readings)
-        collector.absorb(readings)
-    assert send_bytes_total(collector) == 1000
-    assert send_bytes_total(collector) == 1000  # scraped again: nothing counted twice
+    scraped = Scraped()
+    for readings in (sends(sender(7, "app", 1000)), sends()):  # two refreshes, the process gone by the second
+        scraped.refresh(readings)
+    assert send_bytes_total(scraped) == 1000
+    assert send_bytes_total(scraped) == 1000  # scraped again: nothing counted twice
+
+
+def test_process_names_beyond_the_limit_are_folded_and_counted_without_touching_the_readings() -> None:
+    """The exporter keeps its label folding to itself: the readings it renders come out as they went in."""
+    scraped = Scraped(Config(max_process_labels=1))
+    readings = sends(sender(1, "first", 10), sender(2, "second", 20), sender(3, "third", 30))
+    unchanged = copy.deepcopy(readings)
+    scraped.refresh(readings)
+    assert scraped.samples("aiprobe_tcp_send_bytes") == {"first": 10, "other": 50}
+    assert scraped.samples("aiprobe_process_labels_folded") == {"": 2}
+    scraped.refresh(sends(sender(1, "first", 15), sender(2, "second", 25), sender(3, "third", 30)))
+    assert scraped.samples("aiprobe_tcp_send_bytes") == {"first": 15, "other": 55}
+    assert scraped.samples("aiprobe_process_labels_folded") == {"": 2}  # each name counted once while it comes
+    assert readings == unchanged

@@ -55,9 +55,9 @@ def every_kind_of_reading() -> Readings:
 
 
 def exported() -> dict[str, tuple[str, set[str]]]:
+    readings = every_kind_of_reading()
     collector = AgentCollector(Config().with_settings(NvmlSettings(dcgm_compatible_metrics=True)),
-                               build_info={"version": "0", "kernel": "k", "libbpf": "1.1"})
-    collector.update(every_kind_of_reading())
+                               build_info={"version": "0", "kernel": "k", "libbpf": "1.1"}, source=lambda: readings)
     out = {}
     for family in collector.collect():
         labels = set().union(*(set(s.labels) for s in family.samples)) - {"le"}
