@@ -7,6 +7,9 @@
 #ifndef AIPROBE_CUDA_SYNC_H
 #define AIPROBE_CUDA_SYNC_H
 
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+
 #define CUDA_SYNC_PROCESSES 2048	/* as MAX_GPU_PROCESSES: user space deletes exited processes' entries */
 
 /* The union of the process's threads' synchronizations: time during which at least one was inside.

@@ -2,6 +2,8 @@
 #ifndef AIPROBE_FLOWS_H
 #define AIPROBE_FLOWS_H
 
+#include "vmlinux.h"
+
 /* flow_key.direction: ingress is counted at tc ingress (or XDP where opted in), egress at tc egress. */
 enum flow_direction {
 	FLOW_INGRESS = 0,

@@ -3,6 +3,9 @@
 #ifndef AIPROBE_SENDLAT_H
 #define AIPROBE_SENDLAT_H
 
+#include "vmlinux.h"
+#include "hist.h"
+
 #define TASK_COMM_LEN 16
 #define MAX_PROCS 4096		/* (process, cgroup) pairs counted at once */
 

@@ -15,19 +15,23 @@
  * the first body write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response
  * without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
  * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
- * say which streams they are for. docs/streams.md has the rules. Include after sendlat's maps: it
- * uses left_full() and SYSCALL_NR(). A stall's GPU evidence is its process's time inside CUDA
- * synchronizations, from the map the cuda probe writes (cuda_sync.h): each write notes the process's
- * total, the write ending a gap takes the difference. */
+ * say which streams they are for. docs/streams.md has the rules. A stall's GPU evidence is its
+ * process's time inside CUDA synchronizations, from the map the cuda probe writes (cuda_sync.h): each
+ * write notes the process's total, the write ending a gap takes the difference. */
 #ifndef AIPROBE_STREAMS_H
 #define AIPROBE_STREAMS_H
 
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_endian.h>
+#include "common.h"
 #include "cuda_sync.h"
+#include "hist.h"
+#include "sock.h"
+#include "syscalls.h"
 
-#define TCP_ESTABLISHED 1
-#define TCP_SYN_RECV 3
-#define TCP_CLOSE_WAIT 8
-#define MSG_PEEK 2
 #define STREAM_MAX_ENDPOINTS 4096
 #define STREAM_PEEK_BYTES 512	/* of a response's first write, searched for the SSE content type */
 
@@ -590,40 +594,6 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 }
 
 /* --- the server's reads --- */
-
-/* The syscalls that read a socket, and where their buffer is (arch-specific, as sendlat's). */
-#if defined(__TARGET_ARCH_x86)
-#define NR_READ 0
-#define NR_READV 19
-#define NR_RECVFROM 45
-#define NR_RECVMSG 47
-#define SYSCALL_ARG2(regs) ((regs)->si)
-#elif defined(__TARGET_ARCH_arm64)
-#define NR_READ 63
-#define NR_READV 65
-#define NR_RECVFROM 207
-#define NR_RECVMSG 212
-#define SYSCALL_ARG2(regs) ((regs)->regs[1])
-#endif
-
-/* Where the bytes a read syscall just returned start in user memory; 0 when unknown. */
-static __always_inline __u64 received_buffer(void)
-{
-	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
-	long nr = SYSCALL_NR(regs);
-	__u64 arg = SYSCALL_ARG2(regs), iov = 0, base = 0;
-	struct user_msghdr msg;
-
-	if (nr == NR_READ || nr == NR_RECVFROM)
-		return arg;
-	if (nr == NR_RECVMSG && !bpf_probe_read_user(&msg, sizeof(msg), (void *)arg))
-		iov = (__u64)msg.msg_iov;
-	else if (nr == NR_READV)
-		iov = arg;
-	if (iov)
-		bpf_probe_read_user(&base, sizeof(base), (void *)iov);	/* iov_base of the first iovec */
-	return base;
-}
 
 /* HTTP/2: the client's frames in what it sent (its first read also holds the connection preface,
  * "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", which makes the connection HTTP/2 before the server writes). */
