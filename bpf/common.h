@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: GPL-2.0 */
-/* Small helpers the programs share: BTF exports, map entries made on first use, counters, tc verdicts.
- * User space decodes map keys and values from the object's BTF, so the structs in the
+/* Small helpers the programs share: BTF exports, map entries made on first use, counters, tc verdicts,
+ * byte comparisons. User space decodes map keys and values from the object's BTF, so the structs in the
  * per-probe headers are the single source of their layout. */
 #ifndef AIPROBE_COMMON_H
 #define AIPROBE_COMMON_H
@@ -34,6 +34,17 @@ static __always_inline void *lookup_or_init(void *map, const void *key, const vo
 		return value;
 	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
 	return bpf_map_lookup_elem(map, key);
+}
+
+/* Four bytes as one little-endian word, to compare a buffer's first four with first4(). */
+#define BYTES4(a, b, c, d) ((__u32)(a) | (__u32)(b) << 8 | (__u32)(c) << 16 | (__u32)(d) << 24)
+
+static __always_inline __u32 first4(const char *bytes)
+{
+	__u32 word;
+
+	__builtin_memcpy(&word, bytes, 4);
+	return word;
 }
 
 #endif /* AIPROBE_COMMON_H */

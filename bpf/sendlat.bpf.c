@@ -31,8 +31,8 @@
 #include "hist.h"
 #include "sendlat.h"
 #include "sock.h"
+#include "streams_programs.h"	/* the stream logic, called from these programs */
 #include "syscalls.h"
-#include "streams.h"	/* the stream logic, called from these programs */
 
 char LICENSE[] SEC("license") = "GPL";
 
