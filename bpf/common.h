@@ -15,6 +15,9 @@
 /* Puts `struct name` into the object's BTF (locals alone are not emitted), so user space can decode
  * ring-buffer records by struct name: BTF_EXPORT(slow_send_event); */
 #define BTF_EXPORT(name) const volatile struct name *__btf_export_##name __attribute__((unused))
+/* The same for `enum name`, whose enumerators user space reads (label values, in value order) rather
+ * than copying them: BTF_EXPORT_ENUM(send_error); */
+#define BTF_EXPORT_ENUM(name) const volatile enum name *__btf_export_enum_##name __attribute__((unused))
 
 /* Adds 1 to entry `index` of a probe's counters (an ARRAY of __u64). */
 static __always_inline void counter_inc(void *counters, __u32 index)

@@ -6,8 +6,11 @@
 #define AIPROBE_STREAMS_H
 
 #include "vmlinux.h"
+#include "common.h"
 #include "hist.h"
 
+/* The enums whose names are label values (agent/streams.py reads them from BTF, in value order, each
+ * in lower case without its prefix; the _MAX count is none): */
 enum stream_protocol {
 	STREAM_PROTOCOL_TCP,	/* unreadable or not recognised */
 	STREAM_PROTOCOL_HTTP,
@@ -17,6 +20,7 @@ enum stream_protocol {
 	STREAM_PROTOCOL_TLS,
 	STREAM_PROTOCOL_MAX,
 };
+BTF_EXPORT_ENUM(stream_protocol);
 
 enum stall_cause {
 	STALL_SERVER,		/* none of the others: the application was slow to produce */
@@ -25,6 +29,7 @@ enum stall_cause {
 	STALL_GPU,		/* the process was inside a CUDA synchronization (map cuda_sync_time) */
 	STALL_CAUSE_MAX,
 };
+BTF_EXPORT_ENUM(stall_cause);
 
 /* The aggregate's key: a process in a cgroup serving one listening port with one protocol. */
 struct stream_key {
