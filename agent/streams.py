@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import btf
 from .histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from .loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
+from .loader import BpfObject, Lazy, ProbeUnavailable, RingRecords, Strategy, enum_labels
 from .metrics import PROCESS_LABELS, Family
 from .model import MapUsage, ProbeStatus, StreamEndpoint, StreamsSnapshot, StreamStall
 from .names import comm_text, ip_text
@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from .config import Config
     from .sendlat import SendLatencyProbe
 
-# enum stream_protocol and enum stall_cause (bpf/streams.h).
-PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
-CAUSES = ("server", "network", "cpu", "gpu")
+# As enum stream_protocol and enum stall_cause (bpf/streams.h) name them; the stream logic is in sendlat's object.
+PROTOCOLS = enum_labels("sendlat", "stream_protocol", "STREAM_PROTOCOL_")
+CAUSES = enum_labels("sendlat", "stall_cause", "STALL_")
 MAX_PENDING_STALLS = 65536
 GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
 NO_GPU_CAUSE = "no gpu cause: the cuda probe is not running"
@@ -236,6 +236,6 @@ SPEC = ProbeSpec(
                "Gaps between writes above the stall threshold, by cause: network (the socket was full), cpu "
                "(the writer waited for a CPU), gpu (the process was inside a CUDA synchronization), server.",
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
-               expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
+               expand=Lazy(lambda: ((cause, _stalls_of(cause)) for cause in CAUSES))),
     ),
 )

@@ -31,7 +31,7 @@ import pytest
 from aiprobe.config import ConfigError, from_dict
 from aiprobe.cuda import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.cuda import CudaProbe
-from aiprobe.histogram import HIST_SLOTS
+from aiprobe.histogram import hist_slots
 from aiprobe.model import StreamEndpoint, StreamsSnapshot
 from aiprobe.sendlat import SendLatencyProbe
 from aiprobe.streams import StreamsProbe, _endpoint
@@ -427,7 +427,7 @@ def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
 
 
 def test_endpoint_entry_becomes_a_record() -> None:
-    hist = {"slots": [0] * HIST_SLOTS, "count": 0, "sum_ns": 0}
+    hist = {"slots": [0] * hist_slots(), "count": 0, "sum_ns": 0}
     value = {"comm": b"uvicorn\0", "streams": 2, "chunks": 7, "bytes": 90, "stalls": [1, 2, 0, 0],
              "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": {**hist, "count": 1},
              "durations_unknown": 1}
