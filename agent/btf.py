@@ -1,14 +1,16 @@
 """BTF -> ctypes: map keys, values, ring-buffer events and .rodata come from the object's own BTF.
 
-The BPF headers in bpf/ are the only definition of a struct's layout; user space never mirrors them
-by hand, so the two cannot drift. `decode` turns an instance into plain Python values (dicts, ints,
-bytes) that collectors map to metrics.
+The BPF headers in bpf/ are the only definition of a struct's layout, and of the enums and array sizes
+user space names (enum_names, array_length); user space never mirrors them by hand, so the two cannot
+drift. `decode` turns an instance into plain Python values (dicts, ints, bytes) that collectors map to
+metrics.
 """
 
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_uint32
+from ctypes import c_int32, c_uint32
+from pathlib import Path
 from typing import Any
 
 from . import libbpf
@@ -39,12 +41,21 @@ class BtfVarSecinfo(ctypes.Structure):
     _fields_ = [("type", c_uint32), ("offset", c_uint32), ("size", c_uint32)]
 
 
+class BtfEnum(ctypes.Structure):
+    _fields_ = [("name_off", c_uint32), ("val", c_int32)]
+
+
 class Btf:
     """Read access to one BTF blob (an object's, or vmlinux's) through libbpf."""
 
     def __init__(self, handle: int) -> None:
         self._handle = handle
         self._cache: dict[int, type] = {}
+
+    @classmethod
+    def parse_elf(cls, path: Path) -> Btf:
+        """The BTF of an object file, read from its .BTF section: nothing is loaded into the kernel."""
+        return cls(libbpf.new_ptr("btf__parse_elf", str(path).encode(), None))
 
     def kind(self, type_id: int) -> int:
         return (self._type(type_id).info >> 24) & 0x1F
@@ -74,6 +85,22 @@ class Btf:
 
     def struct_ctype(self, name: str) -> type:
         return self.ctype(self.find(name, STRUCT))
+
+    def enum_names(self, name: str) -> list[str]:
+        """The enumerators of `enum name`, in value order."""
+        members = sorted(self._trailing(self.find(name, ENUM), BtfEnum), key=lambda member: member.val)
+        return [self._member_name(member) for member in members]
+
+    def array_length(self, struct: str, member: str) -> int:
+        """The number of elements of array `member` of `struct struct`."""
+        struct_id = self.find(struct, STRUCT)
+        for field in self._trailing(struct_id, BtfMember):
+            if self._member_name(field) == member:
+                array_id = self.resolve(field.type)
+                if self.kind(array_id) != ARRAY:
+                    raise TypeError(f"{struct}.{member} is not an array")
+                return int(self._trailing_one(array_id, BtfArray).nelems)
+        raise KeyError(f"struct {struct} has no member {member!r}")
 
     def datasec_vars(self, section: str) -> dict[str, tuple[int, int]]:
         """Variables of a DATASEC such as '.rodata': name -> (offset, type id)."""
@@ -151,7 +178,7 @@ class Btf:
             raise TypeError(f"layout of {self.name(type_id)!r} does not match BTF size {size}")
         return record
 
-    def _member_name(self, member: BtfMember) -> str:
+    def _member_name(self, member: BtfMember | BtfEnum) -> str:
         raw = libbpf.lib().btf__name_by_offset(self._handle, member.name_off)
         return raw.decode() if raw else ""
 

@@ -3,21 +3,31 @@ and their quantiles. (Windows of recent changes: aiprobe.deltas.Window.)"""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
+from .loader import object_btf
+
 Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, count), ascending
 NS_PER_SECOND = 1e9
 
 
-# The kernel's log-linear histogram (`struct hist`, bpf/common.h): durations in units of 2^-14 ms;
+# The kernel's log-linear histogram (`struct hist`, bpf/hist.h): durations in units of 2^-14 ms;
 # slot i < 32 holds units [i, i + 1), slot 16 * s + m (16 <= m < 32) holds [m * 2^s, (m + 1) * 2^s),
-# the last slot everything above. Every m * 2^k ms with m < 32 is an edge.
+# the last slot everything above. Every m * 2^k ms with m < 32 is an edge. The decoding below takes the
+# number of slots from the slots it is given; hist_slots() says how many the kernel has.
 HIST_SUB = 16
-HIST_SLOTS = 433
 UNITS_PER_MS = 2 ** 14
+
+
+@functools.cache
+def hist_slots() -> int:
+    """How many slots a kernel histogram has (HIST_SLOTS): read from `struct hist` in the sendlat
+    object's BTF (every object has the one from bpf/hist.h), as aiprobe.loader reads C constants."""
+    return object_btf("sendlat").array_length("hist", "slots")
 
 
 def _slot_upper_units(index: int) -> int:
@@ -34,23 +44,32 @@ def _units_to_seconds(units: int) -> float:
 # The `le` bounds exported (Prometheus, JSON): 3 per power of two, 7.8 us to 32.8 s. Each is a kernel
 # edge (so its count is exact), among them the shipped rules' thresholds 2, 5, 20 and 50 ms.
 _EXPORTED_UNITS = tuple(sorted({m << s for s in range(3, 25) for m in (16, 20, 25)} | {16 << 25}))
-_SLOT_BY_UPPER = {_slot_upper_units(i): i for i in range(HIST_SLOTS - 1)}
 EXPORTED_BOUNDS = tuple(_units_to_seconds(u) for u in _EXPORTED_UNITS)
 
 
-_UPPER_BOUNDS = (*(_units_to_seconds(_slot_upper_units(i)) for i in range(HIST_SLOTS - 1)), math.inf)
+@functools.cache
+def _upper_bounds(slots: int) -> tuple[float, ...]:
+    """The upper bound (seconds) of each of `slots` slots, the last one +Inf."""
+    return (*(_units_to_seconds(_slot_upper_units(i)) for i in range(slots - 1)), math.inf)
+
+
+@functools.cache
+def _slot_by_upper(slots: int) -> dict[int, int]:
+    """The slot whose upper bound is `units`, of the first `slots` - 1 (the last one has none)."""
+    return {_slot_upper_units(i): i for i in range(slots - 1)}
 
 
 def kernel_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
     """Cumulative (le_seconds, count) of every slot of a `struct hist`, the last one +Inf: full
     resolution, for quantiles. (Also takes a prefix of the slots, as tests write them.)"""
-    return list(zip((*_UPPER_BOUNDS[:len(slots) - 1], math.inf), itertools.accumulate(slots), strict=True))
+    return list(zip(_upper_bounds(len(slots)), itertools.accumulate(slots), strict=True))
 
 
 def exported_buckets(fine: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
     exact counts, since each bound is a kernel edge."""
-    picked = [(le, fine[_SLOT_BY_UPPER[units]][1]) for le, units in zip(EXPORTED_BOUNDS, _EXPORTED_UNITS, strict=True)]
+    slot_by_upper = _slot_by_upper(len(fine))
+    picked = [(le, fine[slot_by_upper[units]][1]) for le, units in zip(EXPORTED_BOUNDS, _EXPORTED_UNITS, strict=True)]
     return [*picked, (math.inf, fine[-1][1])]
 
 

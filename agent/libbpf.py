@@ -207,6 +207,7 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_obj_get_info_by_fd", c_int, [c_int, c_void_p, POINTER(c_uint32)]),
     ("bpf_enable_stats", c_int, [c_int]),
     ("btf__load_vmlinux_btf", c_void_p, []),
+    ("btf__parse_elf", c_void_p, [c_char_p, c_void_p]),
     ("btf__free", None, [c_void_p]),
     ("btf__type_by_id", POINTER(BtfType), [c_void_p, c_uint32]),
     ("btf__name_by_offset", c_char_p, [c_void_p, c_uint32]),

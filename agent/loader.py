@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from . import elf, libbpf, uprobe_events
 from .btf import Btf, decode
@@ -60,6 +61,55 @@ def object_path(name: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"BPF object {path} is missing; build it with `make bpf`")
     return path
+
+
+# The C constants user space needs (an enum's names, an array's length) come from the object's own BTF,
+# not from a file generated at build time: the object the loader opens is then the one place they live,
+# with nothing else to build, ship or keep in step with it (AIPROBE_BPF_DIR points at other objects and
+# the constants follow). Reading them needs libbpf and the built object, so it waits for first use, and
+# importing a module that declares them never fails.
+
+@functools.cache
+def object_btf(name: str) -> Btf:
+    """Object `name`'s BTF, parsed from its file (nothing is loaded into the kernel); kept for good."""
+    return Btf.parse_elf(object_path(name))
+
+
+Item = TypeVar("Item")
+
+
+class Lazy(Sequence[Item]):
+    """A tuple made when first used (indexed, iterated, measured), for constants read from BTF."""
+
+    def __init__(self, make: Callable[[], Iterable[Item]]) -> None:
+        self._make = make
+
+    @functools.cached_property
+    def _items(self) -> tuple[Item, ...]:
+        return tuple(self._make())
+
+    @overload
+    def __getitem__(self, index: int) -> Item: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Item, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Item | tuple[Item, ...]:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def enum_labels(obj: str, enum: str, prefix: str, label: Callable[[str], str] = str.lower) -> Lazy[str]:
+    """Label values named by C enum `enum` of object `obj`, in value order: each enumerator without
+    `prefix`, through `label`; a count (a name ending in _MAX) is none. Its header puts the enum into
+    the object's BTF (BTF_EXPORT_ENUM)."""
+    def read() -> list[str]:
+        names = object_btf(obj).enum_names(enum)
+        return [label(name.removeprefix(prefix)) for name in names if not name.endswith("_MAX")]
+
+    return Lazy(read)
 
 
 class Link:

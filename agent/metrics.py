@@ -7,7 +7,7 @@ fails when the two differ). This module only describes: it imports no Prometheus
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,7 @@ class Family:
     sum_field: str = ""
     per_identity: bool = False
     expand_label: str = ""
-    expand: tuple[tuple[str, Getter], ...] = ()
+    expand: Sequence[tuple[str, Getter]] = ()  # a loader.Lazy where the label values come from BTF
     series: Callable[[Config], Callable[[list[Any]], list[Series]]] | None = None
     option: Callable[[Config], bool] | None = None  # whether the config wants it (DCGM names)
     doc_note: str = ""  # extra words in docs/metrics.md only

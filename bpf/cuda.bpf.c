@@ -12,6 +12,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include "common.h"
+#include "hist.h"
 #include "cuda.h"
 #include "cuda_sync.h"
 

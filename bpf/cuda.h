@@ -2,7 +2,8 @@
 #ifndef AIPROBE_CUDA_H
 #define AIPROBE_CUDA_H
 
-#include "common.h"
+#include "vmlinux.h"
+#include "hist.h"
 
 /* Live threads that called into libcuda or libcudart ("GPU-driving threads"), tracked at once. An
  * entry goes when its thread exits, so this bounds concurrent threads, not threads ever seen. */

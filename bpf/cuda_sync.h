@@ -1,11 +1,14 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /* Per process, the time its threads spent inside CUDA synchronizations: written by the cuda probe's
- * synchronize uprobes (bpf/cuda.bpf.c), read by the stream logic (bpf/streams.h, in sendlat's object)
+ * synchronize uprobes (bpf/cuda.bpf.c), read by the stream logic (bpf/streams_programs.h, in sendlat's object)
  * to tell a stall spent waiting for the GPU. Both objects declare map `cuda_sync_time` from here; the
  * loader makes the second one loaded reuse the first one's map (agent/loader.py, SHARED_MAPS), so
  * either may load first and each runs alone with a map of its own. */
 #ifndef AIPROBE_CUDA_SYNC_H
 #define AIPROBE_CUDA_SYNC_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
 
 #define CUDA_SYNC_PROCESSES 2048	/* as MAX_GPU_PROCESSES: user space deletes exited processes' entries */
 

@@ -2,6 +2,8 @@
 #ifndef AIPROBE_FEATURES_H
 #define AIPROBE_FEATURES_H
 
+#include "vmlinux.h"
+
 /* Sent through the ring buffer by the uprobe feature program (the loader's own tests read it). */
 struct feature_event {
 	__u32 pid;

@@ -2,11 +2,16 @@
 #ifndef AIPROBE_FLOWS_H
 #define AIPROBE_FLOWS_H
 
-/* flow_key.direction: ingress is counted at tc ingress (or XDP where opted in), egress at tc egress. */
+#include "vmlinux.h"
+#include "common.h"
+
+/* flow_key.direction: ingress is counted at tc ingress (or XDP where opted in), egress at tc egress.
+ * agent/flows.py reads the names from BTF: the label values, in lower case without the prefix. */
 enum flow_direction {
 	FLOW_INGRESS = 0,
 	FLOW_EGRESS = 1,
 };
+BTF_EXPORT_ENUM(flow_direction);
 
 /* One flow per interface and direction. "local" is this host's side: the destination of an
  * ingress frame, the source of an egress one. IPv4 addresses fill the first 4 bytes of the

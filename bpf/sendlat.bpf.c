@@ -28,41 +28,15 @@
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
 #include "common.h"
+#include "hist.h"
 #include "sendlat.h"
+#include "sock.h"
+#include "streams_programs.h"	/* the stream logic, called from these programs */
+#include "syscalls.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
-#define AF_INET 2
-#define AF_INET6 10
 #define PF_KTHREAD 0x00200000	/* include/linux/sched.h: not in BTF */
-/* errno values (uapi asm-generic/errno*.h) and the kernel-internal restart codes (linux/errno.h). */
-#define EINTR 4
-#define EAGAIN 11
-#define EPIPE 32
-#define ECONNRESET 104
-#define ENOTCONN 107
-#define ETIMEDOUT 110
-#define ERESTARTSYS 512
-#define ERESTART_RESTARTBLOCK 516
-
-/* The syscalls that send on a socket (send(2) is sendto on these ABIs). */
-#if defined(__TARGET_ARCH_x86)
-#define NR_WRITE 1
-#define NR_WRITEV 20
-#define NR_SENDTO 44
-#define NR_SENDMSG 46
-#define NR_SENDMMSG 307
-#define SYSCALL_NR(regs) ((regs)->orig_ax)
-#elif defined(__TARGET_ARCH_arm64)
-#define NR_WRITE 64
-#define NR_WRITEV 66
-#define NR_SENDTO 206
-#define NR_SENDMSG 211
-#define NR_SENDMMSG 269
-#define SYSCALL_NR(regs) ((regs)->syscallno)
-#else
-#error "sendlat: add this architecture's send syscall numbers"
-#endif
 
 /* A thread re-reads its cgroup id (20 ns) when its css_set changes (a move to another cgroup) and
  * once in this many sends besides (a freed css_set's address may come back for another set). */
@@ -329,19 +303,6 @@ static __always_inline enum send_error send_error_of(long ret)
 		return SEND_ERROR_EINTR;
 	return SEND_ERROR_OTHER;
 }
-
-/* A successful send that left `sk` full: it found no room and sent only part (a non-blocking send,
- * what asyncio servers see rather than an EAGAIN, as they send only once the socket polls writable;
- * or a blocking one cut short by SO_SNDTIMEO or a signal). The kernel flags the socket SOCK_NOSPACE
- * when a send finds it full and clears the flag when room frees up, which a blocking send waits for. */
-static __always_inline bool left_full(struct sock *sk)
-{
-	struct socket *sock = sk->sk_socket;
-
-	return sock && (sock->flags & (1UL << SOCK_NOSPACE));
-}
-
-#include "streams.h"
 
 /* `sk` is unwritable from now, unless it already was. */
 static __always_inline void socket_unwritable(struct sendlat_thread *thread, struct sock *sk)

@@ -3,6 +3,10 @@
 #ifndef AIPROBE_SENDLAT_H
 #define AIPROBE_SENDLAT_H
 
+#include "vmlinux.h"
+#include "common.h"
+#include "hist.h"
+
 #define TASK_COMM_LEN 16
 #define MAX_PROCS 4096		/* (process, cgroup) pairs counted at once */
 
@@ -14,7 +18,8 @@ struct sendlat_proc_key {
 	__u64 cgroup_id;
 };
 
-/* Why a send failed: the index into sendlat_proc_stats.errors (agent/probes/sendlat/probe.py names them). */
+/* Why a send failed: the index into sendlat_proc_stats.errors. agent/probes/sendlat/probe.py labels them with these
+ * names (errno names as they are, `other` in lower case) and the values in order, read from BTF. */
 enum send_error {
 	SEND_ERROR_EAGAIN,	/* also EWOULDBLOCK: the socket buffer is full (back-pressure) */
 	SEND_ERROR_EPIPE,
@@ -25,6 +30,7 @@ enum send_error {
 	SEND_ERROR_OTHER,
 	SEND_ERROR_MAX,
 };
+BTF_EXPORT_ENUM(send_error);
 
 /* Per-process send statistics, one `procs` array entry per (tgid, cgroup id). */
 struct sendlat_proc_stats {

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from aiprobe.config import RuleConfig
 from aiprobe.elf import ElfError, function_offsets
-from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, kernel_buckets
+from aiprobe.histogram import EXPORTED_BOUNDS, hist_slots, kernel_buckets
 from aiprobe.names import printable
 from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.probe import (
@@ -641,7 +641,7 @@ def test_scanner_reads_new_pids_at_once_and_known_ones_after_their_age(tmp_path)
 
 
 def test_process_entry_becomes_a_record() -> None:
-    slots = [0] * HIST_SLOTS
+    slots = [0] * hist_slots()
     slots[0], slots[-2] = 2, 2  # below 61 ns; above the last exported bound (under 65.5 s)
     hist = {"slots": slots, "count": 4, "sum_ns": 2 * 60 + 2 * 60 * 10**9}
     entry = {"comm": b"python\0\0", "gpu_threads": 2, "thread_ctx_changes": 7, "kernel_launches": 2,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from aiprobe.histogram import HIST_SLOTS, buckets_to_json, kernel_buckets, quantile
+from aiprobe.histogram import buckets_to_json, hist_slots, kernel_buckets, quantile
 from aiprobe.procfs import StartTimes, start_ticks
 from exported_histograms import check_series
 
 
 def test_quantile_interpolates_inside_its_bucket() -> None:
-    slots = [0] * HIST_SLOTS
+    slots = [0] * hist_slots()
     slots[200] = 100  # 16 * 11 + 24: [24, 25) * 2^11 units of 2^-14 ms = [3.0, 3.125) ms
     buckets = kernel_buckets(slots)
     assert quantile(buckets, 0.5) == pytest.approx(3.0625e-3)
@@ -22,9 +22,9 @@ def test_quantile_interpolates_inside_its_bucket() -> None:
 
 
 def test_quantile_without_observations_or_in_the_open_bucket() -> None:
-    assert quantile(kernel_buckets([0] * HIST_SLOTS), 0.99) is None
+    assert quantile(kernel_buckets([0] * hist_slots()), 0.99) is None
     assert quantile([], 0.5) is None
-    open_ended = kernel_buckets([0] * (HIST_SLOTS - 1) + [4])
+    open_ended = kernel_buckets([0] * (hist_slots() - 1) + [4])
     assert quantile(open_ended, 0.5) == 65.536  # the open bucket's lower bound
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiprobe.config import Config
 from aiprobe.exporters.prometheus import AgentCollector, doc_tables
-from aiprobe.histogram import HIST_SLOTS, exported_buckets, kernel_buckets
+from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
 from aiprobe.model import Alert, MapUsage, ProbeStatus, Readings
 from aiprobe.probes.cuda.records import ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
@@ -19,7 +19,7 @@ from aiprobe.probes.nvml.settings import NvmlSettings
 from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-HISTOGRAM = exported_buckets(kernel_buckets([1] * HIST_SLOTS))
+HISTOGRAM = exported_buckets(kernel_buckets([1] * hist_slots()))
 
 
 def every_kind_of_reading() -> Readings:

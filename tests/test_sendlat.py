@@ -23,7 +23,7 @@ from aiprobe.btf import decode
 from aiprobe.config import DEFAULT_RULES, Config
 from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
-from aiprobe.histogram import EXPORTED_BOUNDS, HIST_SLOTS, exported_buckets, kernel_buckets, quantile
+from aiprobe.histogram import EXPORTED_BOUNDS, exported_buckets, hist_slots, kernel_buckets, quantile
 from aiprobe.loader import ProbeUnavailable, Strategy
 from aiprobe.probes.sendlat.hooks import send_stall
 from aiprobe.probes.sendlat.probe import (
@@ -79,7 +79,7 @@ def same_address(a: str, b: str) -> bool:
 def kernel_slot(ns: int) -> int:
     """hist_slot() of bpf/common.h, step by step."""
     if ns >= 65_536_000_000:
-        return HIST_SLOTS - 1
+        return hist_slots() - 1
     units = (ns * 70368744) >> 32
     if units < 32:
         return units
@@ -90,7 +90,7 @@ def kernel_slot(ns: int) -> int:
 @pytest.mark.parametrize("ns", [0, 61, 62, 1_000, 1_953, 999_999, 1_000_001, 16_999_999, 17_000_000,
                                 20_000_000, 34_000_000, 49_999_999, 50_000_001, 300_000_000, 65_535_999_999])
 def test_kernel_buckets_hold_their_values_within_one_sixteenth(ns: int) -> None:
-    slots = [0] * HIST_SLOTS
+    slots = [0] * hist_slots()
     slots[kernel_slot(ns)] = 1
     buckets = kernel_buckets(slots)
     index = next(i for i, (_, count) in enumerate(buckets) if count)
@@ -106,14 +106,14 @@ def test_rule_thresholds_are_exported_edges_and_exported_edges_are_few() -> None
     assert len(EXPORTED_BOUNDS) < 100
     # A value just above a threshold lands above its edge, one just below, below.
     for ns, below in ((49_999_990, True), (50_000_010, False), (19_999_990, True), (20_000_010, False)):
-        slots = [0] * HIST_SLOTS
+        slots = [0] * hist_slots()
         slots[kernel_slot(ns)] = 1
         exported = dict(exported_buckets(kernel_buckets(slots)))
         assert exported[round(ns / 1e7) / 100] == below, ns
 
 
 def test_quantiles_interpolate_inside_a_bucket() -> None:
-    slots = [0] * HIST_SLOTS
+    slots = [0] * hist_slots()
     slots[kernel_slot(17_000_000)] = 99
     slots[kernel_slot(300_000_000)] = 1
     buckets = kernel_buckets(slots)
@@ -136,7 +136,7 @@ def test_timing_budget_samples_coarser_at_once_and_finer_with_room_to_spare() ->
 
 
 def test_process_document_has_the_exported_buckets_and_inf_as_text() -> None:
-    buckets = exported_buckets(kernel_buckets([0] * (HIST_SLOTS - 1) + [1]))
+    buckets = exported_buckets(kernel_buckets([0] * (hist_slots() - 1) + [1]))
     record = ProcessSendLatency(1, "x", 2, 1, 10, 40.0, 34.0, 34.0, buckets, errors={"EAGAIN": 3})
     document = record.to_dict()
     assert [b["le_seconds"] for b in document["histogram"]][-1] == "+Inf"

@@ -29,7 +29,7 @@ import grpc
 import httpx
 import pytest
 from aiprobe.config import ConfigError, from_dict
-from aiprobe.histogram import HIST_SLOTS
+from aiprobe.histogram import hist_slots
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.probe import CudaProbe
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
@@ -429,7 +429,7 @@ def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
 
 
 def test_endpoint_entry_becomes_a_record() -> None:
-    hist = {"slots": [0] * HIST_SLOTS, "count": 0, "sum_ns": 0}
+    hist = {"slots": [0] * hist_slots(), "count": 0, "sum_ns": 0}
     value = {"comm": b"uvicorn\0", "streams": 2, "chunks": 7, "bytes": 90, "stalls": [1, 2, 0, 0],
              "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": {**hist, "count": 1},
              "durations_unknown": 1}

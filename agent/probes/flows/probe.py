@@ -46,6 +46,7 @@ from ...loader import (
     Link,
     Program,
     Strategy,
+    enum_labels,
     load_first,
     program_name,
     tc_clsact_detach,
@@ -152,7 +153,7 @@ DEFAULT_MAX_FLOWS = 16384
 # find room in the kernel instead of failing to insert.
 EVICT_ABOVE = 0.9
 EVICT_TO = 0.8
-DIRECTIONS = ("ingress", "egress")  # indexed by enum flow_direction (bpf/flows.h)
+DIRECTIONS = enum_labels("flows", "flow_direction", "FLOW_")  # as enum flow_direction (bpf/flows.h) names them
 # Rates are taken against the latest read at least this old, never over a sliver of time (a final
 # read right after the last tick would read 0).
 MIN_RATE_WINDOW_NS = 100_000_000

@@ -9,6 +9,8 @@ turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` pri
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 import socket
 import time
@@ -17,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from ... import btf
 from ...budget import CpuBudget
-from ...histogram import HIST_SLOTS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, Loaded, ProbeUnavailable, RingRecords, Strategy, load_first
+from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile
+from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy, enum_labels, load_first
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -38,9 +40,22 @@ OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
 MAX_PENDING_SLOW_SENDS = 65536
 _STATS_MAPS = ("procs", "flows")
-# Failed sends by error: the order of enum send_error (bpf/sendlat.h).
-SEND_ERRORS = ("EAGAIN", "EPIPE", "ECONNRESET", "EINTR", "ETIMEDOUT", "ENOTCONN", "other")
-NO_WAITS = exported_buckets(kernel_buckets([0] * HIST_SLOTS))
+
+
+def _error_label(name: str) -> str:
+    """An errno's name as errno(3) spells it (EAGAIN); the rest in lower case (other)."""
+    return name if hasattr(errno, name) else name.lower()
+
+
+# Failed sends by error, as enum send_error (bpf/sendlat.h) names them.
+SEND_ERRORS = enum_labels(OBJECT, "send_error", "SEND_ERROR_", _error_label)
+
+
+@functools.cache
+def _no_waits() -> list[tuple[float, int]]:
+    """The unwritable histogram of a process whose sockets never filled."""
+    return exported_buckets(kernel_buckets([0] * hist_slots()))
+
 
 def _error_count(name: str) -> Any:
     return lambda record: record.errors.get(name, 0)
@@ -101,7 +116,7 @@ SPEC = ProbeSpec(
         Family("aiprobe_tcp_send_errors_total", "counter",
                "Failed TCP sends, by error; EAGAIN (also EWOULDBLOCK) is back-pressure on a non-blocking socket.",
                ProcessSendLatency, labels=PROCESS_LABELS, per_identity=True, expand_label="error",
-               expand=tuple((name, _error_count(name)) for name in SEND_ERRORS)),
+               expand=Lazy(lambda: ((name, _error_count(name)) for name in SEND_ERRORS))),
         Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram",
                "Duration of successful TCP sends (log-linear buckets; 1 in aiprobe_tcp_send_timing_sample_every "
                "timed).", ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds",
@@ -186,7 +201,7 @@ def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> Proce
         unwritable_count=waits.count if waits is not None else 0,
         unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
         unwritable_p99_seconds=quantile(waited, 0.99),
-        unwritable_histogram=exported_buckets(waited) if waits is not None else NO_WAITS,
+        unwritable_histogram=exported_buckets(waited) if waits is not None else _no_waits(),
     )
 
 

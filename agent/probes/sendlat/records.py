@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...loader import enum_labels
 from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
 
-# enum stream_protocol and enum stall_cause (bpf/streams.h).
-PROTOCOLS = ("tcp", "http", "sse", "http2", "grpc", "tls")
-CAUSES = ("server", "network", "cpu", "gpu")
+# As enum stream_protocol and enum stall_cause (bpf/streams.h) name them; the stream logic is in sendlat's object.
+PROTOCOLS = enum_labels("sendlat", "stream_protocol", "STREAM_PROTOCOL_")
+CAUSES = enum_labels("sendlat", "stall_cause", "STALL_")
 
 
 @dataclass

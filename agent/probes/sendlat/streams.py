@@ -14,7 +14,7 @@ from typing import Any
 
 from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, ProbeUnavailable, RingRecords, Strategy
+from ...loader import BpfObject, Lazy, ProbeUnavailable, RingRecords, Strategy
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -222,7 +222,7 @@ PART = Part(
                "Gaps between writes above the stall threshold, by cause: network (the socket was full), cpu "
                "(the writer waited for a CPU), gpu (the process was inside a CUDA synchronization), server.",
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
-               expand=tuple((cause, _stalls_of(cause)) for cause in CAUSES)),
+               expand=Lazy(lambda: ((cause, _stalls_of(cause)) for cause in CAUSES))),
     ),
     hooks=StreamsHooks(),
     views=(STREAMS_VIEW,),

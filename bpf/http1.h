@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* HTTP/1.x responses, from the bytes of a write: a status line, Server-Sent Events (the content type
+ * text/event-stream), the end of the headers, chunked encoding's last chunk. */
+#ifndef AIPROBE_HTTP1_H
+#define AIPROBE_HTTP1_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include "common.h"
+
+/* Of a response's first write, the bytes read to tell its protocol; the SSE content type is searched
+ * for in these. A buffer passed to has_event_stream() holds this many. */
+#define HTTP1_PEEK_BYTES 512
+
+/* "HTTP/1." (len >= 8) */
+static __always_inline bool is_http1(const char *bytes, __u64 len)
+{
+	return len >= 8 && first4(bytes) == BYTES4('H', 'T', 'T', 'P') && bytes[4] == '/' && bytes[5] == '1' &&
+	       bytes[6] == '.';
+}
+
+/* The search for "event-stream" in the peeked bytes: "event-st", then "ream". */
+struct sse_search {
+	const char *bytes;
+	__u32 len;
+	bool found;
+};
+
+static long sse_search_at(__u32 i, struct sse_search *search)
+{
+	const __u64 event_st = 0x74732d746e657665ULL;	/* "event-st" little-endian */
+	__u64 word;
+	__u32 tail;
+
+	if (i + 12 > search->len || i > HTTP1_PEEK_BYTES - 12)
+		return 1;
+	__builtin_memcpy(&word, search->bytes + i, 8);
+	if (word != event_st)
+		return 0;
+	__builtin_memcpy(&tail, search->bytes + i + 8, 4);
+	search->found = tail == BYTES4('r', 'e', 'a', 'm');
+	return search->found;
+}
+
+/* Whether the headers name text/event-stream. */
+static __always_inline bool has_event_stream(const char *bytes, __u32 len)
+{
+	struct sse_search search = { .bytes = bytes, .len = len };
+
+	bpf_loop(HTTP1_PEEK_BYTES - 11, sse_search_at, &search, 0);
+	return search.found;
+}
+
+/* Chunked encoding's end, "0\r\n\r\n" (5 bytes). */
+static __always_inline bool is_last_chunk(const char *bytes)
+{
+	return first4(bytes) == BYTES4('0', '\r', '\n', '\r') && bytes[4] == '\n';
+}
+
+/* The last 4 bytes of a write that ends the headers (the blank line after them), as first4() reads. */
+#define HTTP1_HEADERS_END BYTES4('\r', '\n', '\r', '\n')
+
+#endif /* AIPROBE_HTTP1_H */

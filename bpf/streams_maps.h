@@ -1,0 +1,129 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Token streams' kernel state: what each accepted connection's socket storage holds (the response in
+ * progress, its HTTP/2 streams), the settings user space writes, the maps, and the endpoint entries. */
+#ifndef AIPROBE_STREAMS_MAPS_H
+#define AIPROBE_STREAMS_MAPS_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include "common.h"
+#include "http1.h"
+#include "msg.h"
+#include "streams.h"
+
+#define STREAM_MAX_ENDPOINTS 4096
+#define H2_STREAMS 8		/* HTTP/2 streams timed at once per connection */
+#define H2_FRAMES 8		/* streams a write is read for (frames carrying DATA or an end) */
+
+/* Per accepted connection. */
+enum stream_phase { STREAM_IDLE, STREAM_REQUEST, STREAM_RESPONSE };
+enum stream_write { WRITE_BODY, WRITE_HEADERS, WRITE_LAST_CHUNK };
+
+/* The timing of one response: a connection's (HTTP/1.x, TLS, TCP) or an HTTP/2 stream's. */
+struct stream_timing {
+	__u64 request_ns;	/* last request bytes received */
+	__u64 last_write_ns;
+	__u64 run_delay_ns;	/* writer's sched_info.run_delay at its last write */
+	__u64 cuda_sync_ns;	/* its process's time inside CUDA synchronizations then (cuda_sync_ns()) */
+	__u32 writer_tid;
+	__u32 chunks;		/* 0: no body byte written yet */
+};
+
+struct h2_stream {
+	__u32 id;		/* 0: free slot */
+	__u32 pad;
+	struct stream_timing t;
+};
+
+/* What a write's frame carries for its HTTP/2 stream (stream_socket.frame_carries). */
+enum h2_carries { H2_CARRIES_DATA = 1, H2_CARRIES_END = 2 };
+
+struct stream_socket {
+	struct stream_timing t;	/* the connection's response (not HTTP/2) */
+	__u64 full_since_ns;	/* the socket found full since; 0: writable */
+	struct stream_key key;
+	__u8 phase;		/* enum stream_phase */
+	__u8 write;		/* enum stream_write: what the send in progress holds (stream_send_begin) */
+	__u8 classified;	/* protocol read from the connection's first response */
+	__u8 frames;		/* HTTP/2: entries of frame_stream/frame_carries for the send in progress */
+	__u32 frame_stream[H2_FRAMES];
+	__u8 frame_carries[H2_FRAMES];	/* enum h2_carries */
+	struct h2_stream h2[H2_STREAMS];
+};
+
+/* Set by user space while running (its own section: sendlat's `.data` stays sendlat's). */
+__u32 streams_enabled SEC(".data.streams") = 0;
+__u64 stall_threshold_ns SEC(".data.streams") = 250 * 1000 * 1000;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct stream_socket);
+} stream_sockets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, STREAM_MAX_ENDPOINTS);
+	__type(key, struct stream_key);
+	__type(value, struct stream_stats);
+} stream_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 64 * 1024);
+} stream_stalls SEC(".maps");
+
+/* Per-CPU scratch: the first bytes of a response (too large for the stack), the frame walk's cursor. */
+struct stream_peek {
+	char bytes[HTTP1_PEEK_BYTES];
+	struct msg_cursor cursor;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct stream_peek);
+} stream_peek SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, STREAM_COUNTER_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} stream_counters SEC(".maps");
+
+BTF_EXPORT(stream_stall_event);
+
+static struct stream_stats zero_stream_stats;
+
+static __always_inline void stream_count(enum stream_counter index)
+{
+	counter_inc(&stream_counters, index);
+}
+
+/* The stats of the socket's endpoint, created (named after the current process) on first use. */
+static __noinline struct stream_stats *stream_endpoint(struct stream_key *key)
+{
+	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, key);
+	struct task_struct *leader;
+
+	if (stats)
+		return stats;
+	bpf_map_update_elem(&stream_stats, key, &zero_stream_stats, BPF_NOEXIST);
+	stats = bpf_map_lookup_elem(&stream_stats, key);
+	if (!stats) {
+		stream_count(STREAM_COUNTER_ENDPOINTS_FULL);
+		return NULL;
+	}
+	if (!stats->comm[0]) {
+		leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
+		bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
+	}
+	return stats;
+}
+
+#endif /* AIPROBE_STREAMS_MAPS_H */

@@ -1,0 +1,558 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Token streams seen from the wire: per response of a TCP server socket, time to first byte, the gaps
+ * between its writes, its duration, chunks and bytes; stalls (gaps above a threshold) as ring-buffer
+ * events with the evidence of their cause. agent/streams.py reads the types of streams.h through BTF.
+ *
+ * No program of its own on the send path: sendlat's programs call stream_send_begin() where a send
+ * starts (they have its msghdr there) and stream_send_end() where it returns, so a send pays one
+ * socket-storage lookup (sockets that are not accepted server connections have none). The receive
+ * side (streams_recv) and the connection's life (streams_set_state) are the two programs added.
+ *
+ * A response: the server, having received bytes (the request), writes. Its first write ends the time
+ * to first byte; each later write ends a gap; the next request received, or the server's side of the
+ * connection closing or reset, ends it (its duration runs to its last write). HTTP/1.x is read from the
+ * response's first bytes: a write holding only the status line and headers is not a chunk (TTFB runs to
+ * the first body write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response
+ * without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
+ * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
+ * say which streams they are for. docs/streams.md has the rules. A stall's GPU evidence is its
+ * process's time inside CUDA synchronizations, from the map the cuda probe writes (cuda_sync.h): each
+ * write notes the process's total, the write ending a gap takes the difference.
+ *
+ * The parts: types user space decodes (streams.h), the state and maps (streams_maps.h), one parser per
+ * protocol (http1.h, http2.h, tls.h), reading a send's bytes (msg.h), syscalls (syscalls.h). */
+#ifndef AIPROBE_STREAMS_PROGRAMS_H
+#define AIPROBE_STREAMS_PROGRAMS_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_endian.h>
+#include "cuda_sync.h"
+#include "hist.h"
+#include "http1.h"
+#include "http2.h"
+#include "msg.h"
+#include "sock.h"
+#include "streams.h"
+#include "streams_maps.h"
+#include "syscalls.h"
+#include "tls.h"
+
+/* --- the connection --- */
+
+static __always_inline bool is_h2(struct stream_socket *s)
+{
+	return s->key.protocol == STREAM_PROTOCOL_HTTP2 || s->key.protocol == STREAM_PROTOCOL_GRPC;
+}
+
+/* Adds the time from `start` to `end` to `h` (a TTFB, a duration); false, adding nothing, when `end`
+ * precedes `start` (a read and a write of two threads racing on one connection): no made-up value in
+ * the last slot. */
+static __always_inline bool hist_add_span(struct hist *h, __u64 start, __u64 end)
+{
+	if (end < start)
+		return false;
+	hist_add(h, end - start);
+	return true;
+}
+
+/* A response ended (at its last write). */
+static __always_inline void timing_end(struct stream_socket *s, struct stream_timing *t)
+{
+	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, &s->key);
+
+	if (stats && t->chunks && !hist_add_span(&stats->duration, t->request_ns, t->last_write_ns))
+		__sync_fetch_and_add(&stats->durations_unknown, 1);
+	t->chunks = 0;
+}
+
+/* The connection's response in progress ended. */
+static __always_inline void stream_end(struct stream_socket *s)
+{
+	if (s->phase != STREAM_RESPONSE)
+		return;
+	s->phase = STREAM_IDLE;
+	timing_end(s, &s->t);
+}
+
+/* The server's side of the connection is done writing: it left ESTABLISHED (its own close, a reset),
+ * or CLOSE_WAIT, where a server still answers a client that half-closed after its request. */
+static __always_inline bool writes_ended(int oldstate, int newstate)
+{
+	return (oldstate == TCP_ESTABLISHED && newstate != TCP_CLOSE_WAIT) || oldstate == TCP_CLOSE_WAIT;
+}
+
+/* Accepted connections get their state; a connection whose server is done writing ends its responses. */
+SEC("tp_btf/inet_sock_set_state")
+int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
+{
+	struct stream_socket *s;
+
+	if (!streams_enabled || sk->sk_protocol != IPPROTO_TCP)
+		return 0;
+	if (oldstate == TCP_SYN_RECV && newstate == TCP_ESTABLISHED) {
+		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+		return 0;
+	}
+	if (!writes_ended(oldstate, newstate) || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+		return 0;
+	stream_end(s);
+	for (int i = 0; i < H2_STREAMS; i++) {
+		if (s->h2[i].id) {
+			timing_end(s, &s->h2[i].t);
+			s->h2[i].id = 0;
+		}
+	}
+	return 0;
+}
+
+/* --- reading a response's first bytes --- */
+
+static __always_inline __u8 protocol_of(const char *bytes, __u32 len)
+{
+	if (is_tls_record(bytes, len))
+		return STREAM_PROTOCOL_TLS;	/* encrypted from here */
+	if (is_http1(bytes, len))
+		return has_event_stream(bytes, len) ? STREAM_PROTOCOL_SSE : STREAM_PROTOCOL_HTTP;
+	if (is_h2_server_preface(bytes, len))
+		return STREAM_PROTOCOL_HTTP2;
+	return STREAM_PROTOCOL_TCP;
+}
+
+/* `value`, hidden from the compiler: a bound checked on it stays on the register that is used after. */
+static __always_inline __u64 opaque(__u64 value)
+{
+	asm volatile("" : "+r"(value));
+	return value;
+}
+
+/* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
+ * first write may be the headers alone (it starts with the status line and ends with the blank line). */
+static __always_inline __u8 http_write(struct stream_socket *s, const char *first, __u64 user, __u64 len,
+					__u64 total)
+{
+	__u32 last4;
+
+	if (total == 5 && len == 5 && is_last_chunk(first))
+		return WRITE_LAST_CHUNK;
+	/* Headers alone: the whole write is in the bytes read from (one segment) and ends the block. */
+	if (s->phase == STREAM_REQUEST && is_http1(first, len) && len == total) {
+		if (bpf_probe_read_user(&last4, 4, (void *)(user + len - 4)))
+			return WRITE_BODY;
+		return last4 == HTTP1_HEADERS_END ? WRITE_HEADERS : WRITE_BODY;
+	}
+	return WRITE_BODY;
+}
+
+/* --- HTTP/2: the frames a write carries --- */
+
+#define H2_WALK 16		/* frame headers read per read or write */
+
+/* The frame walk's state, through bpf_loop (one frame per turn: the verifier sees one turn). */
+struct h2_walk {
+	struct msg_cursor *c;
+	struct stream_socket *s;
+	__u64 received_ns;	/* reading the client's frames (received then); 0: the server's */
+};
+
+/* The slot of HTTP/2 stream `id`, or a free one for it (its request: the last read) when `create`. */
+static __always_inline struct h2_stream *h2_stream(struct stream_socket *s, __u32 id, bool create)
+{
+	int i, free = -1;
+
+	for (i = 0; i < H2_STREAMS; i++) {
+		if (s->h2[i].id == id)
+			return &s->h2[i];
+		if (free < 0 && !s->h2[i].id)
+			free = i;
+	}
+	if (!create || free < 0 || free >= H2_STREAMS) {
+		if (create)
+			stream_count(STREAM_COUNTER_H2_UNTIMED);
+		return NULL;
+	}
+	s->h2[free].id = id;
+	s->h2[free].t.request_ns = s->t.request_ns;
+	s->h2[free].t.chunks = 0;
+	return &s->h2[free];
+}
+
+/* A frame the client sent on a stream (HEADERS, DATA): its request, until the response begins. */
+static __always_inline void h2_request(struct stream_socket *s, __u32 id, __u64 now)
+{
+	struct h2_stream *stream = h2_stream(s, id, true);
+
+	if (stream && !stream->t.chunks)
+		stream->t.request_ns = now;
+}
+
+/* One frame header of a write (which stream it carries DATA for or ends), or of a read (which stream
+ * a request is for); the cursor moves to the next frame. */
+static long h2_frame(__u32 index, struct h2_walk *walk)
+{
+	struct stream_socket *s = walk->s;
+	struct msg_cursor *c = walk->c;
+	__u8 header[14];
+	__u32 length, stream, n = s->frames;
+	__u8 carries;
+
+	if (!h2_read_header(c, header))
+		return 1;
+	length = h2_length(header);
+	stream = h2_stream_id(header);
+	if (walk->received_ns) {
+		if ((header[3] == H2_HEADERS || header[3] == H2_DATA) && stream)
+			h2_request(s, stream, walk->received_ns);
+		return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
+	}
+	carries = 0;
+	if (header[3] == H2_DATA && length)
+		carries = H2_CARRIES_DATA;
+	if ((header[3] == H2_DATA || header[3] == H2_HEADERS) && (header[4] & H2_END_STREAM))
+		carries |= H2_CARRIES_END;
+	if (header[3] == H2_RST_STREAM)
+		carries = H2_CARRIES_END;
+	if (carries && stream && n < H2_FRAMES) {
+		s->frame_stream[n] = stream;
+		s->frame_carries[n] = carries;
+		s->frames = n + 1;
+	}
+	if (header[3] == H2_DATA && length >= 5 && c->left >= 14 && s->key.protocol == STREAM_PROTOCOL_HTTP2 &&
+	    is_grpc_message(header + H2_FRAME_HEADER, length))
+		s->key.protocol = STREAM_PROTOCOL_GRPC;
+	return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
+}
+
+/* Which streams the write carries DATA for, and which it ends (HEADERS or DATA with END_STREAM,
+ * RST_STREAM), from its first H2_FRAMES frame headers (each read where its 9 bytes lie in one
+ * iovec segment). */
+static __always_inline void h2_frames(struct stream_socket *s, struct msghdr *msg, struct stream_peek *scratch)
+{
+	struct h2_walk walk = { .c = &scratch->cursor, .s = s };
+
+	s->frames = 0;
+	if (cursor_start(walk.c, msg))
+		bpf_loop(H2_WALK, h2_frame, &walk, 0);
+}
+
+/* A send on `sk` starts (`msg` not yet copied): read what it holds when that matters — the
+ * connection's first response (its protocol), HTTP/1.x writes that are not chunks, HTTP/2 frames. */
+static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *msg)
+{
+	struct stream_socket *s;
+	struct stream_peek *peek;
+	__u32 zero = 0, n;
+	__u64 user, len;
+
+	if (!streams_enabled || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+		return;
+	s->write = WRITE_BODY;
+	s->frames = 0;
+	peek = bpf_map_lookup_elem(&stream_peek, &zero);
+	if (!peek)
+		return;
+	if (s->classified && is_h2(s)) {
+		h2_frames(s, msg, peek);
+		return;
+	}
+	if (s->classified && s->key.protocol != STREAM_PROTOCOL_HTTP && s->key.protocol != STREAM_PROTOCOL_SSE)
+		return;
+	/* HTTP/1.x: a response's first write, and 5-byte writes (the last chunk). */
+	if (s->classified && !(s->phase == STREAM_REQUEST || msg->msg_iter.count == 5))
+		return;
+	if (!cursor_start(&peek->cursor, msg))
+		return;
+	user = peek->cursor.base;
+	len = peek->cursor.left;
+	if (!user || !len)
+		return;
+	n = opaque(len < HTTP1_PEEK_BYTES ? len : HTTP1_PEEK_BYTES);
+	if (n > HTTP1_PEEK_BYTES || bpf_probe_read_user(peek->bytes, n, (void *)user))
+		return;
+	if (!s->classified) {
+		s->key.protocol = protocol_of(peek->bytes, n);
+		s->classified = 1;
+		if (is_h2(s)) {
+			h2_frames(s, msg, peek);
+			return;
+		}
+	}
+	if (s->key.protocol == STREAM_PROTOCOL_HTTP || s->key.protocol == STREAM_PROTOCOL_SSE)
+		s->write = http_write(s, peek->bytes, user, len, msg->msg_iter.count);
+}
+
+/* --- the server's reads --- */
+
+/* HTTP/2: the client's frames in what it sent (its first read also holds the connection preface,
+ * "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", which makes the connection HTTP/2 before the server writes). */
+static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 now)
+{
+	__u32 zero = 0, first4_bytes = 0;
+	struct stream_peek *scratch = bpf_map_lookup_elem(&stream_peek, &zero);
+	struct h2_walk walk = { .s = s, .received_ns = now };
+	__u64 user = received_buffer();
+
+	if (!scratch || !user)
+		return;
+	walk.c = &scratch->cursor;
+	walk.c->iov = 0;
+	walk.c->segment = 0;
+	walk.c->segments = 1;
+	walk.c->base = user;
+	walk.c->left = ret;
+	if (!s->classified) {
+		if (bpf_probe_read_user(&first4_bytes, 4, (void *)user) || first4_bytes != H2_CLIENT_PREFACE_START ||
+		    !cursor_skip(walk.c, H2_CLIENT_PREFACE))
+			return;
+		s->key.protocol = STREAM_PROTOCOL_HTTP2;
+		s->classified = 1;
+	}
+	bpf_loop(H2_WALK, h2_frame, &walk, 0);
+}
+
+/* The server received `ret` bytes: a request (or more of it). On HTTP/2 the frames say which
+ * stream's (clients also send acknowledgements while they read); elsewhere the response in
+ * progress ends. */
+static __always_inline void stream_received(struct sock *sk, int ret, int flags)
+{
+	struct stream_socket *s;
+	__u64 now;
+
+	if (!streams_enabled || ret <= 0 || (flags & MSG_PEEK))
+		return;
+	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+	if (!s)
+		return;
+	now = bpf_ktime_get_ns();
+	/* The response in progress ends before this read becomes the next request: timed from its own
+	 * request, not from this one (which would make it negative). */
+	if (!is_h2(s))
+		stream_end(s);
+	s->t.request_ns = now;
+	if (!s->classified || is_h2(s))
+		h2_received(s, ret, now);
+	if (!is_h2(s))
+		s->phase = STREAM_REQUEST;
+}
+
+SEC("tp_btf/sock_recv_length")
+int BPF_PROG(streams_recv, struct sock *sk, int ret, int flags)
+{
+	stream_received(sk, ret, flags);
+	return 0;
+}
+
+SEC("fexit/tcp_recvmsg")
+int BPF_PROG(streams_fexit_recv, struct sock *sk)
+{
+	__u64 ret = 0;
+
+	bpf_get_func_ret(ctx, &ret);	/* tcp_recvmsg's arguments changed over time; its return did not */
+	stream_received(sk, (int)ret, 0);
+	return 0;
+}
+
+/* --- the server's writes --- */
+
+static __always_inline __u64 run_delay_of_current(void)
+{
+	return bpf_get_current_task_btf()->sched_info.run_delay;
+}
+
+static __always_inline __u64 at_most(__u64 value, __u64 limit)
+{
+	return value < limit ? value : limit;
+}
+
+static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s, struct stream_timing *t,
+				       struct stream_stats *stats, __u32 stream_id, __u64 now, __u64 gap, __u64 start_ns)
+{
+	struct stream_stall_event *event;
+	__u64 since, network, sync_now;
+	__u8 cause = STALL_SERVER;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	event = bpf_ringbuf_reserve(&stream_stalls, sizeof(*event), 0);
+	if (!event) {
+		stream_count(STREAM_COUNTER_LOST_STALLS);
+		return;
+	}
+	since = s->full_since_ns > t->last_write_ns ? s->full_since_ns : t->last_write_ns;
+	event->unwritable_ns = s->full_since_ns ? now - since : 0;
+	event->blocked_send_ns = start_ns ? at_most(now - start_ns, gap) : 0;
+	event->runqueue_ns = tid == t->writer_tid ? at_most(run_delay_of_current() - t->run_delay_ns, gap) : 0;
+	sync_now = cuda_sync_ns(s->key.tgid, now);
+	/* Less than at the last write: the cuda probe restarted, its counts anew. */
+	event->cuda_sync_ns = sync_now > t->cuda_sync_ns ? at_most(sync_now - t->cuda_sync_ns, gap) : 0;
+	/* A cause explains a stall when its evidence covers at least half of it. Evidence overlaps (a
+	 * socket stays full while the process synchronizes): the largest explains the stall, and on a
+	 * tie the first of network, cpu, gpu. None: the server was slow to produce. */
+	network = event->unwritable_ns + event->blocked_send_ns;
+	if (network >= gap / 2)
+		cause = STALL_NETWORK;
+	if (event->runqueue_ns >= gap / 2 && event->runqueue_ns > network)
+		cause = STALL_CPU;
+	if (event->cuda_sync_ns >= gap / 2 && event->cuda_sync_ns > network && event->cuda_sync_ns > event->runqueue_ns)
+		cause = STALL_GPU;
+	__sync_fetch_and_add(&stats->stalls[cause], 1);
+	event->cause = cause;
+	event->tgid = s->key.tgid;
+	event->tid = tid;
+	event->cgroup_id = s->key.cgroup_id;
+	event->protocol = s->key.protocol;
+	event->family = sk->__sk_common.skc_family;
+	event->local_port = sk->__sk_common.skc_num;
+	event->remote_port = bpf_ntohs(sk->__sk_common.skc_dport);
+	if (event->family == AF_INET) {
+		__builtin_memcpy(event->local_addr, &sk->__sk_common.skc_rcv_saddr, 4);
+		__builtin_memcpy(event->remote_addr, &sk->__sk_common.skc_daddr, 4);
+	} else {
+		__builtin_memcpy(event->local_addr, &sk->__sk_common.skc_v6_rcv_saddr, 16);
+		__builtin_memcpy(event->remote_addr, &sk->__sk_common.skc_v6_daddr, 16);
+	}
+	event->gap_ns = gap;
+	event->elapsed_ns = now - t->request_ns;
+	event->chunk = t->chunks + 1;
+	event->stream_id = stream_id;
+	__builtin_memcpy(event->comm, stats->comm, sizeof(event->comm));
+	bpf_ringbuf_submit(event, 0);
+}
+
+/* The stats of the endpoint the writing process serves on `sk` (with the protocol as known now). */
+static __always_inline struct stream_stats *endpoint_of(struct sock *sk, struct stream_socket *s, __u32 tgid,
+							__u64 cgroup_id)
+{
+	s->key.tgid = tgid;
+	s->key.cgroup_id = cgroup_id;
+	s->key.port = sk->__sk_common.skc_num;
+	return stream_endpoint(&s->key);
+}
+
+/* A write of `ret` bytes of response `t` (stream `stream_id` on HTTP/2): the first byte ends the TTFB,
+ * later ones a gap. */
+static __always_inline void timing_write(struct sock *sk, struct stream_socket *s, struct stream_timing *t,
+					 struct stream_stats *stats, __u32 stream_id, long ret, __u64 now,
+					 __u64 start_ns)
+{
+	__u64 gap;
+
+	if (!t->chunks) {
+		__sync_fetch_and_add(&stats->streams, 1);
+		hist_add_span(&stats->ttfb, t->request_ns, now);
+	} else {
+		gap = now - t->last_write_ns;
+		hist_add(&stats->gap, gap);
+		if (gap >= stall_threshold_ns)
+			emit_stall(sk, s, t, stats, stream_id, now, gap, start_ns);
+	}
+	t->chunks++;
+	__sync_fetch_and_add(&stats->chunks, 1);
+	__sync_fetch_and_add(&stats->bytes, ret);
+	t->last_write_ns = now;
+	t->writer_tid = (__u32)bpf_get_current_pid_tgid();
+	t->run_delay_ns = run_delay_of_current();
+	t->cuda_sync_ns = cuda_sync_ns(s->key.tgid, now);
+}
+
+/* An HTTP/2 write, through bpf_loop (one frame per turn: the verifier sees one turn, not H2_FRAMES
+ * copies of the timing and stall code). */
+struct h2_write {
+	struct sock *sk;
+	struct stream_socket *s;
+	struct stream_stats *stats;	/* NULL until the first DATA */
+	__u64 cgroup_id;
+	__u64 now;
+	__u64 start_ns;
+	long ret;
+	__u32 tgid;
+};
+
+static long h2_write_frame(__u32 i, struct h2_write *w)
+{
+	struct stream_socket *s = w->s;
+	struct h2_stream *stream;
+	__u8 carries;
+
+	if (i >= s->frames || i >= H2_FRAMES)
+		return 1;
+	carries = s->frame_carries[i];
+	stream = h2_stream(s, s->frame_stream[i], carries & H2_CARRIES_DATA);
+	if (!stream)
+		return 0;
+	/* Several frames of one stream in one write are one chunk. */
+	if ((carries & H2_CARRIES_DATA) && !(stream->t.chunks && stream->t.last_write_ns == w->now) &&
+	    (w->stats || (w->stats = endpoint_of(w->sk, s, w->tgid, w->cgroup_id)))) {
+		timing_write(w->sk, s, &stream->t, w->stats, stream->id, w->ret, w->now, w->start_ns);
+		w->ret = 0;
+	}
+	if (carries & H2_CARRIES_END) {
+		timing_end(s, &stream->t);
+		stream->id = 0;
+	}
+	return 0;
+}
+
+/* A chunk of each stream the write carries DATA for; the streams it ends end. Bytes are the write's,
+ * counted once (with its first stream). The endpoint's entry is made at the first DATA, when the
+ * protocol (http2 or grpc) is known. */
+static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, __u32 tgid, __u64 cgroup_id,
+				     long ret, __u64 now, __u64 start_ns)
+{
+	struct h2_write w = { .sk = sk, .s = s, .cgroup_id = cgroup_id, .now = now, .start_ns = start_ns,
+			      .ret = ret, .tgid = tgid };
+
+	bpf_loop(H2_FRAMES, h2_write_frame, &w, 0);
+}
+
+/* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret`; `start_ns`: its start if timed. */
+static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 start_ns, __u32 tgid, __u64 cgroup_id)
+{
+	struct stream_socket *s;
+	struct stream_stats *stats;
+	__u64 now;
+	__u8 write;
+
+	if (!streams_enabled || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+		return;
+	write = s->write;
+	s->write = WRITE_BODY;
+	now = bpf_ktime_get_ns();
+	if (ret <= 0) {
+		if (ret == -EAGAIN && !s->full_since_ns)
+			s->full_since_ns = now;
+		return;
+	}
+	if (is_h2(s)) {
+		h2_write(sk, s, tgid, cgroup_id, ret, now, start_ns);
+		s->frames = 0;
+		goto done;
+	}
+	if (s->phase == STREAM_IDLE || write == WRITE_HEADERS)
+		goto done;	/* the server speaks first, or the headers alone: not a chunk */
+	if (write == WRITE_LAST_CHUNK) {
+		stream_end(s);
+		s->phase = STREAM_IDLE;	/* also a response without a body write: no stream */
+		goto done;
+	}
+	if (s->phase == STREAM_REQUEST) {
+		s->phase = STREAM_RESPONSE;
+		s->t.chunks = 0;
+		stats = endpoint_of(sk, s, tgid, cgroup_id);
+	} else {
+		stats = bpf_map_lookup_elem(&stream_stats, &s->key);
+	}
+	if (stats)
+		timing_write(sk, s, &s->t, stats, 0, ret, now, start_ns);
+done:
+	if (left_full(sk)) {
+		if (!s->full_since_ns)
+			s->full_since_ns = now;
+	} else {
+		s->full_since_ns = 0;
+	}
+}
+
+
+#endif /* AIPROBE_STREAMS_PROGRAMS_H */
