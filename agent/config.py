@@ -85,6 +85,8 @@ class Config:
     probes: tuple[str, ...] = field(default_factory=probe_names)
     top_flows: int = 100
     flow_idle_seconds: float = 30.0
+    # Entries of the flow table (one per flow and direction), preallocated: 168 bytes of kernel memory each.
+    max_flows: int = 262_144
     slow_send_threshold_ms: float = 10.0
     stream_stall_threshold_ms: float = 250.0
     sendlat_cpu_budget: float = 0.01  # of one CPU, for sendlat's programs; past it, 1 send in N is timed
@@ -123,6 +125,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "interval_seconds": (0.1, 3600.0),
     "top_flows": (1, 100_000),
     "flow_idle_seconds": (1.0, 86_400.0),
+    "max_flows": (1024, 4_194_304),
     "slow_send_threshold_ms": (0.001, 60_000.0),
     "stream_stall_threshold_ms": (1.0, 600_000.0),
     "sendlat_cpu_budget": (0.0, 64.0),
@@ -218,7 +221,7 @@ def _validate_top(key: str, value: Any) -> Any:
         unknown = set(value) - set(probe_names())
         if unknown:
             raise ConfigError(f"probes: unknown probe {sorted(unknown)[0]!r} (known: {', '.join(probe_names())})")
-    if key in ("top_flows", "max_process_labels") and not isinstance(value, int):
+    if key in ("top_flows", "max_flows", "max_process_labels") and not isinstance(value, int):
         raise ConfigError(f"{key}: expected a whole number, got {value!r}")
     if key == "snapshot_api" and value not in ("local", "network"):
         raise ConfigError(f"snapshot_api: expected \"local\" or \"network\", got {value!r}")

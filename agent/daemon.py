@@ -22,6 +22,7 @@ from . import __version__
 from .config import Config
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .deltas import Rates, Window
+from .flows import SNAPSHOT_FLOWS
 from .histogram import quantile
 from .loader import ProbeUnavailable
 from .model import (
@@ -59,7 +60,6 @@ MIN_HEALTH_GRACE_SECONDS = 5.0
 
 # Alert rules judge latency histograms over this recent window rather than since start.
 SIGNAL_WINDOW_SECONDS = 10.0
-SNAPSHOT_FLOWS = 200
 MIN_SENDS_FOR_P99 = 1
 MIN_SEGMENTS_FOR_RETRANSMIT_RATIO = 100
 
@@ -152,7 +152,7 @@ class Agent:
         now = time.time()
         readings = Readings()
         for name, probe in list(self._probes.items()):
-            readings.records[name] = self._read(name, probe, readings.collectors)
+            readings.records[name] = self._read(name, probe.read, readings.collectors)
         # Joins read /proc and cgroupfs, which any process shapes: a failure costs the joins, not the refresh.
         self._collect("join", lambda: self._join(readings), readings.collectors)
         self._add_rates(readings, now)
@@ -181,9 +181,11 @@ class Agent:
     def scrape_readings(self) -> Readings:
         """What /metrics renders at a scrape: the last refresh's readings, with the SPEC.read_at_scrape
         probes' (flows) newest read, read again now unless a read is younger than half an interval, as
-        node_exporter reads at scrape time. So two scrapes an interval apart never see the same read
-        (a flat step in rate()), and a burst of scrapes costs one read. The same object comes back
-        while nothing changed, so the exporter renders each reading once."""
+        node_exporter reads at scrape time (`read_for_scrape`: flows reads again only the flows of its
+        latest read's records, so a scrape costs the same whatever the flow table holds). So two
+        scrapes an interval apart never see the same read (a flat step in rate()), and a burst of
+        scrapes costs one read. The same object comes back while nothing changed, so the exporter
+        renders each reading once."""
         last = self.readings
         collectors = dict(last.collectors)
         for name in self._read_at_scrape:
@@ -191,7 +193,7 @@ class Agent:
                 at = self._newest.get(name, (None, None))[0]
             probe = self._probes.get(name)
             if probe is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
-                self._read(name, probe, collectors)
+                self._read(name, probe.read_for_scrape, collectors)
         with self._newest_lock:
             fresh = {name: record for name, (_at, record) in self._newest.items()}
         cached = self._scraped
@@ -201,8 +203,8 @@ class Agent:
         self._scraped = (last, readings)
         return readings
 
-    def _read(self, name: str, probe: Probe, collectors: dict[str, tuple[float, bool]]) -> Any:
-        record = self._collect(name, probe.read, collectors)
+    def _read(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
+        record = self._collect(name, read, collectors)
         finished = time.monotonic()
         if record is not None and name in self._read_at_scrape:
             with self._newest_lock:  # the probe reads one at a time: the one that finished last read last
