@@ -3,12 +3,14 @@
 `FlowsProbe` attaches tc programs (TCX, clsact where the kernel lacks it) to both directions of
 every selected interface (following interfaces that come and go), and `read()` turns the flow table
 into `FlowRecord`s with rates over the interval since the previous read: of every flow, or of the
-`top` fastest (the agent's). A read's cost follows what changed, not what the table holds: it copies
-the table in raw batches and touches in Python only the flows stamped since its previous read
-(agent/flowtable.py); a scrape reads again only the flows of the latest records. Several aiprobes may watch
-one interface (the agent, an engineer's `aiprobe flows`): TCX links stack; under clsact each has a
-filter handle of its own, and only a filter of ours whose program no process holds (left by a killed
-run: netlink attachments outlive their process) is removed.
+`top` fastest, idle flows filling the rest (the agent's: an idle flow keeps its record, so a long-lived
+connection stays in the snapshot between its requests). A read's cost follows what changed, not what
+the table holds: it copies the table in raw batches, touches in Python only the flows stamped since
+its previous read (agent/flowtable.py) and makes `top` records at most; a scrape reads again only
+the flows of the latest records. Several aiprobes may watch one interface (the agent, an engineer's
+`aiprobe flows`): TCX links stack; under clsact each has a filter handle of its own, and only a
+filter of ours whose program no process holds (left by a killed run: netlink attachments outlive
+their process) is removed.
 
 Why tc and not XDP by default: tc leaves the data path as it is. Ingress tc sees skbs after GRO
 (one program run per batch of segments, each counted), egress tc sees them before GSO, and neither
@@ -404,7 +406,7 @@ class FlowsProbe(Probe):
         xdp_interfaces: list[str] | None = None,
         top: int | None = None,
     ) -> None:
-        """`top`: how many flows (the fastest) each read makes records of; None: every flow."""
+        """`top`: how many flows each read makes records of (the fastest, then idle ones); None: every flow."""
         super().__init__()
         self.filter = InterfaceFilter(list(interfaces or []), list(exclude or []), list(xdp_interfaces or []))
         self.idle_timeout = idle_timeout
@@ -658,14 +660,11 @@ class FlowsProbe(Probe):
         table.retire(keys, finals)
 
     def _records(self, names: dict[int, str], interval: float) -> list[tuple[bytes, int, FlowRecord]]:
-        """Records of the `top` flows by rate among those that changed since the baseline (every
-        other flow's rate is 0), or of every flow when `top` is None; by rate, highest first."""
+        """Records of the flows the table picks for `top` (the fastest, then idle ones so a long-lived
+        connection keeps its record and the agent its owner), by rate, highest first, then by bytes."""
         table = self._table
-        slots = np.flatnonzero(table.alive) if self.top is None else table.changed_since_baseline()
+        slots = table.recorded(self.top, interval)
         byte_rates, packet_rates = table.rates(slots, interval)
-        if self.top is not None and len(slots) > self.top:
-            fastest = np.argpartition(-byte_rates, self.top)[: self.top]
-            slots, byte_rates, packet_rates = slots[fastest], byte_rates[fastest], packet_rates[fastest]
         keys = [table.keys[slot] for slot in slots.tolist()]
         decoded = np.frombuffer(b"".join(keys), table.key_dtype, len(keys)).tolist() if keys else []
         records = [(raw, value[FIRST_SEEN], self._record(key, value, rates, names)) for raw, key, value, *rates in zip(
@@ -762,9 +761,11 @@ class TopFlows:
     TOP_K_HOLD_SECONDS, gone idle outside it, or left the flow table: idle flows waiting to expire
     would otherwise hold every series while new ones churn past a steady flow), counting from when
     the flow got its series, so its rate is exact from the first sample and it takes nothing from
-    `other`. `other` per interface and direction is the interface counter minus those series: the
-    series sum to the interface counter in raw values at every read, and `other` never decreases (a
-    flow that loses its series hands its count to `other`; one that gets a series starts at 0)."""
+    `other`. Only a flow with a rate gets a series: idle flows are among the records too, and one would
+    stay flat (or restart at 0 the series it just lost). `other` per interface and direction is the
+    interface counter minus those series: the series sum to the interface counter in raw values at
+    every read, and `other` never decreases (a flow that loses its series hands its count to `other`;
+    one that gets a series starts at 0)."""
 
     def __init__(self, k: int, field: str) -> None:
         self.k = k
@@ -798,8 +799,8 @@ class TopFlows:
                     now - member.out_since >= TOP_K_HOLD_SECONDS or not live[ident].bytes_per_second)):
                 del self._members[ident]
         for ident in ranked[: self.k]:
-            if len(self._members) >= self.k:
-                break
+            if len(self._members) >= self.k or not live[ident].bytes_per_second:
+                break  # full, or this and the rest (ranked by rate) are idle
             self._members.setdefault(ident, _Member(_counts(live[ident])))
 
 

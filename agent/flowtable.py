@@ -80,6 +80,7 @@ class FlowTable:
         self.live = np.zeros((0, len(SUMMED)), np.int64)  # SUMMED of the table's flows, per group
         self.retired = np.zeros((0, len(SUMMED)), np.int64)  # SUMMED of flows deleted, per group
         self._changed: list[Slots] = []  # by the read in progress
+        self._records: Slots = np.empty(0, np.int64)  # slots of the latest records (`recorded`)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -106,13 +107,51 @@ class FlowTable:
         self.recent.append(read)
         return read
 
-    def changed_since_baseline(self) -> Slots:
-        """Live slots that changed after the baseline read: the only ones whose rate is not 0."""
+    def recorded(self, top: int | None, interval: float) -> Slots:
+        """The slots to make records of: every live one when `top` is None. Else the `top` fastest of
+        those that changed since the baseline (every other rate is 0) and, while fewer changed, idle
+        ones (`_idle`): a long-lived connection between its requests keeps its record. At most `top`
+        slots for Python to make records of, whatever the table holds."""
+        if top is None:
+            every: Slots = np.flatnonzero(self.alive)
+            return every
+        changed_at = self._changed_after_baseline()
+        changed = np.flatnonzero(changed_at & self.alive)
+        if len(changed) > top:
+            byte_rates, _ = self.rates(changed, interval)
+            self._records = changed[np.argpartition(-byte_rates, top)[:top]]
+        else:
+            idle = self._idle(changed_at, top - len(changed), len(self) - len(changed))
+            self._records = np.concatenate((changed, idle))
+        return self._records
+
+    def _idle(self, changed_at: npt.NDArray[np.bool_], room: int, idle_flows: int) -> Slots:
+        """Up to `room` of the `idle_flows` live slots unchanged since the baseline: those of the
+        latest records first (an idle flow keeps its record; those with the most bytes if they
+        outnumber the room), then, while room is left, the others with the most bytes. That ranking is
+        array work over the whole table: done only when the latest records leave room for others."""
+        last = self._records
+        kept = last[self.alive[last] & ~changed_at[last]]
+        if len(kept) >= min(room, idle_flows):
+            return self._heaviest(kept, room)
+        others = self.alive & ~changed_at
+        others[kept] = False
+        return np.concatenate((kept, self._heaviest(np.flatnonzero(others), room - len(kept))))
+
+    def _changed_after_baseline(self) -> npt.NDArray[np.bool_]:
+        """Per slot: whether a read after the baseline found it changed."""
         changed = np.zeros(len(self.alive), bool)
         for read in list(self.recent)[1:]:
             changed[read.slots] = True
-        slots: Slots = np.flatnonzero(changed & self.alive)
-        return slots
+        return changed
+
+    def _heaviest(self, slots: Slots, count: int) -> Slots:
+        """The `count` of these slots with the most bytes."""
+        if count >= len(slots):
+            return slots
+        lightest = len(slots) - count
+        heaviest: Slots = slots[np.argpartition(self.values["bytes"][slots], lightest - 1)[lightest:]]
+        return heaviest
 
     def rates(self, slots: Slots, interval: float) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Bytes and packets per second since the baseline read."""
