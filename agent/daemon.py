@@ -139,7 +139,7 @@ class Agent:
         now = time.time()
         readings = Readings()
         for name, face in list(self._faces.items()):
-            readings.records[name] = self._read(name, face, readings.collectors)
+            readings.records[name] = self._read(name, face.read, readings.collectors)
         self.elapsed = now - self._last_refresh if self._last_refresh is not None else 0.0
         # Joins read /proc and cgroupfs, which any process shapes: a failure costs the joins, not the refresh.
         self._collect("join", lambda: self._join(readings), readings.collectors)
@@ -169,17 +169,19 @@ class Agent:
     def scrape_readings(self) -> Readings:
         """What /metrics renders at a scrape: the last refresh's readings, with the SPEC.read_at_scrape
         probes' (flows) newest read, read again now unless a read is younger than half an interval, as
-        node_exporter reads at scrape time. So two scrapes an interval apart never see the same read
-        (a flat step in rate()), and a burst of scrapes costs one read. The same object comes back
-        while nothing changed, so the exporter renders each reading once."""
+        node_exporter reads at scrape time (`read_for_scrape`: flows reads again only the flows of its
+        latest read's records, so a scrape costs the same whatever the flow table holds). So two
+        scrapes an interval apart never see the same read (a flat step in rate()), and a burst of
+        scrapes costs one read. The same object comes back while nothing changed, so the exporter
+        renders each reading once."""
         last = self.readings
         collectors = dict(last.collectors)
         for name in self._read_at_scrape:
             with self._newest_lock:
                 at = self._newest.get(name, (None, None))[0]
-            face = self._faces.get(name)
-            if face is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
-                self._read(name, face, collectors)
+            probe = self._probes.get(name)
+            if probe is not None and (at is None or time.monotonic() - at >= self.config.interval_seconds / 2):
+                self._read(name, probe.read_for_scrape, collectors)
         with self._newest_lock:
             fresh = {name: record for name, (_at, record) in self._newest.items()}
         cached = self._scraped
@@ -189,8 +191,8 @@ class Agent:
         self._scraped = (last, readings)
         return readings
 
-    def _read(self, name: str, face: Face, collectors: dict[str, tuple[float, bool]]) -> Any:
-        record = self._collect(name, face.read, collectors)
+    def _read(self, name: str, read: Callable[[], Any], collectors: dict[str, tuple[float, bool]]) -> Any:
+        record = self._collect(name, read, collectors)
         finished = time.monotonic()
         if record is not None and name in self._read_at_scrape:
             with self._newest_lock:  # the probe reads one at a time: the one that finished last read last

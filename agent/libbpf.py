@@ -197,6 +197,7 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_map_lookup_elem", c_int, [c_int, c_void_p, c_void_p]),
     ("bpf_map_update_elem", c_int, [c_int, c_void_p, c_void_p, c_uint64]),
     ("bpf_map_delete_elem", c_int, [c_int, c_void_p]),
+    ("bpf_map_lookup_and_delete_elem", c_int, [c_int, c_void_p, c_void_p]),
     ("bpf_map_get_next_key", c_int, [c_int, c_void_p, c_void_p]),
     ("bpf_map_lookup_batch", c_int,
      [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), c_void_p]),

@@ -370,14 +370,19 @@ class Map:
         return values if self.percpu else values[0]
 
     def _key(self, key: Any) -> Any:
+        if isinstance(key, bytes):  # a raw key, as raw_items() gives them
+            return self.key_type.from_buffer_copy(key)
         return key if isinstance(key, self.key_type) else self.key_type(key)
 
     def lookup(self, key: Any) -> Any:
+        return self._value_of(libbpf.lib().bpf_map_lookup_elem, key, "lookup")
+
+    def _value_of(self, call: Callable[..., int], key: Any, what: str) -> Any:
         buf = self._value_buffer()
-        rc = libbpf.lib().bpf_map_lookup_elem(self.fd, ctypes.byref(self._key(key)), buf)
+        rc = call(self.fd, ctypes.byref(self._key(key)), buf)
         if rc == -errno.ENOENT:
             return None
-        libbpf.check_rc(rc, f"lookup in map {self.name}")
+        libbpf.check_rc(rc, f"{what} in map {self.name}")
         return self._split(buf)
 
     def update(self, key: Any, value: Any, flags: int = 0) -> None:
@@ -390,6 +395,11 @@ class Map:
         value = value if isinstance(value, self.value_type) else self.value_type(value)
         rc = libbpf.lib().bpf_map_update_elem(self.fd, None, ctypes.byref(value), 0)
         libbpf.check_rc(rc, f"push to map {self.name}")
+
+    def pop(self, key: Any) -> Any:
+        """Delete an entry, returning its value as it was then (None when there was none): nothing
+        added between a lookup and the delete is lost. Hash maps, kernel >= 5.14."""
+        return self._value_of(libbpf.lib().bpf_map_lookup_and_delete_elem, key, "lookup and delete")
 
     def delete(self, key: Any) -> bool:
         rc = libbpf.lib().bpf_map_delete_elem(self.fd, ctypes.byref(self._key(key)))
@@ -413,20 +423,47 @@ class Map:
             try:
                 return self._items_batch()
             except BpfError as exc:
-                if exc.errno not in (errno.EINVAL, _ENOTSUPP, errno.EOPNOTSUPP):
-                    raise
-                self._batch_ok = False
+                self._no_batches(exc)
         return [(key, value) for key in self.keys() if (value := self.lookup(key)) is not None]
 
+    def _no_batches(self, exc: BpfError) -> None:
+        """Falls back to one lookup per key for good when the kernel refused a batch lookup."""
+        if exc.errno not in (errno.EINVAL, _ENOTSUPP, errno.EOPNOTSUPP):
+            raise exc
+        self._batch_ok = False
+
+    def raw_items(self) -> Iterator[tuple[int, Any, Any]]:
+        """Every entry of a map that is not per-CPU as (count, keys, values) batches of raw buffers
+        (raw_batches), without one Python object per entry where the kernel has batch lookups."""
+        if self._batch_ok:
+            try:
+                yield from self.raw_batches()
+                return
+            except BpfError as exc:  # refused at its first call, before any batch was yielded
+                self._no_batches(exc)
+        pairs = self.items()
+        if pairs:
+            yield len(pairs), b"".join(bytes(k) for k, _ in pairs), b"".join(bytes(v) for _, v in pairs)
+
     def _items_batch(self) -> list[tuple[Any, Any]]:
+        out: list[tuple[Any, Any]] = []
+        for count, keys, values in self.raw_batches():
+            out.extend((self.key_type.from_buffer_copy(keys, i * self.key_size), self._split(values, i))
+                       for i in range(count))
+        return out
+
+    def raw_batches(self) -> Iterator[tuple[int, ctypes.Array, ctypes.Array]]:
+        """The whole map by batch lookups, as (count, keys, values) of raw buffers: keys at key_size,
+        values at value_size (per-CPU: one stride per possible CPU). The buffers are reused from one
+        batch to the next: decode a batch before asking for the next. Raises BpfError (EINVAL,
+        ENOTSUPP) where the kernel has no batch lookups for this map."""
         lib = libbpf.lib()
         token_size = max(self.key_size, 8)
         tokens = [ctypes.create_string_buffer(token_size), ctypes.create_string_buffer(token_size)]
         chunk = max(_MIN_BATCH, min(_BATCH_CHUNK, _BATCH_BYTES // (self._stride * self._ncpus)))
-        keys = (self.key_type * chunk)()
+        keys = (ctypes.c_uint8 * (self.key_size * chunk))()
         values = self._value_buffer(chunk)
         opts = libbpf.sized(libbpf.MapBatchOpts)
-        out: list[tuple[Any, Any]] = []
         in_token, out_token = None, tokens[0]
         while True:
             count = ctypes.c_uint32(chunk)
@@ -435,12 +472,10 @@ class Map:
             )
             if rc < 0 and rc != -errno.ENOENT:
                 libbpf.check_rc(rc, f"batch lookup in map {self.name}")
-            out.extend(
-                (self.key_type.from_buffer_copy(keys, i * self.key_size), self._split(values, i))
-                for i in range(count.value)
-            )
+            if count.value:
+                yield count.value, keys, values
             if rc == -errno.ENOENT:
-                return out
+                return
             in_token, out_token = out_token, tokens[out_token is tokens[0]]
 
     def delete_keys(self, keys: Iterable[Any]) -> None:

@@ -89,6 +89,10 @@ class Probe:
     def read(self) -> Any:
         raise NotImplementedError
 
+    def read_for_scrape(self) -> Any:
+        """What a scrape reads of a SPEC.read_at_scrape probe: read(), unless it has a cheaper way."""
+        return self.read()
+
     def status(self) -> ProbeStatus:
         """Running (with its strategy and what it measures), or why not."""
         if self.loaded is None:
@@ -164,7 +168,7 @@ class ProbeSpec(Part):
     parts: tuple[Part, ...] = ()
     # Cheap host-wide counters that run whatever the config selects.
     always: bool = False
-    # Its read is cheap and safe from another thread: /metrics reads it again at each scrape.
+    # Its read_for_scrape() is cheap and safe from another thread: /metrics reads it at each scrape.
     read_at_scrape: bool = False
 
     @property

@@ -75,9 +75,10 @@ def _cost(process: psutil.Process, seconds: float) -> tuple[float, float]:
     return cpu / elapsed, process.memory_info().rss
 
 
-def _start_agent(workdir: str, extra_config: str = "") -> subprocess.Popen:
-    """`aiprobe agent` with every probe, serving on a free loopback port; returns once it is ready."""
-    port = _free_port()
+def _start_agent(workdir: str, extra_config: str = "", port: int = 0) -> subprocess.Popen:
+    """`aiprobe agent` with every probe (unless `extra_config` says otherwise), serving on loopback
+    `port` (0: a free one); returns once it is ready."""
+    port = port or _free_port()
     config = Path(workdir) / "aiprobe.toml"
     config.write_text(f'listen = "127.0.0.1:{port}"\n{extra_config}alert_log = "{workdir}/alerts.jsonl"\n')
     agent = subprocess.Popen([str(Path(sys.executable).parent / "aiprobe"), "agent", "--config", str(config)],

@@ -253,11 +253,14 @@ static __always_inline void count_tcp_flags(struct flow_counters *counters, __u8
 }
 
 static __always_inline void add_to_flow(struct flow_counters *counters, struct wire *wire, __u8 tcp_flags,
-					__u64 now, struct __sk_buff *skb)
+					struct __sk_buff *skb)
 {
 	__sync_fetch_and_add(&counters->packets, wire->packets);
 	__sync_fetch_and_add(&counters->bytes, wire->bytes);
-	counters->last_seen_ns = now; /* plain stores: the latest writer wins, which is what "last" means */
+	/* Taken after the adds: user space reads again only flows seen since shortly before its previous
+	 * read, so a count must never land later than its last_seen says. A plain store: the latest
+	 * writer wins, which is what "last" means. */
+	counters->last_seen_ns = bpf_ktime_get_coarse_ns();
 	if (tcp_flags) /* once per skb: segmentation copies SYN/RST to no other segment, FIN to the last */
 		count_tcp_flags(counters, tcp_flags);
 	if (skb && !counters->cgroup_id)
@@ -270,10 +273,9 @@ static __always_inline void count_flow(struct flow_key *key, struct wire *wire, 
 				       struct __sk_buff *skb)
 {
 	struct flow_counters *counters = bpf_map_lookup_elem(&flows, key);
-	__u64 now = bpf_ktime_get_coarse_ns();
 
 	if (!counters) {
-		struct flow_counters fresh = { .first_seen_ns = now };
+		struct flow_counters fresh = { .first_seen_ns = bpf_ktime_get_coarse_ns() };
 
 		bpf_map_update_elem(&flows, key, &fresh, BPF_NOEXIST);
 		counters = bpf_map_lookup_elem(&flows, key);
@@ -282,7 +284,7 @@ static __always_inline void count_flow(struct flow_key *key, struct wire *wire, 
 			return;
 		}
 	}
-	add_to_flow(counters, wire, tcp_flags, now, skb);
+	add_to_flow(counters, wire, tcp_flags, skb);
 }
 
 /* xdp.frags: the program accepts multi-buffer frames, so the kernel lets it attach where the MTU

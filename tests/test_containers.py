@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -73,7 +74,8 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
     for _ in range(50):
         conn.sendall(b"x" * 1000)
         time.sleep(0.01)
-    time.sleep(30)  # a long-lived connection, as an inference client's: its owner is looked up at leisure
+    print("sent", flush=True)
+    time.sleep(600)  # a long-lived connection, as an inference client's, idle between requests
 """
 
 SINK = """
@@ -86,43 +88,98 @@ while conn.recv(65536):
 """
 
 
-@pytest.mark.bpf
-def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair) -> None:
+@dataclass
+class Sender:
+    """SENDER in a container-shaped cgroup, connected to SINK in the veth's namespace."""
+
+    process: subprocess.Popen
+    container: str  # its short id
+
+    def owner(self) -> dict[str, object]:
+        """Who the agent must say owns the sender's flows."""
+        return {"pid": self.process.pid, "comm": psutil.Process(self.process.pid).name(), "container": self.container}
+
+
+@contextlib.contextmanager
+def sender_watched(tmp_path: Path, veth: VethPair, config: str) -> Iterator[tuple[Agent, Sender]]:
+    """The agent (with `config`) watching the veth while SENDER, moved into a fresh container
+    cgroup, sends to SINK through it and then holds its connection."""
     sink = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", SINK]), stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
-    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = ["flows", "sendlat"]\n'
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\n{config}'
     try:
         with container_cgroup() as (leaf, container_id), Agent(tmp_path, config) as agent:
             sender = subprocess.Popen([sys.executable, "-c", SENDER, veth.peer_ip4, "9100"], stdin=subprocess.PIPE,
-                                      text=True)
+                                      stdout=subprocess.PIPE, text=True)
             try:
                 (leaf / "cgroup.procs").write_text(str(sender.pid))
                 sender.stdin.write("go\n")
                 sender.stdin.flush()
-                short = container_id[:12]
-                comm = psutil.Process(sender.pid).name()
-
-                def joined() -> bool:
-                    snapshot = agent.snapshot()
-                    process = [p for p in snapshot["processes"] if p["pid"] == sender.pid]
-                    flows = [f for f in snapshot["flows"] if f["direction"] == "egress" and f["remote_port"] == 9100]
-                    return bool(process and process[0]["container"] == short and process[0]["pod_uid"] == POD
-                                and flows and flows[0]["container"] == short and flows[0]["pid"] == sender.pid
-                                and flows[0]["comm"] == comm)
-
-                def seen() -> tuple:
-                    snapshot = agent.snapshot()
-                    return ([p for p in snapshot["processes"] if p["pid"] == sender.pid],
-                            [(f["direction"], f["pid"], f["comm"], f["container"]) for f in snapshot["flows"]
-                             if 9100 in (f["local_port"], f["remote_port"])], agent.log.read_text()[-1500:])
-
-                assert wait_until(joined, timeout=20, interval=0.5), seen()
-                time.sleep(1.5)  # a scrape after the next refresh
-                sent = [line for line in agent.metrics().splitlines()
-                        if line.startswith("aiprobe_tcp_send_bytes_total{") and f'container="{short}"' in line]
-                assert sent and float(sent[0].rsplit(" ", 1)[1]) > 0, sent
+                yield agent, Sender(sender, container_id[:12])
             finally:
                 sender.kill()
                 sender.wait()
     finally:
         sink.kill()
+
+
+def sent_to_sink(snapshot: dict) -> list[dict]:
+    """The snapshot's flows of SENDER's connection, egress."""
+    return [f for f in snapshot["flows"] if f["direction"] == "egress" and f["remote_port"] == 9100]
+
+
+def owner_of(flow: dict) -> dict[str, object]:
+    return {name: flow[name] for name in ("pid", "comm", "container")}
+
+
+@pytest.mark.bpf
+def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair) -> None:
+    with sender_watched(tmp_path, veth, 'probes = ["flows", "sendlat"]\n') as (agent, sender):
+        owner = sender.owner()
+
+        def joined() -> bool:
+            snapshot = agent.snapshot()
+            process = [p for p in snapshot["processes"] if p["pid"] == sender.process.pid]
+            flows = sent_to_sink(snapshot)
+            return bool(process and process[0]["container"] == sender.container and process[0]["pod_uid"] == POD
+                        and flows and owner_of(flows[0]) == owner)
+
+        def seen() -> tuple:
+            snapshot = agent.snapshot()
+            return ([p for p in snapshot["processes"] if p["pid"] == sender.process.pid],
+                    [(f["direction"], f["pid"], f["comm"], f["container"]) for f in snapshot["flows"]
+                     if 9100 in (f["local_port"], f["remote_port"])], agent.log.read_text()[-1500:])
+
+        assert wait_until(joined, timeout=20, interval=0.5), seen()
+        time.sleep(1.5)  # a scrape after the next refresh
+        sent = [line for line in agent.metrics().splitlines()
+                if line.startswith("aiprobe_tcp_send_bytes_total{") and f'container="{sender.container}"' in line]
+        assert sent and float(sent[0].rsplit(" ", 1)[1]) > 0, sent
+
+
+@pytest.mark.bpf
+def test_an_idle_connection_stays_in_the_snapshot_with_its_owner(tmp_path: Path, veth: VethPair) -> None:
+    """A long-lived connection between its requests sends nothing for refresh after refresh: its
+    flow stays in the snapshot, at 0 bytes/s with its bytes as they were and joined to its process
+    and container, until it expires, whenever its owner was found (the agent looks sockets up every
+    few seconds, not at every refresh)."""
+    refreshes = 5
+    with sender_watched(tmp_path, veth, 'probes = ["flows"]\nflow_idle_seconds = 3600.0\n') as (agent, sender):
+        assert sender.process.stdout.readline().strip() == "sent"
+        owner = sender.owner()
+        seen = [agent.snapshot()]
+
+        def idle_and_joined() -> bool:
+            seen[0] = agent.snapshot()
+            flows = sent_to_sink(seen[0])
+            return bool(flows) and flows[0]["bytes_per_second"] == 0 and owner_of(flows[0]) == owner
+
+        assert wait_until(idle_and_joined), sent_to_sink(seen[0])
+        while len(seen) <= refreshes:
+            assert wait_until(lambda: agent.snapshot()["host"]["time"] > seen[-1]["host"]["time"])
+            seen.append(agent.snapshot())
+        idle = (sent_to_sink(seen[0])[0]["bytes"], 0, owner)
+        for snapshot in seen:
+            flows = sent_to_sink(snapshot)
+            assert [(f["bytes"], f["bytes_per_second"], owner_of(f)) for f in flows] == [idle], \
+                (snapshot["host"]["time"], flows)

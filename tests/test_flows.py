@@ -33,6 +33,7 @@ from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
+from aiprobe.probes.flows.hooks import SNAPSHOT_FLOWS
 from aiprobe.probes.flows.probe import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot
 from aiprobe.top_views import header_lines
@@ -404,6 +405,25 @@ def test_idle_flows_expire_and_interface_totals_keep_them(veth: VethPair) -> Non
     assert not [f for f in later.flows if f.local_port == port]
     assert _totals(later, veth.host, "egress") >= _totals(first, veth.host, "egress")
     assert _totals(later, veth.host, "egress")[1] >= 5
+
+
+def test_an_idle_flow_keeps_its_record_at_rate_0_among_the_agents_top_flows(veth: VethPair) -> None:
+    """The agent's probe records its `top` flows, the fastest then idle ones: a flow that stopped
+    sending (a long-lived connection between its requests) keeps its record read after read, and in
+    what a scrape reads, at rate 0 with its counts exact, until it expires."""
+    frame = 42 + UDP_PAYLOAD
+    with FlowsProbe([veth.host], top=SNAPSHOT_FLOWS) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(COUNT):
+            s.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        port = s.getsockname()[1]
+        assert wait_until(lambda: any(f.local_port == port and f.packets == COUNT for f in probe.read().flows))
+        reads = []
+        for _ in range(4):
+            time.sleep(MIN_RATE_WINDOW_NS / 1e9)  # each read's rate is over a window in which the flow sent nothing
+            reads += [probe.read(), probe.read_for_scrape()]
+    for snapshot in reads:
+        flow = _flow(snapshot, "egress", "udp", port, 9)
+        assert (flow.packets, flow.bytes, flow.bytes_per_second) == (COUNT, COUNT * frame, 0.0)
 
 
 # --- detaching: SIGTERM, SIGKILL, foreign programs ---

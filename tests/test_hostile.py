@@ -357,8 +357,9 @@ def assert_ingress_counts_the_wire(agent: Agent, veth: VethPair) -> None:
         return lambda: agent.snapshot()["host"]["time"] > moment
 
     def counted_and_wire() -> tuple[float, int]:
-        """Read until two reads with a refresh of the agent between them agree (a scrape may reuse a
-        read up to half an interval old, and a slow refresh can outlast any fixed pause)."""
+        """Read until two reads with a refresh of the agent between them agree (a scrape serves the
+        latest refresh with only the flows it recorded read again, so a new flow waits for the next
+        refresh, and a slow refresh can outlast any fixed pause)."""
         last = None
         while True:
             metrics = agent.metrics()

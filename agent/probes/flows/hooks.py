@@ -10,7 +10,7 @@ from ...model import Readings
 from ...refresh import Hooks, Refresh, Section
 from .records import FlowRecord, FlowsSnapshot, InterfaceTotals
 
-SNAPSHOT_FLOWS = 200
+SNAPSHOT_FLOWS = 200  # flows in the snapshot, the fastest first: the probe makes records of as many
 
 
 class FlowsHooks(Hooks):

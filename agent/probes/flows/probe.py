@@ -2,10 +2,15 @@
 
 `FlowsProbe` attaches tc programs (TCX, clsact where the kernel lacks it) to both directions of
 every selected interface (following interfaces that come and go), and `read()` turns the flow table
-into `FlowRecord`s with rates over the interval since the previous read. Several aiprobes may watch
-one interface (the agent, an engineer's `aiprobe flows`): TCX links stack; under clsact each has a
-filter handle of its own, and only a filter of ours whose program no process holds (left by a killed
-run: netlink attachments outlive their process) is removed.
+into `FlowRecord`s with rates over the interval since the previous read: of every flow, or of the
+`top` fastest, idle flows filling the rest (the agent's: an idle flow keeps its record, so a long-lived
+connection stays in the snapshot between its requests). A read's cost follows what changed, not what
+the table holds: it copies the table in raw batches, touches in Python only the flows stamped since
+its previous read (table.py) and makes `top` records at most; a scrape reads again only
+the flows of the latest records. Several aiprobes may watch one interface (the agent, an engineer's
+`aiprobe flows`): TCX links stack; under clsact each has a filter handle of its own, and only a
+filter of ours whose program no process holds (left by a killed run: netlink attachments outlive
+their process) is removed.
 
 Why tc and not XDP by default: tc leaves the data path as it is. Ingress tc sees skbs after GRO
 (one program run per batch of segments, each counted), egress tc sees them before GSO, and neither
@@ -28,22 +33,26 @@ and the frames no flow could hold, so they stay exact and monotonic: the numbers
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ...features import network_features
 from ...libbpf import BpfError
 from ...loader import (
     BpfObject,
     Link,
+    Map,
     Program,
     Strategy,
     enum_labels,
@@ -58,9 +67,10 @@ from ...names import ip_text
 from ...netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
 from ...registry import Probe, ProbeSpec
 from ...supervisor import ATTACHMENTS, Backoff, attach_reason
-from .hooks import FlowsHooks
+from .hooks import SNAPSHOT_FLOWS, FlowsHooks
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
 from .settings import FlowsSettings
+from .table import KEY_FIELDS, SUMMED, VALUE_FIELDS, FlowTable, dtype_of, raw_keys
 from .view import VIEW
 
 if TYPE_CHECKING:
@@ -78,8 +88,9 @@ PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
 def _from_config(config: Config) -> Probe:
     settings = config.settings(FlowsSettings)
     return FlowsProbe(interfaces=list(settings.interfaces), exclude=list(settings.exclude),
-                      idle_timeout=settings.flow_idle_seconds, strategy=config.strategies.get("flows"),
-                      xdp_interfaces=list(settings.xdp_interfaces))
+                      idle_timeout=settings.flow_idle_seconds, max_flows=settings.max_flows,
+                      strategy=config.strategies.get("flows"), xdp_interfaces=list(settings.xdp_interfaces),
+                      top=max(settings.top_flows, SNAPSHOT_FLOWS))
 
 
 FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
@@ -109,7 +120,7 @@ METRICS = (
            "Wire packets (TCP/UDP segments, not skbs) through an interface; matches /proc/net/snmp segments.",
            InterfaceTotals, "packets", _SIDE),
     Family("aiprobe_flow_tcp_flags_total", "counter", "TCP segments with SYN, FIN or RST (`flag` = syn, fin, rst).",
-           FlowRecord, labels=_SIDE, per_identity=True, expand_label="flag",
+           InterfaceTotals, labels=_SIDE, expand_label="flag",
            expand=(("syn", "tcp_syn"), ("fin", "tcp_fin"), ("rst", "tcp_rst"))),
     Family("aiprobe_flow_evictions_total", "counter",
            "Flows evicted from the full flow table to make room (their counts stay in the interface totals).",
@@ -148,7 +159,9 @@ TC_MODES = tuple(s.name for s in SPEC.strategies)
 TC_HANDLES = range(0xA1B0, 0xA1B0 + 16)
 TC_PRIORITY = 0xA1B0
 
-DEFAULT_MAX_FLOWS = 16384
+DEFAULT_MAX_FLOWS = 16384  # FlowsProbe's own (the CLI's, tests'); the agent's is FlowsSettings.max_flows
+# How long a scrape waits for a read under way (seconds a large table's read can take on a busy node).
+SCRAPE_WAIT_SECONDS = 0.25
 # Above EVICT_ABOVE of capacity, the stalest flows are evicted down to EVICT_TO, so new flows
 # find room in the kernel instead of failing to insert.
 EVICT_ABOVE = 0.9
@@ -370,40 +383,28 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
 
 # --- accounting between reads ---
 
+CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns()'s clock, which Python's time lacks
+FIRST_SEEN = VALUE_FIELDS.index("first_seen_ns")
+
 
 @dataclass
-class _Baseline:
-    """Flow totals (bytes, packets) as one read saw them, what later reads take rates against."""
+class _Gone:
+    """Raw keys of the flows a read deletes."""
 
-    at_ns: int
-    flows: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    expired: list[bytes] = field(default_factory=list)
+    orphans: list[bytes] = field(default_factory=list)  # of interfaces no longer watched
 
 
 @dataclass
 class _Ledger:
-    """What read() remembers: recent reads' totals (for rates), and counts of flows gone from the map."""
+    """What read() remembers besides the flows: when the last two reads began, and counts of what
+    left the table and the unattributed table."""
 
-    recent: deque[_Baseline] = field(default_factory=deque)  # oldest first
-    retired_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (ifindex, direction) -> bytes
-    retired_packets: Counter[tuple[int, int]] = field(default_factory=Counter)
+    # CLOCK_MONOTONIC_COARSE (the programs' clock for last_seen) as the last two reads began
+    started: deque[int] = field(default_factory=lambda: deque(maxlen=2))
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
-
-    def baseline(self, now_ns: int) -> _Baseline:
-        """The latest read at least MIN_RATE_WINDOW_NS before now (or the oldest there is)."""
-        while len(self.recent) > 1 and now_ns - self.recent[1].at_ns >= MIN_RATE_WINDOW_NS:
-            self.recent.popleft()
-        return self.recent[0]
-
-    def retire(self, key: Any, counters: Any) -> None:
-        where = (key.ifindex, key.direction)
-        self.retired_bytes[where] += counters.bytes
-        self.retired_packets[where] += counters.packets
-
-    def forget(self, ifindex: int) -> None:
-        for where in [w for w in self.retired_bytes if w[0] == ifindex]:
-            del self.retired_bytes[where], self.retired_packets[where]
 
 
 class FlowsProbe(Probe):
@@ -419,11 +420,14 @@ class FlowsProbe(Probe):
         max_flows: int = DEFAULT_MAX_FLOWS,
         strategy: str | None = None,
         xdp_interfaces: list[str] | None = None,
+        top: int | None = None,
     ) -> None:
+        """`top`: how many flows each read makes records of (the fastest, then idle ones); None: every flow."""
         super().__init__()
         self.filter = InterfaceFilter(list(interfaces or []), list(exclude or []), list(xdp_interfaces or []))
         self.idle_timeout = idle_timeout
         self.max_flows = max_flows
+        self.top = top
         self._strategies = tuple(s for s in SPEC.strategies if strategy in (None, s.name))
         if not self._strategies:
             raise ValueError(f"unknown flows strategy {strategy!r}; one of {', '.join(TC_MODES)}")
@@ -432,9 +436,10 @@ class FlowsProbe(Probe):
         self._attached: dict[int, _Attached] = {}
         self._watcher: LinkWatcher | None = None
         self._ledger = _Ledger()
-        self._flow_count = 0
         self._unattributed_count = 0
         self._last_snapshot: FlowsSnapshot | None = None
+        self._served: FlowsSnapshot | None = None  # the latest read() or read_for_scrape() result
+        self._recorded: list[tuple[bytes, int, FlowRecord]] = []  # the last snapshot's flows: key, first_seen_ns
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
@@ -451,7 +456,9 @@ class FlowsProbe(Probe):
         except BaseException:
             watcher.stop()
             raise
-        self._ledger.recent.append(_Baseline(time.monotonic_ns()))
+        flows_map = self.loaded.obj.maps["flows"]
+        self._table = FlowTable(dtype_of(flows_map.key_type, KEY_FIELDS),
+                                dtype_of(flows_map.value_type, VALUE_FIELDS), time.monotonic_ns())
         # Fixed at start, so first_seen is the same float in every read (it tells flow incarnations apart).
         self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
@@ -542,7 +549,7 @@ class FlowsProbe(Probe):
                 return
             for link in gone.links:
                 self.loaded.obj.release(link)
-            self._ledger.forget(ifindex)
+            self._table.forget(ifindex)
 
     def attachments(self) -> list[InterfaceAttachment]:
         with self._lock:
@@ -551,96 +558,163 @@ class FlowsProbe(Probe):
     # --- reading ---
 
     def read(self) -> FlowsSnapshot:
-        """The flow table now. Safe from several threads (the agent's refresh, a scrape): one read
-        at a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
+        """The flow table now. Safe from several threads (the agent's refresh, the CLI): one read at
+        a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
         with self._read_lock:
             self._retry_failed()
             return self._read(self.loaded.obj)
 
+    def read_for_scrape(self) -> FlowsSnapshot:
+        """The latest read with its recorded flows' counters read again, one lookup each, and the
+        interface totals moved on by what those flows added since: work bounded by the flows recorded
+        (`top`), whatever the table holds. Flows outside the record catch up at the next read(). Every
+        counter stays monotonic and the flows still add up to their interface. A scrape that finds a
+        read under way waits SCRAPE_WAIT_SECONDS at most, then serves what it served last."""
+        if self.loaded is None or self._last_snapshot is None or self._served is None:
+            return self.read()
+        if not self._read_lock.acquire(timeout=SCRAPE_WAIT_SECONDS):
+            return self._served
+        try:
+            last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
+            totals = {(t.interface, t.direction): dataclasses.replace(t) for t in last.interfaces}
+            records = [self._reread(flows_map, key, first_seen_ns, record, totals)
+                       for key, first_seen_ns, record in self._recorded]
+            self._served = dataclasses.replace(last, timestamp=time.time(), flows=records,
+                                               interfaces=list(totals.values()))
+            return self._served
+        finally:
+            self._read_lock.release()
+
+    def _reread(self, flows_map: Map, key: bytes, first_seen_ns: int, record: FlowRecord,
+                totals: dict[tuple[str, str], InterfaceTotals]) -> FlowRecord:
+        now = flows_map.lookup(key)
+        if now is None or now.first_seen_ns != first_seen_ns:
+            return record  # deleted (or deleted and made again) since: the next read() says so
+        side = totals[(record.interface, record.direction)]
+        for name in SUMMED:
+            setattr(side, name, getattr(side, name) + getattr(now, name) - getattr(record, name))
+        return dataclasses.replace(record, bytes=now.bytes, packets=now.packets, tcp_syn=now.tcp_syn,
+                                   tcp_fin=now.tcp_fin, tcp_rst=now.tcp_rst, last_seen=self._wall(now.last_seen_ns))
+
     def _read(self, obj: BpfObject) -> FlowsSnapshot:
         now_ns = time.monotonic_ns()
+        started = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE)
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
             attachments = [a.state for a in self._attached.values()]
-        live = self._live_flows(obj, names)
-        self._drop_stale(obj, live, now_ns)
-        baseline = self._ledger.baseline(now_ns)
+        table, ledger = self._table, self._ledger
+        baseline = table.begin(now_ns, MIN_RATE_WINDOW_NS)
+        # A flow counted after the previous read copied it has a last_seen past that read's start
+        # (bpf/flows.bpf.c stamps it after its adds): the read before that gives a margin for a
+        # program that stamped an earlier time last.
+        since = ledger.started[0] if len(ledger.started) == ledger.started.maxlen else 0
+        gone = self._scan(obj.maps["flows"], names, since, started - int(self.idle_timeout * 1e9))
+        self._delete(obj.maps["flows"], gone)
+        ledger.started.append(started)
+        table.end(now_ns)
         interval = max(now_ns - baseline.at_ns, 1) / 1e9
-        flows = [self._record(key, c, baseline.flows.get(raw, (0, 0)), names, interval, self._to_wall)
-                 for raw, (key, c) in live.items()]
-        flows.sort(key=lambda f: (f.bytes_per_second, f.bytes), reverse=True)
-        self._flow_count = len(live)
+        self._recorded = self._records(names, interval)
         unattributed = self._unattributed(obj, names)
         self._unattributed_count = len(unattributed)
-        self._ledger.recent.append(_Baseline(now_ns, {raw: (c.bytes, c.packets) for raw, (_key, c) in live.items()}))
         self._last_snapshot = FlowsSnapshot(
             timestamp=time.time(),
             interval_seconds=interval,
-            flows=flows,
-            interfaces=self._interface_totals(live, unattributed, names),
-            evictions=self._ledger.evictions,
-            insert_failures=self._ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
-            malformed_frames=self._ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
+            flows=[record for _key, _first_seen, record in self._recorded],
+            interfaces=self._interface_totals(unattributed, names),
+            evictions=ledger.evictions,
+            insert_failures=ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
+            malformed_frames=ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
             lost_frames=sum(per_cpu.packets for per_cpu in obj.maps["lost"].lookup(0)),
             attachments=attachments,
         )
+        self._served = self._last_snapshot
         return self._last_snapshot
 
-    def _live_flows(self, obj: BpfObject, names: dict[int, str]) -> dict[bytes, tuple[Any, Any]]:
-        """The flow table (struct flow_counters per flow); flows of interfaces we no longer watch
-        are deleted."""
-        flows_map = obj.maps["flows"]
-        live, orphans = {}, []
-        for key, counters in flows_map.items():
-            if key.ifindex in names:
-                live[bytes(key)] = (key, counters)
-            else:
-                orphans.append(key)
-        flows_map.delete_keys(orphans)
-        return live
+    def _scan(self, flows_map: Map, names: dict[int, str], since: int, idle_before: int) -> _Gone:
+        """One pass over the flow table in raw batches, as arrays: Python touches an entry only when
+        its last_seen is `since` or later (it changed), before `idle_before` (it expired), or when it
+        belongs to an interface no longer watched. Per read, work in proportion to what changed."""
+        gone, table = _Gone(), self._table
+        watched = np.fromiter(names, np.int64, len(names))
+        for count, keys, values in flows_map.raw_items():
+            key_bytes = memoryview(keys).cast("B")
+            counters = np.frombuffer(values, table.value_dtype, count)
+            last_seen = counters["last_seen_ns"]
+            table.update(key_bytes, counters, np.flatnonzero(last_seen >= since))
+            ifindexes = np.frombuffer(keys, table.key_dtype, count)["ifindex"]
+            size = table.key_dtype.itemsize
+            gone.expired += raw_keys(key_bytes, size, np.flatnonzero(last_seen < idle_before))
+            gone.orphans += raw_keys(key_bytes, size, np.flatnonzero(~np.isin(ifindexes, watched)))
+        return gone
 
-    def _drop_stale(self, obj: BpfObject, live: dict[bytes, tuple[Any, Any]], now_ns: int) -> None:
-        """Expire idle flows; if the table is nearly full, evict the stalest. Their counts move to
-        the interface totals, so nothing they counted is lost."""
-        idle_ns = int(self.idle_timeout * 1e9)
-        expired = [raw for raw, (_k, c) in live.items() if now_ns - c.last_seen_ns > idle_ns]
-        remaining = len(live) - len(expired)
-        evicted: list[bytes] = []
-        if remaining > EVICT_ABOVE * self.max_flows:
-            expired_set = set(expired)
-            by_age = sorted((raw for raw in live if raw not in expired_set), key=lambda r: live[r][1].last_seen_ns)
-            evicted = by_age[: remaining - int(EVICT_TO * self.max_flows)]
-        self._ledger.evictions += len(evicted)
-        for raw in [*expired, *evicted]:
-            key, counters = live.pop(raw)
-            obj.maps["flows"].delete(key)
-            self._ledger.retire(key, counters)
+    def _delete(self, flows_map: Map, gone: _Gone) -> None:
+        """Delete flows of interfaces no longer watched, expire idle flows, and if the table is nearly
+        full, evict the stalest. What expired and evicted flows counted moves to the interface totals,
+        so nothing they counted is lost."""
+        table = self._table
+        for key in gone.orphans:
+            flows_map.delete(key)
+        table.drop(gone.orphans)
+        self._retire(flows_map, gone.expired)
+        if len(table) > EVICT_ABOVE * self.max_flows:
+            stalest = table.stalest(len(table) - int(EVICT_TO * self.max_flows))
+            self._retire(flows_map, stalest)
+            self._ledger.evictions += len(stalest)
 
-    @staticmethod
-    def _record(key: Any, c: Any, before: tuple[int, int], names: dict[int, str], interval: float,
-                to_wall: float) -> FlowRecord:
-        before_bytes, before_packets = before
+    def _retire(self, flows_map: Map, keys: list[bytes]) -> None:
+        """Delete flows, their counts as deleted going to their interface: nothing counted after a read is lost."""
+        table = self._table
+        finals = np.zeros(len(keys), table.value_dtype)
+        for i, key in enumerate(keys):
+            final = flows_map.pop(key)
+            if final is not None:
+                finals[i] = np.frombuffer(bytes(final), table.value_dtype, 1)[0]
+            elif key in table.slots:  # deleted by someone else meanwhile: as last read
+                finals[i] = table.values[table.slots[key]]
+        table.retire(keys, finals)
+
+    def _records(self, names: dict[int, str], interval: float) -> list[tuple[bytes, int, FlowRecord]]:
+        """Records of the flows the table picks for `top` (the fastest, then idle ones so a long-lived
+        connection keeps its record and the agent its owner), by rate, highest first, then by bytes."""
+        table = self._table
+        slots = table.recorded(self.top, interval)
+        byte_rates, packet_rates = table.rates(slots, interval)
+        keys = [table.keys[slot] for slot in slots.tolist()]
+        decoded = np.frombuffer(b"".join(keys), table.key_dtype, len(keys)).tolist() if keys else []
+        records = [(raw, value[FIRST_SEEN], self._record(key, value, rates, names)) for raw, key, value, *rates in zip(
+            keys, decoded, table.values[slots].tolist(), byte_rates.tolist(), packet_rates.tolist(), strict=True)]
+        records.sort(key=lambda r: (r[2].bytes_per_second, r[2].bytes), reverse=True)
+        return records
+
+    def _record(self, key: tuple[Any, ...], value: tuple[int, ...], rates: list[float],
+                names: dict[int, str]) -> FlowRecord:
+        """A flow from its key and counters (KEY_FIELDS and VALUE_FIELDS, decoded) and its rates."""
+        ifindex, direction, family, protocol, local_port, remote_port, local_addr, remote_addr = key
+        packets, nbytes, first_seen_ns, last_seen_ns, cgroup_id, tcp_syn, tcp_fin, tcp_rst = value
         return FlowRecord(
-            interface=names[key.ifindex],
-            direction=DIRECTIONS[key.direction],
-            protocol=PROTOCOLS.get(key.protocol, str(key.protocol)),
-            local_address=ip_text(bytes(key.local_addr), key.family == 6),
-            local_port=key.local_port,
-            remote_address=ip_text(bytes(key.remote_addr), key.family == 6),
-            remote_port=key.remote_port,
-            bytes=c.bytes,
-            packets=c.packets,
-            bytes_per_second=(c.bytes - before_bytes) / interval,
-            packets_per_second=(c.packets - before_packets) / interval,
-            cgroup_id=c.cgroup_id,
-            first_seen=to_wall + c.first_seen_ns / 1e9,
-            last_seen=to_wall + c.last_seen_ns / 1e9,
-            tcp_syn=c.tcp_syn,
-            tcp_fin=c.tcp_fin,
-            tcp_rst=c.tcp_rst,
+            interface=names[ifindex],
+            direction=DIRECTIONS[direction],
+            protocol=PROTOCOLS.get(protocol, str(protocol)),
+            local_address=ip_text(local_addr, family == 6),
+            local_port=local_port,
+            remote_address=ip_text(remote_addr, family == 6),
+            remote_port=remote_port,
+            bytes=nbytes,
+            packets=packets,
+            bytes_per_second=rates[0],
+            packets_per_second=rates[1],
+            cgroup_id=cgroup_id,
+            first_seen=self._wall(first_seen_ns),
+            last_seen=self._wall(last_seen_ns),
+            tcp_syn=tcp_syn,
+            tcp_fin=tcp_fin,
+            tcp_rst=tcp_rst,
         )
+
+    def _wall(self, monotonic_ns: int) -> float:
+        return self._to_wall + monotonic_ns / 1e9
 
     def _unattributed(self, obj: BpfObject, names: dict[int, str]) -> dict[tuple[int, int], _Unattributed]:
         """Frames in no flow, per (ifindex, direction); entries of vanished interfaces are folded
@@ -657,29 +731,26 @@ class FlowsProbe(Probe):
             unattributed_map.delete(key)
         return out
 
-    def _interface_totals(
-        self, live: dict[bytes, tuple[Any, Any]], unattributed: dict[tuple[int, int], _Unattributed],
-        names: dict[int, str],
-    ) -> list[InterfaceTotals]:
-        byte_totals, packet_totals = Counter(self._ledger.retired_bytes), Counter(self._ledger.retired_packets)
-        for key, c in live.values():
-            byte_totals[(key.ifindex, key.direction)] += c.bytes
-            packet_totals[(key.ifindex, key.direction)] += c.packets
-        for where, extra in unattributed.items():
-            byte_totals[where] += extra.bytes
-            packet_totals[where] += extra.packets
-        return [
-            InterfaceTotals(name, DIRECTIONS[d], byte_totals[(index, d)], packet_totals[(index, d)])
-            for index, name in sorted(names.items(), key=lambda item: item[1])
-            for d in range(len(DIRECTIONS))
-        ]
+    def _interface_totals(self, unattributed: dict[tuple[int, int], _Unattributed],
+                          names: dict[int, str]) -> list[InterfaceTotals]:
+        """Per interface and direction: its flows in the table, those deleted, and the frames in no flow."""
+        totals = []
+        for index, name in sorted(names.items(), key=lambda item: item[1]):
+            for direction, direction_name in enumerate(DIRECTIONS):
+                side = InterfaceTotals(name, direction_name,
+                                       **dict(zip(SUMMED, self._table.totals((index, direction)), strict=True)))
+                if (extra := unattributed.get((index, direction))) is not None:
+                    side.bytes += extra.bytes
+                    side.packets += extra.packets
+                totals.append(side)
+        return totals
 
     def map_usage(self) -> list[MapUsage]:
         """The flow table's overflows are its evictions and failed inserts (whose frames still count
         in the interface totals); the unattributed table's are frames counted nowhere."""
         last = self._last_snapshot
         return [
-            MapUsage("flows", self._flow_count, self.max_flows,
+            MapUsage("flows", len(self._table), self.max_flows,
                      last.evictions + last.insert_failures if last is not None else 0),
             MapUsage("unattributed", self._unattributed_count,
                      self.loaded.obj.maps["unattributed"].max_entries if self.loaded is not None else 0,
@@ -706,9 +777,11 @@ class TopFlows:
     TOP_K_HOLD_SECONDS, gone idle outside it, or left the flow table: idle flows waiting to expire
     would otherwise hold every series while new ones churn past a steady flow), counting from when
     the flow got its series, so its rate is exact from the first sample and it takes nothing from
-    `other`. `other` per interface and direction is the interface counter minus those series: the
-    series sum to the interface counter in raw values at every read, and `other` never decreases (a
-    flow that loses its series hands its count to `other`; one that gets a series starts at 0)."""
+    `other`. Only a flow with a rate gets a series: idle flows are among the records too, and one would
+    stay flat (or restart at 0 the series it just lost). `other` per interface and direction is the
+    interface counter minus those series: the series sum to the interface counter in raw values at
+    every read, and `other` never decreases (a flow that loses its series hands its count to `other`;
+    one that gets a series starts at 0)."""
 
     def __init__(self, k: int, field: str) -> None:
         self.k = k
@@ -742,8 +815,8 @@ class TopFlows:
                     now - member.out_since >= TOP_K_HOLD_SECONDS or not live[ident].bytes_per_second)):
                 del self._members[ident]
         for ident in ranked[: self.k]:
-            if len(self._members) >= self.k:
-                break
+            if len(self._members) >= self.k or not live[ident].bytes_per_second:
+                break  # full, or this and the rest (ranked by rate) are idle
             self._members.setdefault(ident, _Member(_counts(live[ident])))
 
 

@@ -45,6 +45,9 @@ class InterfaceTotals(Record):
     direction: str
     bytes: int
     packets: int
+    tcp_syn: int = 0  # TCP segments with SYN, FIN, RST: of its flows, those deleted included
+    tcp_fin: int = 0
+    tcp_rst: int = 0
     bytes_per_second: float = field(default=0.0, metadata=JOINED)
     packets_per_second: float = field(default=0.0, metadata=JOINED)
 
