@@ -53,6 +53,7 @@ class Catalog:
     sections: tuple[type[Settings], ...] = ()
     chains: dict[str, tuple[str, ...]] = field(default_factory=dict)  # what `strategies` may force, by name
     hosts: dict[str, str] = field(default_factory=dict)  # parts that run on their probe's strategy -> the probe
+    rules: dict[str, RuleConfig] = field(default_factory=dict)  # the declared rules' defaults
 
 
 class ConfigError(ValueError):
@@ -72,30 +73,6 @@ class RuleConfig:
     def clear_threshold(self) -> float:
         return self.threshold if self.clear is None else self.clear
 
-
-# Built-in bottleneck rules and their defaults; every key can be overridden under [rules.<name>].
-DEFAULT_RULES: dict[str, RuleConfig] = {
-    # p99 of tcp_sendmsg over the last interval, seconds
-    "network_send_stall": RuleConfig(threshold=0.05, clear=0.02, for_seconds=10, severity="warning"),
-    # GPU utilization ratio
-    "gpu_saturated": RuleConfig(threshold=0.95, clear=0.85, for_seconds=60, severity="info"),
-    # GPU utilization ratio below which a GPU counts as idle while the endpoint has traffic (bytes/s)
-    "gpu_idle_with_traffic": RuleConfig(threshold=0.10, clear=0.25, for_seconds=30, severity="warning"),
-    # p99 run-queue delay of GPU-driving threads, seconds
-    "gpu_threads_starved": RuleConfig(threshold=0.005, clear=0.002, for_seconds=10, severity="critical"),
-    # CUDA context switches per second in one process
-    "cuda_context_switch_storm": RuleConfig(threshold=1000.0, clear=500.0, for_seconds=10, severity="warning"),
-    # CUDA contexts that launched work on one GPU in the last refresh (2 or more: time-sliced)
-    "gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=30, severity="warning"),
-    # fraction of time the GPU's busiest graphics engine spends switching contexts (GPM)
-    "gpu_context_switch_overhead": RuleConfig(threshold=0.05, clear=0.03, for_seconds=30, severity="warning"),
-    # listen-queue drops per second (TcpExt ListenDrops, which counts every overflow too)
-    "listen_queue_overflow": RuleConfig(threshold=1.0, clear=0.0, for_seconds=0, severity="critical"),
-    # stalls (gaps between writes above stream_stall_threshold_ms) of one process's responses in the window
-    "token_streams_stalling": RuleConfig(threshold=0.0, clear=0.0, for_seconds=0, severity="warning"),
-    # retransmitted / sent TCP segments
-    "tcp_retransmits_high": RuleConfig(threshold=0.02, clear=0.01, for_seconds=30, severity="warning"),
-}
 
 # gpu_idle_with_traffic also needs a traffic floor: inbound bytes/s that counts as "the endpoint has traffic".
 DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND = 10_000.0
@@ -120,7 +97,9 @@ class Config:
     # and how long a label set may go unseen before it leaves /metrics.
     max_process_labels: int = field(default=200, metadata=limits(1, 100_000, whole=True))
     idle_series_seconds: float = field(default=300.0, metadata=limits(1.0, 7 * 86_400.0))
-    rules: dict[str, RuleConfig] = field(default_factory=lambda: dict(DEFAULT_RULES))
+    # rule -> its thresholds: the declared defaults with `[rules.<name>]` over them (none here: the
+    # defaults, which the rule engine has from the rules' declarations)
+    rules: dict[str, RuleConfig] = field(default_factory=dict)
     # probe -> the one strategy of its chain to run (default: the first the kernel allows)
     strategies: dict[str, str] = field(default_factory=dict)
     # Each probe's section, as set in the file (the others read as their defaults: `settings`).
@@ -239,12 +218,12 @@ def _validate_top(key: str, value: Any, catalog: Catalog) -> Any:
     return value
 
 
-def _validate_rule(name: str, table: Any) -> RuleConfig:
-    if name not in DEFAULT_RULES:
-        raise ConfigError(f"rules.{name}: unknown rule (known: {', '.join(DEFAULT_RULES)})")
+def _validate_rule(name: str, table: Any, catalog: Catalog) -> RuleConfig:
+    if name not in catalog.rules:
+        raise ConfigError(f"rules.{name}: unknown rule (known: {', '.join(catalog.rules)})")
     if not isinstance(table, dict):
         raise ConfigError(f"rules.{name}: expected a table")
-    rule = DEFAULT_RULES[name]
+    rule = catalog.rules[name]
     for key, value in table.items():
         qualified = f"rules.{name}.{key}"
         if key not in _RULE_KEYS:
@@ -276,15 +255,14 @@ def _validate_strategies(table: Any, catalog: Catalog) -> dict[str, str]:
 def from_dict(data: dict[str, Any], catalog: Catalog = Catalog()) -> Config:
     """The config a parsed file says, every key checked; what it leaves out is the default."""
     owners = {f.name: section for section in catalog.sections for f in fields(section)}  # type: ignore[arg-type]
-    values: dict[str, Any] = {"probes": catalog.probes or None}
+    values: dict[str, Any] = {"probes": catalog.probes or None, "rules": dict(catalog.rules)}
     in_sections: dict[type[Settings], dict[str, Any]] = {section: {} for section in catalog.sections}
     for key, value in data.items():
         if key == "rules":
             if not isinstance(value, dict):
                 raise ConfigError("rules: expected a table of rules")
-            rules = dict(DEFAULT_RULES)
-            rules.update({name: _validate_rule(name, table) for name, table in value.items()})
-            values["rules"] = rules
+            values["rules"] = {**values["rules"],
+                               **{name: _validate_rule(name, table, catalog) for name, table in value.items()}}
         elif key == "strategies":
             values["strategies"] = _validate_strategies(value, catalog)
         elif key in _TOP_LEVEL:

@@ -19,14 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 from . import __version__
-from .config import Config
+from .config import Config, RuleConfig
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .deltas import Rates, Window
 from .loader import ProbeUnavailable
 from .model import Alert, HostInfo, ProbeStatus, ProcessRow, Readings, Snapshot
 from .names import process_name
 from .refresh import SIGNAL_WINDOW_SECONDS, ProcessRows
-from .registry import Face, Part, Probe, ProbeSpec, faces, selected
+from .registry import Face, Part, Probe, ProbeSpec, faces, rules, selected
 from .rules import RuleEngine, Signal
 from .supervisor import SUPERVISOR
 from .system import kernel_release
@@ -58,7 +58,7 @@ class Agent:
         self._down: dict[str, ProbeStatus] = {}
         self._cgroups = CgroupIndex()
         self._sockets = SocketOwners()
-        self._rules = RuleEngine(config.rules)
+        self._rules = RuleEngine(rules(), config.rules)
         self._rates = Rates()
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
@@ -234,6 +234,9 @@ class Agent:
 
     def comm(self, pid: int) -> str:
         return _comm(pid)
+
+    def rule(self, name: str) -> RuleConfig:
+        return self._rules.settings[name]
 
     def rate(self, source: tuple[Any, ...], counters: list[float] | list[int], now: float) -> list[float]:
         return self._rates.rate(source, counters, now)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .model import ProcessRow, Readings
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import Config, RuleConfig
     from .containers import Workload
     from .model import Histogram, Identity
     from .rules import Signal
@@ -45,6 +45,9 @@ class Refresh(Protocol):
 
     def comm(self, pid: int) -> str:
         """The kernel's comm of pid (its pid when gone), as probes' records carry it."""
+
+    def rule(self, name: str) -> RuleConfig:
+        """A rule's thresholds in force (for the evidence)."""
 
     def rate(self, source: tuple[Any, ...], counters: list[float] | list[int], now: float) -> list[float]:
         """Per-second rates of cumulative counters since the last refresh, by the source's identity."""

@@ -27,6 +27,7 @@ from .formatting import Column, View
 from .loader import Loaded, Strategy
 from .model import MapUsage, ProbeStatus
 from .refresh import NO_HOOKS, Hooks
+from .rules import RuleSpec
 
 if TYPE_CHECKING:
     from .config import Config
@@ -150,6 +151,8 @@ class Part:
     metrics: tuple[Family, ...] = ()
     # Its part in each refresh: joins, rates, rule signals, process rows, snapshot sections.
     hooks: Hooks = NO_HOOKS
+    # The bottleneck rules judging its figures (its hooks' signals).
+    rules: tuple[RuleSpec, ...] = ()
     # What `aiprobe top` shows of it: its columns of the process table, its own views.
     process_columns: tuple[Column, ...] = ()
     views: tuple[View, ...] = ()
@@ -229,7 +232,13 @@ def catalog() -> Catalog:
         chains={face.name: tuple(s.name for s in face.strategies) for face in faces()
                 if len(face.strategies) > 1 and not owner(face).follows(face)},
         hosts={face.name: owner(face).name for face in faces() if owner(face).follows(face)},
+        rules={rule.name: rule.default for rule in rules()},
     )
+
+
+def rules() -> tuple[RuleSpec, ...]:
+    """Every probe's rules, in registry order."""
+    return tuple(rule for face in faces() for rule in face.rules)
 
 
 def selectable_names() -> tuple[str, ...]:

@@ -8,6 +8,7 @@ outputs (JSON lines, Alertmanager) and `aiprobe_bottleneck_active` consume.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +20,10 @@ RESOLVED_RETENTION_SECONDS = 15 * 60
 
 @dataclass(frozen=True)
 class RuleSpec:
-    """What a rule means: which way its value crosses the threshold, a sentence for humans, and the
-    same rule in PromQL for deploy/prometheus/aiprobe-rules.yml (generated from these definitions and
-    the thresholds of config.DEFAULT_RULES: `python -m aiprobe.rules`).
+    """A rule, declared by the probe whose figures it judges (its package's rules.py): which way its
+    value crosses the threshold, a sentence for humans, the same rule in PromQL for
+    deploy/prometheus/aiprobe-rules.yml (generated from these declarations), and its default
+    thresholds.
 
     `query` is what the agent's value is in PromQL; the rule file compares it with the threshold the
     same way the engine does, then adds `guard`. In the Prometheus texts, %(threshold)s,
@@ -33,79 +35,14 @@ class RuleSpec:
     prometheus_summary: str
     description: str
     guard: str = ""
+    name: str = field(default="", kw_only=True)
+    default: RuleConfig = field(default=RuleConfig(), kw_only=True)  # `[rules.<name>]` overrides it
 
 
-def _p99(histogram: str) -> str:
+def p99(histogram: str) -> str:
+    """A histogram's p99 over a minute, per process and container, in PromQL."""
     return (f"histogram_quantile(0.99,\n  sum by (instance, process, container, le) "
             f"(rate({histogram}_bucket[1m]))\n)")
-
-
-RULES: dict[str, RuleSpec] = {
-    # Blocking senders wait in the send; asynchronous servers (uvicorn, vLLM's API server) never do:
-    # their sockets stay unwritable instead. The agent takes the larger of the two p99s.
-    "network_send_stall": RuleSpec(
-        False, "sends block or sockets stay unwritable {value:.3g}s (p99) in {target}: full socket buffers "
-        "(slow clients, backpressure or congestion)",
-        _p99("aiprobe_tcp_sendmsg_duration_seconds"),
-        "sends of {{ $labels.process }} in {{ $labels.container }} block or stay unwritable",
-        "Full socket buffers: slow clients, backpressure or congestion.",
-        guard="or\n" + _p99("aiprobe_tcp_socket_unwritable_seconds") + " > %(threshold)s"),
-    "gpu_saturated": RuleSpec(
-        False, "{target} is {value:.0%} busy: the GPU is the bottleneck",
-        "aiprobe_gpu_utilization_ratio", "GPU {{ $labels.gpu }} is saturated", "The GPU is the bottleneck."),
-    "gpu_idle_with_traffic": RuleSpec(
-        True, "{target} is only {value:.0%} busy while the endpoint receives traffic: "
-        "the bottleneck is on the host side (CPU, scheduling, batching, network)",
-        "aiprobe_gpu_utilization_ratio", "GPU {{ $labels.gpu }} is idle while the endpoint receives traffic",
-        "The bottleneck is on the host side: CPU, scheduling, batching or network.",
-        guard="and on (instance) (sum by (instance) (rate(aiprobe_interface_bytes_total{direction=\"ingress\"}[1m]))"
-              " > %(traffic_floor)s)"),
-    "gpu_threads_starved": RuleSpec(
-        False, "GPU-driving threads of {target} wait {value:.3g}s (p99) for a CPU: the GPU is starved by the host",
-        _p99("aiprobe_gpu_thread_runqueue_delay_seconds"),
-        "GPU-driving threads of {{ $labels.process }} wait for a CPU",
-        "Run-queue delay p99 of GPU-driving threads is high: the GPU is starved by the host."),
-    "cuda_context_switch_storm": RuleSpec(
-        False, "{target} switches CUDA contexts {value:.0f} times/s: context-switch overhead",
-        "sum by (instance, process, container) (rate(aiprobe_cuda_context_switches_total[1m]))",
-        "{{ $labels.process }} switches CUDA contexts more than %(threshold)s times/s",
-        "CUDA context-switch overhead."),
-    "gpu_time_sliced": RuleSpec(
-        False, "{target} is time-sliced between {value:.0f} busy CUDA contexts: each switch saves and restores "
-        "the GPU's state (merge the work into one context or process, or use MPS)",
-        "aiprobe_gpu_active_contexts",
-        "GPU {{ $labels.gpu }} is time-sliced between {{ $value }} busy CUDA contexts",
-        "Each switch between contexts saves and restores the GPU's state: merge the work into one context or "
-        "process, or use MPS."),
-    "gpu_context_switch_overhead": RuleSpec(
-        False, "{target} spends {value:.0%} of its time switching contexts (its busiest graphics engine): "
-        "time-slicing overhead (fewer contexts per GPU, merge the work into one process, or use MPS)",
-        "max by (instance, gpu, uuid) (aiprobe_gpu_context_switching_ratio)",
-        "GPU {{ $labels.gpu }} spends more than %(threshold_percent)s of its time switching contexts",
-        "The GPU saves and restores contexts' state instead of running kernels: fewer contexts per GPU, "
-        "merge the work into one context or process, or use MPS."),
-    "listen_queue_overflow": RuleSpec(
-        False, "{value:.3g} connections/s overflow or drop at listen queues: accept backlog too small "
-        "or the server accepts too slowly",
-        # ListenDrops alone: the kernel counts every ListenOverflows in ListenDrops too.
-        "rate(aiprobe_tcp_listen_drops_total[1m])",
-        "Connections overflow or drop at listen queues",
-        "Accept backlog too small, or the server accepts too slowly."),
-    "tcp_retransmits_high": RuleSpec(
-        False, "{value:.1%} of TCP segments are retransmitted: network loss",
-        "rate(aiprobe_tcp_retransmitted_segments_total[5m]) / rate(aiprobe_tcp_sent_segments_total[5m])",
-        "More than %(threshold_percent)s of TCP segments are retransmitted",
-        "Network loss between this host and its peers.",
-        guard="and rate(aiprobe_tcp_sent_segments_total[5m]) > 1"),
-    "token_streams_stalling": RuleSpec(
-        False, "token streams of {target} stalled {value:.0f} times in the last 10 s (the evidence names the "
-        "cause: network, cpu, gpu or server)",
-        "sum by (instance, process, container, cause) (increase(aiprobe_stream_stalls_total[1m]))",
-        "token streams of {{ $labels.process }} stall (cause: {{ $labels.cause }})",
-        "Gaps between writes of streamed responses above stream_stall_threshold_ms. The cause label says "
-        "why: network (the socket was full), cpu (the writer waited for a CPU), gpu (the process was inside "
-        "a CUDA synchronization), server (the application was slow to produce)."),
-}
 
 
 def alert_name(rule: str) -> str:
@@ -123,18 +60,27 @@ class Signal:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def summary(alert: Alert) -> str:
-    return RULES[alert.rule].summary.format(value=alert.value, target=alert.target)
+def settings(specs: Iterable[RuleSpec], configured: dict[str, RuleConfig]) -> dict[str, RuleConfig]:
+    """Each rule's thresholds: the configured ones, else its declared defaults."""
+    return {spec.name: configured.get(spec.name, spec.default) for spec in specs}
 
 
 class RuleEngine:
-    def __init__(self, rules: dict[str, RuleConfig]) -> None:
-        self._rules = {name: cfg for name, cfg in rules.items() if cfg.enabled}
+    """Judges the signals of the declared rules with their thresholds (`configured` overrides
+    the declared defaults)."""
+
+    def __init__(self, specs: Iterable[RuleSpec], configured: dict[str, RuleConfig]) -> None:
+        self._specs = {spec.name: spec for spec in specs}
+        self.settings = settings(self._specs.values(), configured)
+        self._rules = {name: cfg for name, cfg in self.settings.items() if cfg.enabled}
         self._active: dict[tuple[str, str], Alert] = {}
         self._resolved: list[Alert] = []
 
+    def _summary(self, alert: Alert) -> str:
+        return self._specs[alert.rule].summary.format(value=alert.value, target=alert.target)
+
     def _crosses(self, rule: str, value: float, *, clearing: bool) -> bool:
-        cfg, spec = self._rules[rule], RULES[rule]
+        cfg, spec = self._rules[rule], self._specs[rule]
         limit = cfg.clear_threshold if clearing else cfg.threshold
         return value < limit if spec.fires_below else value > limit
 
@@ -154,7 +100,7 @@ class RuleEngine:
                 changed.append(copy.deepcopy(alert))
             elif alert is not None and holds:
                 alert.value, alert.evidence = signal.value, signal.evidence
-                alert.summary = summary(alert)
+                alert.summary = self._summary(alert)
             elif alert is not None:
                 changed.extend(self._close(alert, now))
                 continue
@@ -172,7 +118,7 @@ class RuleEngine:
     def _open(self, signal: Signal, now: float) -> Alert:
         alert = Alert(signal.rule, self._rules[signal.rule].severity, signal.target, "pending", signal.value,
                       signal.evidence, active_since=now, since=now)
-        alert.summary = summary(alert)
+        alert.summary = self._summary(alert)
         self._active[alert.key] = alert
         return alert
 

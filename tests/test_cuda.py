@@ -39,6 +39,7 @@ from aiprobe.probes.cuda.probe import (
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.records import CudaSnapshot
 from aiprobe.probes.cuda.sched import STRATEGIES as SCHED_STRATEGIES
+from aiprobe.registry import rules
 from aiprobe.rules import RuleEngine
 from aiprobe.top_views import header_lines
 from exported_histograms import assert_histograms_consistent
@@ -340,7 +341,7 @@ def _ours(snapshot: CudaSnapshot, pid: int) -> CudaSnapshot:
 @pytest.mark.realtime  # the rule holds its condition for wall-clock windows
 @pytest.mark.bpf
 def test_two_threads_on_two_contexts_share_one_gpu_and_the_rule_fires_and_resolves(cuda_libs, drivers) -> None:
-    engine = RuleEngine({"gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=0.5)})
+    engine = RuleEngine(rules(), {"gpu_time_sliced": RuleConfig(threshold=1.5, clear=1.5, for_seconds=0.5)})
     transitions: list[str] = []
     readings: list[CudaSnapshot] = []
 

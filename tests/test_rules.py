@@ -5,20 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from aiprobe.config import DEFAULT_RULES, RuleConfig
+from aiprobe.config import RuleConfig
 from aiprobe.exporters.rules_file import render
 from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.records import CudaContext, CudaGpu
 from aiprobe.probes.nvml.records import GpuEngine, GpuInfo
-from aiprobe.rules import RULES, RuleEngine, Signal, alert_name
+from aiprobe.registry import catalog, rules
+from aiprobe.rules import RuleEngine, Signal, alert_name
 
+DEFAULT_RULES = catalog().rules  # as the probes declare them
+RULES = {rule.name: rule for rule in rules()}
 RULES_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "aiprobe-rules.yml"
 
 
 def engine(**rule: float) -> RuleEngine:
-    rules = dict(DEFAULT_RULES)
-    rules["network_send_stall"] = RuleConfig(**{"threshold": 0.05, "clear": 0.02, "for_seconds": 10, **rule})
-    return RuleEngine(rules)
+    configured = dict(DEFAULT_RULES)
+    configured["network_send_stall"] = RuleConfig(**{"threshold": 0.05, "clear": 0.02, "for_seconds": 10, **rule})
+    return RuleEngine(RULES.values(), configured)
 
 
 def stall(value: float) -> list[Signal]:
@@ -60,10 +63,10 @@ def test_vanished_target_resolves() -> None:
 
 
 def test_rules_that_fire_below_and_disabled_rules() -> None:
-    rules = dict(DEFAULT_RULES)
-    rules["gpu_idle_with_traffic"] = RuleConfig(threshold=0.1, clear=0.25, for_seconds=0)
-    rules["gpu_saturated"] = RuleConfig(enabled=False)
-    engine_ = RuleEngine(rules)
+    configured = dict(DEFAULT_RULES)
+    configured["gpu_idle_with_traffic"] = RuleConfig(threshold=0.1, clear=0.25, for_seconds=0)
+    configured["gpu_saturated"] = RuleConfig(enabled=False)
+    engine_ = RuleEngine(RULES.values(), configured)
     signals = [Signal("gpu_idle_with_traffic", "gpu0", 0.05), Signal("gpu_saturated", "gpu0", 1.0)]
     assert [(a.rule, a.state) for a in engine_.evaluate(signals, now=0)] == [
         ("gpu_idle_with_traffic", "pending"), ("gpu_idle_with_traffic", "firing")]
@@ -89,8 +92,9 @@ def test_rule_file_thresholds_for_and_severity_are_the_engines() -> None:
 
 
 def test_a_changed_threshold_changes_the_rule_file() -> None:
-    rules = dict(DEFAULT_RULES, gpu_saturated=RuleConfig(threshold=0.9, for_seconds=120, severity="warning"))
-    rule = next(r for r in yaml.safe_load(render(rules))["groups"][0]["rules"] if r["alert"] == "AiprobeGpuSaturated")
+    configured = dict(DEFAULT_RULES, gpu_saturated=RuleConfig(threshold=0.9, for_seconds=120, severity="warning"))
+    rule = next(r for r in yaml.safe_load(render(configured))["groups"][0]["rules"]
+                if r["alert"] == "AiprobeGpuSaturated")
     assert (rule["expr"].strip(), rule["for"], rule["labels"]["severity"]) == \
         ("aiprobe_gpu_utilization_ratio > 0.9", "2m", "warning")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.btf import decode
-from aiprobe.config import DEFAULT_RULES, Config
+from aiprobe.config import Config
 from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
 from aiprobe.histogram import EXPORTED_BOUNDS, exported_buckets, hist_slots, kernel_buckets, quantile
@@ -34,6 +34,7 @@ from aiprobe.probes.sendlat.probe import (
     SendLatencySnapshot,
     TimingBudget,
 )
+from aiprobe.registry import catalog, rules
 from aiprobe.rules import RuleEngine, Signal
 from exported_histograms import assert_histograms_consistent
 from fixtures.sendlat_peer import build, mix, paced_sink, send, send_nonblocking, sender_cmd, sink
@@ -100,8 +101,8 @@ def test_kernel_buckets_hold_their_values_within_one_sixteenth(ns: int) -> None:
 
 
 def test_rule_thresholds_are_exported_edges_and_exported_edges_are_few() -> None:
-    rules = DEFAULT_RULES["network_send_stall"], DEFAULT_RULES["gpu_threads_starved"]
-    for rule in rules:
+    defaults = catalog().rules["network_send_stall"], catalog().rules["gpu_threads_starved"]
+    for rule in defaults:
         assert {rule.threshold, rule.clear} <= set(EXPORTED_BOUNDS)
     assert len(EXPORTED_BOUNDS) < 100
     # A value just above a threshold lands above its edge, one just below, below.
@@ -255,8 +256,8 @@ def test_send_stall_rule_fires_and_clears_at_its_thresholds(probe: SendLatencyPr
     fed the p99 of the exported buckets as the agent does, changes state exactly as it does fed the
     p99 the sender measured (a noisy host can delay a send past a threshold: then both fire, or
     both stay firing)."""
-    rule = dataclasses.replace(DEFAULT_RULES["network_send_stall"], for_seconds=0)
-    judged, truth = RuleEngine({"network_send_stall": rule}), RuleEngine({"network_send_stall": rule})
+    rule = dataclasses.replace(catalog().rules["network_send_stall"], for_seconds=0)
+    judged, truth = (RuleEngine(rules(), {"network_send_stall": rule}) for _ in range(2))
     phases = []
     for now, period_ms in enumerate((34, 60, 5)):
         with paced_sink(peer, "127.0.0.1", period_ms, MiB) as slow:

@@ -112,6 +112,11 @@ def test_every_config_key_is_the_agents_or_one_probes() -> None:
     assert len(keys) == len(set(keys)), "a key claimed twice"
 
 
+def test_every_rule_is_declared_once_by_the_probe_judging_it() -> None:
+    names = [rule.name for face in faces() for rule in face.rules]
+    assert len(names) == len(set(names)) and "" not in names
+
+
 def test_metric_tables_name_fields_their_records_have() -> None:
     for face in faces():
         for family in face.metrics:

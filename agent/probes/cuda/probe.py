@@ -58,6 +58,7 @@ from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 from . import sched
 from .hooks import CudaHooks
 from .records import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
+from .rules import CUDA_CONTEXT_SWITCH_STORM, GPU_TIME_SLICED
 from .settings import CudaSettings
 from .view import PROCESS_COLUMNS
 
@@ -230,6 +231,7 @@ SPEC = ProbeSpec(
     ),
     hooks=CudaHooks(),
     process_columns=PROCESS_COLUMNS,
+    rules=(CUDA_CONTEXT_SWITCH_STORM, GPU_TIME_SLICED),
 )
 
 

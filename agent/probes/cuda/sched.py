@@ -18,6 +18,7 @@ from ...metrics import PROCESS_LABELS, Family
 from ...model import ProbeStatus
 from ...registry import Part, Probe
 from .records import CudaProcess
+from .rules import GPU_THREADS_STARVED
 from .view import SCHED_PROCESS_COLUMNS
 
 _SPAN = "sched_wakeup / preemption to sched_switch onto a CPU, GPU-driving threads only"
@@ -66,4 +67,5 @@ PART = Part(
                PROCESS_LABELS, per_identity=True),
     ),
     process_columns=SCHED_PROCESS_COLUMNS,
+    rules=(GPU_THREADS_STARVED,),
 )

@@ -13,6 +13,7 @@ from ...model import ProbeStatus
 from ...registry import Probe, ProbeSpec
 from .hooks import NetstatHooks
 from .records import TcpCounters
+from .rules import LISTEN_QUEUE_OVERFLOW, TCP_RETRANSMITS_HIGH
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -92,4 +93,5 @@ SPEC = ProbeSpec(
         _counter("aiprobe_tcp_sent_segments_total", "sent_segments", "TCP segments sent (Tcp OutSegs)."),
     ),
     hooks=NetstatHooks(),
+    rules=(LISTEN_QUEUE_OVERFLOW, TCP_RETRANSMITS_HIGH),
 )

@@ -58,7 +58,7 @@ def send_stall(proc: ProcessSendLatency, refresh: Refresh, now: float) -> Signal
         "send_p99_seconds": None if send_p99 is None else round(send_p99, 6), "sends": int(sends),
         "unwritable_p99_seconds": None if unwritable_p99 is None else round(unwritable_p99, 6),
         "unwritable_periods": int(waits[-1][1]) if waits else 0, "window_seconds": SIGNAL_WINDOW_SECONDS,
-        "pid": proc.pid, "threshold_seconds": refresh.config.rules["network_send_stall"].threshold})
+        "pid": proc.pid, "threshold_seconds": refresh.rule("network_send_stall").threshold})
 
 
 class StreamsHooks(Hooks):

@@ -28,6 +28,7 @@ from ...procfs import StartTimes
 from ...registry import Face, Probe, ProbeSpec, Unavailable, strategies_named
 from .hooks import SendLatencyHooks
 from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .rules import NETWORK_SEND_STALL
 from .settings import SendLatencySettings, StreamsSettings
 from .streams import PART as STREAMS
 from .streams import RECEIVE_SIDE, StreamsProbe  # the stream logic shares sendlat's programs (bpf/streams.h)
@@ -138,6 +139,7 @@ SPEC = ProbeSpec(
     ),
     hooks=SendLatencyHooks(),
     process_columns=PROCESS_COLUMNS,
+    rules=(NETWORK_SEND_STALL,),
 )
 
 

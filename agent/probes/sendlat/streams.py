@@ -22,6 +22,7 @@ from ...procfs import StartTimes
 from ...registry import Part, Probe
 from .hooks import StreamsHooks
 from .records import CAUSES, PROTOCOLS, StreamEndpoint, StreamsSnapshot, StreamStall
+from .rules import TOKEN_STREAMS_STALLING
 from .settings import StreamsSettings
 from .view import STREAMS_VIEW
 
@@ -226,4 +227,5 @@ PART = Part(
     ),
     hooks=StreamsHooks(),
     views=(STREAMS_VIEW,),
+    rules=(TOKEN_STREAMS_STALLING,),
 )

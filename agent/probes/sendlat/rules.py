@@ -1,0 +1,35 @@
+"""The send path's bottleneck rules (send latency's and the streams part's): what each means, its
+PromQL and its default thresholds (`[rules.<name>]` overrides them)."""
+
+from __future__ import annotations
+
+from ...config import RuleConfig
+from ...rules import RuleSpec, p99
+
+# Blocking senders wait in the send; asynchronous servers (uvicorn, vLLM's API server) never do:
+# their sockets stay unwritable instead. The agent takes the larger of the two p99s.
+NETWORK_SEND_STALL = RuleSpec(
+    False, "sends block or sockets stay unwritable {value:.3g}s (p99) in {target}: full socket buffers "
+    "(slow clients, backpressure or congestion)",
+    p99("aiprobe_tcp_sendmsg_duration_seconds"),
+    "sends of {{ $labels.process }} in {{ $labels.container }} block or stay unwritable",
+    "Full socket buffers: slow clients, backpressure or congestion.",
+    guard="or\n" + p99("aiprobe_tcp_socket_unwritable_seconds") + " > %(threshold)s",
+    name="network_send_stall",
+    # p99 of tcp_sendmsg over the last interval, seconds
+    default=RuleConfig(threshold=0.05, clear=0.02, for_seconds=10, severity="warning"),
+)
+
+
+TOKEN_STREAMS_STALLING = RuleSpec(
+    False, "token streams of {target} stalled {value:.0f} times in the last 10 s (the evidence names the "
+    "cause: network, cpu, gpu or server)",
+    "sum by (instance, process, container, cause) (increase(aiprobe_stream_stalls_total[1m]))",
+    "token streams of {{ $labels.process }} stall (cause: {{ $labels.cause }})",
+    "Gaps between writes of streamed responses above stream_stall_threshold_ms. The cause label says "
+    "why: network (the socket was full), cpu (the writer waited for a CPU), gpu (the process was inside "
+    "a CUDA synchronization), server (the application was slow to produce).",
+    name="token_streams_stalling",
+    # stalls (gaps between writes above stream_stall_threshold_ms) of one process's responses in the window
+    default=RuleConfig(threshold=0.0, clear=0.0, for_seconds=0, severity="warning"),
+)
