@@ -11,11 +11,9 @@ none); its records are the runqueue fields of cuda's `CudaProcess` records.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...loader import ProbeUnavailable, Strategy
+from ...loader import Strategy
 from ...metrics import PROCESS_LABELS, Family
-from ...model import ProbeStatus
+from ...model import MapUsage, ProbeStatus
 from ...registry import Part, Probe
 from .records import CudaProcess
 from .rules import GPU_THREADS_STARVED
@@ -28,29 +26,31 @@ STRATEGIES = tuple(
     Strategy(kind, programs=tuple(f"{kind}_{tp}" for tp in TRACEPOINTS), features=(kind,), span=_SPAN)
     for kind in ("tp_btf", "raw_tp", "tracepoint")
 )
+_NAMES = {strategy.name for strategy in STRATEGIES}
 
 
-class SchedProbe(Probe):
-    """The scheduler programs the cuda probe loaded with its uprobes (`host`: that probe)."""
+class SchedProbe:
+    """The scheduler side's face (`CudaProbe.parts`): the strategy its programs were loaded with, or
+    why none could be; its figures are in cuda's records."""
 
-    def __init__(self, host: Any) -> None:
-        super().__init__()
+    def __init__(self, host: Probe) -> None:
         self._host = host
 
-    def start(self) -> None:
-        if self._host is None or self._host.sched_strategy is None:
-            raise ProbeUnavailable("sched", {"sched": "scheduler tracepoints unavailable" if self._host
-                                             else "runs inside the cuda probe, which is not running"})
-
     def read(self) -> None:
-        return None  # its values are in the cuda probe's records
+        return None
 
     def status(self) -> ProbeStatus:
-        strategy = self._host.sched_strategy if self._host is not None else None
-        return ProbeStatus(True, strategy, _SPAN) if strategy else ProbeStatus(False, reason="not running")
+        part = self._host.loaded.strategy.part if self._host.loaded is not None else None
+        if part is not None:
+            return ProbeStatus(True, part.name, _SPAN)
+        why = "; ".join(f"{name}: {reason}" for name, reason in self._host.skipped.items() if name in _NAMES)
+        return ProbeStatus(False, reason=why or "scheduler tracepoints unavailable")
 
-    def close(self) -> None:
-        self._host = None
+    def map_usage(self) -> list[MapUsage]:
+        return []
+
+    def events_lost(self) -> int:
+        return 0
 
 
 PART = Part(
