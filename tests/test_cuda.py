@@ -23,6 +23,7 @@ import pytest
 from aiprobe.config import RuleConfig
 from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import EXPORTED_BOUNDS, hist_slots, kernel_buckets
+from aiprobe.loader import Strategy
 from aiprobe.names import printable
 from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.probe import (
@@ -85,6 +86,12 @@ def _wait_attached(probe: CudaProbe, *libraries: str, within: float = PATIENCE) 
 
 def _thread_entries(probe: CudaProbe, pid: int) -> int:
     return sum(1 for _, thread in probe.loaded.obj.maps["threads"].items() if thread.tgid == pid)
+
+
+def _recursion_misses(probe: CudaProbe, sched: Strategy) -> int:
+    """Runs of the strategy's wakeup and switch programs the kernel skipped, host-wide, since they loaded."""
+    ids = {fd_id(probe.loaded.obj.programs[name].fd, "prog_id") for name in sched.programs if "exit" not in name}
+    return sum(prog.get("recursion_misses", 0) for prog in bpftool_json("prog", "show") if prog["id"] in ids)
 
 
 def _bucket_counts(histogram: list[dict]) -> dict:
@@ -183,9 +190,12 @@ def test_each_scheduler_strategy_times_wakeups_of_gpu_threads(cuda_libs, drivers
         [process] = [p for p in probe.read().processes if p.pid == driver.pid]
         # The exited threads' entries went with them (sched_process_exit of this strategy).
         assert _thread_entries(probe, driver.pid) == 0
+        missed = _recursion_misses(probe, sched)
     # Each sync sleeps, so each is followed by a wakeup and a switch back onto a CPU (a timer that
-    # fires before the thread is off the CPU wakes nothing: allow a few).
-    assert process.runqueue_histogram[-1][1] >= 15
+    # fires before the thread is off the CPU wakes nothing: allow a few). A scheduler program does
+    # not run while it already runs on that CPU (an interrupt's wakeup in the middle of another's):
+    # the kernel counts those runs as recursion misses, and a busy host has many.
+    assert process.runqueue_histogram[-1][1] + missed >= 15, (process.runqueue_histogram[-1][1], missed)
     assert process.runqueue_delay_p99_seconds is not None
     assert_histograms_consistent([process], observed=["aiprobe_cuda_sync_duration_seconds",
                                                       "aiprobe_gpu_thread_runqueue_delay_seconds"])
