@@ -270,6 +270,9 @@ class SendLatencyProbe(Probe):
             streams.start()
         except ProbeUnavailable as exc:
             return Unavailable("; ".join(exc.reasons.values()))
+        except Exception as exc:  # the part cannot run; the send latency it rides on keeps going
+            streams.close()
+            return Unavailable(str(exc))
         return streams
 
     def parts(self) -> dict[str, Face]:
