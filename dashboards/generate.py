@@ -3,17 +3,24 @@ variables, label selector and panel styles. Run it after a change and commit the
 
     python3 dashboards/generate.py
 
+A probe brings its own row of the overview in dashboards/rows/<probe>.py: a function
+`panels(kit)` returning its panels, `kit` holding this module's vocabulary (Panel, Target, rate,
+quantile, gauge, TARGET, RATE ...), so adding a probe's row edits no file but its own.
+
 tests/test_dashboards.py fails when the JSON files and this script disagree, and runs every
 panel's PromQL against a real Prometheus scraping a real agent.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
+ROWS = HERE / "rows"
 
 # The scrape target's labels: `instance` is the node name (ServiceMonitor relabeling), `namespace`
 # and `pod` are the agent's own, set by Prometheus' Kubernetes service discovery. Outside
@@ -156,6 +163,7 @@ def overview() -> dict:
                    f" + rate(aiprobe_tcp_listen_drops_total{{{TARGET}}}[{RATE}])", "{{instance}}")],
               unit="ops", description="Connections the server did not accept in time."),
         *token_streams(),
+        *probe_rows(),
     ], variables(None))
 
 
@@ -181,6 +189,19 @@ def token_streams() -> list[Panel]:
               description="Gaps above stream_stall_threshold_ms: network (socket full), cpu (writer waited for a "
                           "CPU), gpu, server (the application was slow)."),
     ]
+
+
+def probe_rows() -> list[Panel]:
+    """The overview's rows the probes bring (dashboards/rows/<probe>.py), in file name order."""
+    kit = SimpleNamespace(**{name: value for name, value in globals().items() if not name.startswith("_")})
+    panels: list[Panel] = []
+    for path in sorted(ROWS.glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"dashboards_rows_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        panels += module.panels(kit)
+    return panels
 
 
 def network_flows() -> dict:
