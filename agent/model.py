@@ -6,7 +6,8 @@ docs/snapshot.md documents every field (tests/test_model.py fails on one that is
 
 A field marked JOINED is filled by the agent, not the probe: a probe's own `--json` leaves it out.
 A field marked HISTOGRAM holds cumulative (le_seconds, count) buckets, written as
-[{"le_seconds", "count"}] in documents.
+[{"le_seconds", "count"}] in documents; None (null, and absent from /metrics) where the probe could
+not measure it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def document(value: Any, *, joined: bool = True) -> Any:
             if is_joined and not joined:
                 continue
             item = getattr(value, name)
-            out[name] = buckets_to_json(item) if is_histogram else document(item, joined=joined)
+            out[name] = buckets_to_json(item) if is_histogram and item is not None else document(item, joined=joined)
         return out
     if isinstance(value, list | tuple):
         return [document(item, joined=joined) for item in value]

@@ -134,6 +134,8 @@ def _values(family: Family, record: Any) -> array[float] | None:
     refresh, thousands of sources under process churn."""
     if family.kind == "histogram":
         buckets = value_of(record, family.value)
+        if buckets is None:
+            return None
         return array("d", [getattr(record, family.sum_field), *(count for _, count in buckets)])
     values = [value_of(record, getter) for getter in _getters(family)]
     if any(value is None for value in values):
