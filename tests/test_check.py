@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import pytest
+from aiprobe.registry import faces
 from aiprobe.system import missing_privileges
 from helpers import PATIENCE
 
@@ -31,7 +32,7 @@ def test_check_json_reports_real_capabilities(aiprobe_cli: list[str]) -> None:
         assert features["fentry"] is False
         assert report["probes"]["sendlat"]["strategy"] == "tracepoint"
         assert set(report["probes"]["sendlat"]["skipped"]) == {"fentry", "kprobe"}
-    assert set(report["probes"]) == {"flows", "sendlat", "streams", "cuda", "sched", "nvml", "netstat"}
+    assert set(report["probes"]) == {face.name for face in faces()}
     assert report["probes"]["netstat"]["strategy"] == "procfs"
     for probe in report["probes"].values():
         assert probe["available"] == (probe["strategy"] is not None)
@@ -43,7 +44,7 @@ def test_check_json_reports_real_capabilities(aiprobe_cli: list[str]) -> None:
 def test_check_text_names_every_probe(aiprobe_cli: list[str]) -> None:
     result = subprocess.run([*aiprobe_cli, "check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    for probe in ("flows", "sendlat", "streams", "cuda", "sched", "nvml", "netstat"):
+    for probe in (face.name for face in faces()):
         assert f"  {probe} " in result.stdout
 
 

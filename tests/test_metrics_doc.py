@@ -1,11 +1,14 @@
 """docs/metrics.md and the exporter agree: the tables are the ones generated from the probes'
 declarations, every metric the agent can serve is documented with the same type and labels, and
-nothing documented is missing from the code."""
+nothing documented is missing from the code. A probe's suite may give its own sample reading
+(`def sample_reading()` in tests/test_<probe>.py), so adding a probe edits no list here."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
+from typing import Any
 
 from aiprobe.config import Config
 from aiprobe.exporters.prometheus import AgentCollector, doc_tables
@@ -17,9 +20,21 @@ from aiprobe.probes.netstat.records import TcpCounters
 from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
 from aiprobe.probes.nvml.settings import NvmlSettings
 from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot
+from aiprobe.registry import faces
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+TESTS = Path(__file__).resolve().parent
 HISTOGRAM = exported_buckets(kernel_buckets([1] * hist_slots()))
+
+
+def probe_suites_samples() -> dict[str, Any]:
+    """The sample readings probes' suites give, by probe name."""
+    samples = {}
+    for face in faces():
+        suite = TESTS / f"test_{face.name}.py"
+        if suite.exists() and "\ndef sample_reading(" in suite.read_text():
+            samples[face.name] = importlib.import_module(suite.stem).sample_reading()
+    return samples
 
 
 def every_kind_of_reading() -> Readings:
@@ -41,6 +56,7 @@ def every_kind_of_reading() -> Readings:
             "streams": StreamsSnapshot("tracepoint", "", 0.25, [
                 StreamEndpoint(1, "x", 0, 8000, "sse", 1, 2, 3, 1, 0.1, 0.1, 0.1, HISTOGRAM, 1, 0.02, 0.02, 0.02,
                                HISTOGRAM, 0.2, HISTOGRAM, {"server": 1})]),
+            **probe_suites_samples(),
         },
         probes={"flows": ProbeStatus(True, "xdp+tcx")},
         map_usage={"flows": [MapUsage("flows", 1, 2)]},
