@@ -223,6 +223,7 @@ class View:
     probes: tuple[str, ...]  # probes (and parts) whose data fills it: a down one says why in the view
     rows: Callable[[dict[str, Any]], list[dict[str, Any]]]
     identity: tuple[str, ...] = ()  # row fields naming the same row across refreshes (the cursor follows it)
+    key: str = ""  # the key that shows it in `aiprobe top`
 
     def row_id(self, row: dict[str, Any]) -> tuple[Any, ...]:
         return tuple(row.get(field) for field in self.identity)

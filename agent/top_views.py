@@ -43,7 +43,7 @@ ALERTS = View(
         Column("SEVERITY", "severity", 8, numeric=False),
     ),
     "age_seconds", False, (), _alert_rows,
-    identity=("rule", "target"),
+    identity=("rule", "target"), key="a",
 )
 
 
@@ -61,7 +61,7 @@ def views() -> dict[str, View]:
             *(column for face in faces for column in face.process_columns),
         ),
         "send_bytes_per_second", True, tuple(face.name for face in faces if face.process_columns), _processes,
-        identity=("pid",),
+        identity=("pid",), key="p",
     )
     return {view.name: view for view in (processes, *(view for face in faces for view in face.views), ALERTS)}
 

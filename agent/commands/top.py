@@ -76,12 +76,9 @@ class TopApp(App[None]):
     #filter { height: 1; border: none; padding: 0 1; display: none; }
     #status { height: 1; background: $primary-background; }
     """
+    # Each view's key, as it declares it (a probe's views come from the registry).
     BINDINGS = [
-        Binding("p", "view('processes')", "processes view"),
-        Binding("f", "view('flows')", "flows view"),
-        Binding("t", "view('streams')", "token streams view"),
-        Binding("g", "view('gpus')", "GPUs view"),
-        Binding("a", "view('alerts')", "alerts view"),
+        *(Binding(view.key, f"view('{name}')", f"{view.title} view") for name, view in views().items() if view.key),
         Binding("s", "reverse_sort", "reverse sort order"),
         Binding("less_than_sign", "sort_column(-1)", "sort by the column to the left", key_display="<"),
         Binding("greater_than_sign", "sort_column(1)", "sort by the column to the right", key_display=">"),

@@ -37,5 +37,5 @@ VIEW = View(
         Column("CONTAINER", "container", 12, numeric=False),
     ),
     "bytes_per_second", True, ("flows",), _flow_rows,
-    identity=("interface", "direction", "protocol", "local", "remote"),
+    identity=("interface", "direction", "protocol", "local", "remote"), key="f",
 )

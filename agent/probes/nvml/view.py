@@ -36,5 +36,5 @@ VIEW = View(
         Column("SWITCHING", "context_switching_ratio", 9),
     ),
     "index", False, ("nvml",), _gpus,
-    identity=("index",),
+    identity=("index",), key="g",
 )

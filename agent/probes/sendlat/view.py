@@ -42,5 +42,5 @@ STREAMS_VIEW = View(
         Column("BY CAUSE", "stalls_text", 24, numeric=False),
     ),
     "streams_per_second", True, ("streams",), _stream_rows,
-    identity=("pid", "port", "protocol"),
+    identity=("pid", "port", "protocol"), key="t",
 )
