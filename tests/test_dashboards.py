@@ -1,6 +1,6 @@
 """Grafana dashboards: generated from dashboards/generate.py; every panel's PromQL parses (by
 Prometheus itself), names only documented metrics, and returns data from a real Prometheus that
-scrapes a real agent — flows, sendlat, cuda and nvml probes — under test traffic, with the target
+scrapes a real agent running every probe under test traffic, with the target
 labels a ServiceMonitor gives it on Kubernetes."""
 
 from __future__ import annotations
@@ -194,8 +194,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
     veth = make_veth_pair(secrets.randbelow(250))
     sink = tcp_sink(veth, 9000)
     stop = threading.Event()
-    probes = '"flows", "sendlat", "cuda", "nvml"'
-    config = f'interfaces = ["{veth.host}"]\nexclude = []\nprobes = [{probes}]\n' + STALL_RULES
+    config = f'interfaces = ["{veth.host}"]\nexclude = []\n' + STALL_RULES  # every probe: every row's panels
     stream_port = free_port()  # token streams for the overview's streams row: 3 SSE events 20 ms apart
     streamer = subprocess.Popen([sys.executable, str(SSE_SERVER), str(stream_port), "--events", "3",
                                  "--prefill-ms", "10"], stdout=subprocess.PIPE, text=True)
