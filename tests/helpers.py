@@ -31,8 +31,8 @@ IS_ROOT = os.geteuid() == 0
 # privilege. Of these modules, the tests marked `host_only` (no kernel-specific path: command-line
 # output, exporter bookkeeping) or `realtime` (held to wall-clock time that emulation stretches) run
 # on this host alone.
-KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_loader", "test_check", "test_least_privilege",
-                  "test_strategies"}
+KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_connections", "test_loader", "test_check",
+                  "test_least_privilege", "test_strategies"}
 
 
 # How far a kernel-measured time may stand from a user-space clock's view of the same thing: wider

@@ -1,0 +1,313 @@
+"""Connection set-up per listening TCP socket: its accept queue (length, capacity, half-open
+requests) from sock_diag, with no BPF; its overflows and how long connections wait in its accept
+queue from hooks at the drop and at accept() (bpf/connections.bpf.c).
+
+The BPF side is optional: where no strategy of the chain loads, the probe runs on sock_diag alone
+(`sock_diag`) and says why; overflows and accept waits are then null. Sockets of the agent's network
+namespace only: a pod with a network namespace of its own keeps its listeners there.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ... import libbpf
+from ...btf import Btf
+from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile
+from ...libbpf import BpfError
+from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels, load_first
+from ...metrics import PROCESS_LABELS, Family
+from ...model import MapUsage, ProbeStatus
+from ...names import process_name
+from ...registry import Probe, ProbeSpec, strategies_named
+from . import diag
+from .hooks import ConnectionsHooks
+from .records import ConnectionsSnapshot, Listener, ReuseportGroup
+from .rules import ACCEPT_QUEUE_SATURATED, REUSEPORT_IMBALANCE
+from .view import VIEW
+
+if TYPE_CHECKING:
+    from ...config import Config
+
+OBJECT = "connections"
+SOCK_DIAG = "sock_diag"
+COUNTERS = enum_labels(OBJECT, "connections_counter", "CONN_")  # as enum connections_counter names them
+LISTEN_OVERFLOW_REASON = "SKB_DROP_REASON_TCP_LISTEN_OVERFLOW"
+# An inode whose owner a scan did not find is looked for again after this long (a scan reads every
+# process's descriptors).
+OWNER_RESCAN_SECONDS = 5.0
+
+STRATEGIES = (
+    Strategy(
+        "fentry",
+        programs=("cn_syn_fentry", "cn_ack4_fentry", "cn_ack6_fentry", "cn_ready4_fexit", "cn_ready6_fexit",
+                  "cn_accept_fexit"),
+        features=("fentry",),
+        span="overflows at tcp_conn_request and tcp_v{4,6}_syn_recv_sock entry (the kernel's own test); handshake "
+             "from the first SYN-ACK to tcp_v{4,6}_syn_recv_sock's return, accept wait from there to "
+             "inet_csk_accept's (fentry/fexit)",
+    ),
+    Strategy(
+        "kprobe",
+        programs=("cn_syn_kprobe", "cn_ack4_kprobe", "cn_ack6_kprobe", "cn_ready4_kret", "cn_ready6_kret",
+                  "cn_acc_kprobe", "cn_acc_kret"),
+        features=("kprobe",),
+        span="overflows at tcp_conn_request and tcp_v{4,6}_syn_recv_sock entry (the kernel's own test); handshake "
+             "from the first SYN-ACK to tcp_v{4,6}_syn_recv_sock's return, accept wait from there to "
+             "inet_csk_accept's (kprobe/kretprobe)",
+    ),
+    Strategy(
+        "tracepoint",
+        programs=("cn_drop_tp",),
+        features=("tp_btf",),
+        span="overflows of the handshake's last ACK only (skb:kfree_skb, reason TCP_LISTEN_OVERFLOW, 6.15+): a SYN "
+             "dropped at a full queue is not seen; no handshake time, no accept wait",
+    ),
+    Strategy(SOCK_DIAG, span="accept queues and half-open requests from sock_diag; no overflows per listener, "
+                             "no handshake time, no accept wait"),
+)
+
+
+def _from_config(config: Config) -> ConnectionsProbe:
+    return ConnectionsProbe(strategies_named(SPEC, config.strategies.get(SPEC.name)))
+
+
+def kernel_drop_reasons() -> list[str]:
+    """The kernel's enum skb_drop_reason, from its BTF."""
+    handle = libbpf.new_ptr("btf__load_vmlinux_btf")
+    try:
+        return Btf(handle).enum_names("skb_drop_reason")
+    finally:
+        libbpf.lib().btf__free(handle)
+
+
+def _configure(obj: BpfObject, strategy: Strategy) -> None:
+    """Before loading: count at this namespace's listeners only (those sock_diag lists, whose overflows
+    TcpExt ListenOverflows counts); the tracepoint strategy only where the kernel names listen overflows
+    as a drop reason (its program's relocation of that enumerator would fail to load less clearly)."""
+    obj.set_rodata(netns_inum=os.stat("/proc/self/ns/net").st_ino)
+    if strategy.name != "tracepoint":
+        return
+    try:
+        reasons = kernel_drop_reasons()
+    except (OSError, KeyError) as exc:
+        raise BpfError(errno.EOPNOTSUPP, f"cannot read the kernel's drop reasons: {exc}") from None
+    if LISTEN_OVERFLOW_REASON not in reasons:
+        raise BpfError(errno.EOPNOTSUPP, f"the kernel has no drop reason {LISTEN_OVERFLOW_REASON} (6.15+)")
+
+
+class _Owners:
+    """Socket inode -> owning pid, kept while the socket listens and its owner lives: a scan reads every
+    process's descriptors, so it runs only for inodes not yet found (again after OWNER_RESCAN_SECONDS
+    for those a scan missed)."""
+
+    def __init__(self) -> None:
+        self._pids: dict[int, int] = {}
+        self._missed: dict[int, float] = {}  # inode -> when a scan last missed it
+
+    def of(self, inodes: set[int], now: float) -> dict[int, int]:
+        self._pids = {i: pid for i, pid in self._pids.items() if i in inodes and os.path.exists(f"/proc/{pid}")}
+        self._missed = {i: at for i, at in self._missed.items() if i in inodes}
+        wanted = {i for i in inodes - self._pids.keys()
+                  if now - self._missed.get(i, -OWNER_RESCAN_SECONDS) >= OWNER_RESCAN_SECONDS}
+        if wanted:
+            found = diag.owners(wanted)
+            self._pids |= found
+            self._missed |= dict.fromkeys(wanted - found.keys(), now)
+        return {i: self._pids[i] for i in inodes if i in self._pids}
+
+
+def half_open_by_listener(requests: Iterable[diag.DiagSocket], listeners: list[diag.DiagSocket]) -> dict[int, int]:
+    """Requests in SYN_RECV per listener cookie: at the listener of their address and port, else the
+    wildcard one of their family, else a dual-stack ::; a reuseport group's first socket takes them all
+    (the kernel does not say which of the group holds a request)."""
+    by_key: dict[tuple[int, str, int], int] = {}
+    for listener in listeners:
+        by_key.setdefault((listener.family, listener.local_address, listener.local_port), listener.cookie)
+    counts: dict[int, int] = {}
+    for request in requests:
+        wildcard = "0.0.0.0" if request.family == socket.AF_INET else "::"
+        for key in ((request.family, request.local_address, request.local_port),
+                    (request.family, wildcard, request.local_port),
+                    (socket.AF_INET6, "::", request.local_port)):
+            if key in by_key:
+                counts[by_key[key]] = counts.get(by_key[key], 0) + 1
+                break
+    return counts
+
+
+def _group_sizes(listeners: list[diag.DiagSocket]) -> dict[tuple[int, str, int], int]:
+    sizes: dict[tuple[int, str, int], int] = {}
+    for s in listeners:
+        key = (s.family, s.local_address, s.local_port)
+        sizes[key] = sizes.get(key, 0) + 1
+    return sizes
+
+
+@functools.cache
+def _nothing_timed() -> list[tuple[float, int]]:
+    """The histogram of a listener whose hooks timed nothing yet."""
+    return exported_buckets(kernel_buckets([0] * hist_slots()))
+
+
+def _timed(record: Listener, name: str, hist: Any) -> None:
+    """A `struct hist` of the listener's entry (None: no entry yet) into its fields `<name>_*`."""
+    fine = kernel_buckets(hist.slots[:]) if hist is not None else []
+    setattr(record, f"{name}_sum_seconds", hist.sum_ns / NS_PER_SECOND if hist is not None else 0.0)
+    setattr(record, f"{name}_p50_seconds", quantile(fine, 0.5))
+    setattr(record, f"{name}_p99_seconds", quantile(fine, 0.99))
+    setattr(record, f"{name}_histogram", exported_buckets(fine) if hist is not None else _nothing_timed())
+
+
+def _measured(record: Listener, stats: Any) -> None:
+    """Fill a listener's counts from its `listeners` entry (zero when the hooks saw nothing of it)."""
+    record.overflows = stats.overflows if stats is not None else 0
+    record.accepted = stats.accepted if stats is not None else 0
+    _timed(record, "accept_wait", stats.accept_wait if stats is not None else None)
+    _timed(record, "handshake", stats.handshake if stats is not None else None)
+
+
+class ConnectionsProbe(Probe):
+    """Listeners from sock_diag at each read, with the BPF counts where a strategy loaded."""
+
+    def __init__(self, strategies: tuple[Strategy, ...] = STRATEGIES) -> None:
+        super().__init__()
+        self._strategies = strategies
+        self._owners = _Owners()
+        self._skipped: dict[str, str] = {}
+        self._diag_only = False
+        self._seen: set[int] = set()  # cookies listening at the previous read
+        self._retired_overflows = 0  # of entries deleted: listeners that closed
+        self._listener_count = 0
+
+    def start(self) -> None:
+        try:
+            diag.listening()
+        except OSError as exc:
+            raise ProbeUnavailable(SPEC.name, {SOCK_DIAG: f"sock_diag: {exc}"}) from None
+        with_bpf = tuple(s for s in self._strategies if s.programs)
+        self._diag_only = not with_bpf
+        if with_bpf:
+            try:
+                self.loaded = load_first(SPEC.name, OBJECT, with_bpf, configure=_configure)
+            except ProbeUnavailable as exc:
+                if not any(s.name == SOCK_DIAG for s in self._strategies):
+                    raise
+                self._skipped, self._diag_only = exc.reasons, True
+
+    @property
+    def strategy(self) -> str | None:
+        return SOCK_DIAG if self._diag_only else super().strategy
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        return self._skipped or super().skipped
+
+    def status(self) -> ProbeStatus:
+        if self._diag_only:
+            return ProbeStatus(True, SOCK_DIAG, STRATEGIES[-1].span)
+        return super().status()
+
+    def close(self) -> None:
+        self._diag_only = False
+        super().close()
+
+    def read(self) -> ConnectionsSnapshot:
+        sockets = diag.listening()
+        listeners = sorted((s for s in sockets if s.state == diag.TCP_LISTEN),
+                           key=lambda s: (s.local_port, s.family, s.local_address, s.inode))
+        half_open = half_open_by_listener((s for s in sockets if s.state == diag.TCP_SYN_RECV), listeners)
+        groups = _group_sizes(listeners)
+        owners = self._owners.of({s.inode for s in listeners}, time.monotonic())
+        stats = self._stats({s.cookie for s in listeners})
+        records = []
+        for s in listeners:
+            pid = owners.get(s.inode)
+            record = Listener(
+                family=diag.FAMILIES[s.family], local_address=s.local_address, local_port=s.local_port,
+                queue_length=s.receive_queue, queue_capacity=s.send_queue, half_open=half_open.get(s.cookie, 0),
+                inode=s.inode, cookie=s.cookie, pid=pid, comm=process_name(pid) if pid is not None else "",
+                reuseport_group=groups[(s.family, s.local_address, s.local_port)])
+            if stats is not None:
+                _measured(record, stats.get(s.cookie))
+            records.append(record)
+        self._listener_count = len(records)
+        unattributed = self._retired_overflows + (stats[0].overflows if stats and 0 in stats else 0)
+        return ConnectionsSnapshot(time.time(), records, unattributed)
+
+    def _stats(self, listening: set[int]) -> dict[int, Any] | None:
+        """The `listeners` table by cookie (None without BPF). An entry of a socket that listened at
+        neither this read nor the previous one is deleted, its overflows kept as unattributed."""
+        if self.loaded is None:
+            return None
+        table = self.loaded.obj.maps["listeners"]
+        stats = {key.value: value for key, value in table.items()}
+        for cookie in set(stats) - listening - self._seen - {0}:
+            gone = table.pop(cookie)
+            self._retired_overflows += gone.overflows if gone is not None else 0
+        self._seen = listening
+        return stats
+
+    def map_usage(self) -> list[MapUsage]:
+        if self.loaded is None:
+            return []
+        full = self.loaded.obj.maps["counters"].lookup([*COUNTERS].index("listeners_full"))
+        return [MapUsage("listeners", self._listener_count, self.loaded.obj.maps["listeners"].max_entries,
+                         full.value if full is not None else 0)]
+
+
+LISTENER_LABELS = (("address", "local_address"), ("port", "local_port"), *PROCESS_LABELS)
+
+
+def _listener(name: str, kind: str, help_text: str, value: str, **extra: Any) -> Family:
+    return Family(name, kind, help_text, Listener, value, LISTENER_LABELS, **extra)
+
+
+SPEC = ProbeSpec(
+    name="connections",
+    description="connection set-up per listening socket: accept queues, half-open requests, overflows, accept wait",
+    strategies=STRATEGIES,
+    bpf_object=OBJECT,
+    order=55,
+    factory=_from_config,
+    command="aiprobe.probes.connections.command:command",
+    metrics=(
+        _listener("aiprobe_listen_queue_length", "gauge",
+                  "Connections complete and waiting for accept() in a listening socket's accept queue (sock_diag).",
+                  "queue_length"),
+        _listener("aiprobe_listen_queue_capacity", "gauge",
+                  "The accept queue's capacity in force (listen()'s backlog, capped by net.core.somaxconn); the "
+                  "queue overflows above it.", "queue_capacity"),
+        _listener("aiprobe_listen_half_open_connections", "gauge",
+                  "Connection requests in SYN_RECV at a listener's address and port (a reuseport group's first "
+                  "socket holds its group's).", "half_open"),
+        _listener("aiprobe_listen_overflows_total", "counter",
+                  "Connections a listener's full accept queue dropped (SYN or last ACK); summed over listeners, the "
+                  "host's TcpExt ListenOverflows.", "overflows", per_identity=True),
+        _listener("aiprobe_listen_accepted_connections_total", "counter",
+                  "Connections accept() returned from a listener.", "accepted", per_identity=True),
+        _listener("aiprobe_accept_wait_seconds", "histogram",
+                  "How long connections waited in the accept queue: handshake complete to accept() returning them.",
+                  "accept_wait_histogram", sum_field="accept_wait_sum_seconds", per_identity=True),
+        _listener("aiprobe_tcp_handshake_seconds", "histogram",
+                  "Server side of TCP handshakes: the first SYN-ACK sent to the handshake complete (the client's "
+                  "ACK, or with TCP_DEFER_ACCEPT its first data); connections from SYN cookies left out.",
+                  "handshake_histogram", sum_field="handshake_sum_seconds", per_identity=True),
+        Family("aiprobe_reuseport_imbalance_ratio", "gauge",
+               "Listeners sharing an address and port (SO_REUSEPORT): the busiest socket's share of the connections "
+               "accepted in the last 10 s over the mean share (1: even); absent without accepts.",
+               ReuseportGroup, "imbalance_ratio", (("address", "local_address"), ("port", "local_port"))),
+        Family("aiprobe_listen_unattributed_overflows_total", "counter",
+               "Overflows at listeners that closed, or opened after the agent's last read.",
+               ConnectionsSnapshot, "unattributed_overflows"),
+    ),
+    hooks=ConnectionsHooks(),
+    rules=(ACCEPT_QUEUE_SATURATED, REUSEPORT_IMBALANCE),
+    views=(VIEW,),
+)

@@ -1,0 +1,434 @@
+"""Connection set-up per listener: sock_diag's listeners and queues without root or BPF (a real
+loopback listener that never accepts, read back), the parsers on hostile input, and against the real
+kernel (marked `bpf`) each strategy's overflows against the host's TcpExt ListenOverflows, accept waits
+against the clients' and server's own clocks, and a SO_REUSEPORT group with a stuck worker."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiprobe.config import Config, RuleConfig
+from aiprobe.daemon import Agent
+from aiprobe.exporters.prometheus import AgentCollector
+from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
+from aiprobe.loader import ProbeUnavailable
+from aiprobe.model import Readings
+from aiprobe.probes.connections import diag
+from aiprobe.probes.connections.hooks import listener_target, reuseport_groups
+from aiprobe.probes.connections.probe import SPEC, STRATEGIES, ConnectionsProbe, half_open_by_listener
+from aiprobe.probes.connections.records import ConnectionsSnapshot, Listener, ReuseportGroup
+from aiprobe.probes.netstat.probe import read_tcp_counters
+from helpers import CLOCK_TOLERANCE, PATIENCE, wait_until
+
+SOCK_DIAG_ONLY = (STRATEGIES[-1],)
+ACCEPTS = ("fentry", "kprobe")  # the strategies that time accepts
+
+
+def diag_message(family: int, state: int, address: bytes, port: int, rqueue: int, wqueue: int, inode: int,
+                 cookie: int) -> bytes:
+    return (bytes([family, state, 0, 0]) + struct.pack(">HH16s16s", port, 0, address.ljust(16, b"\0"), b"")
+            + struct.pack("=IIIIIIII", 0, cookie & 0xFFFFFFFF, cookie >> 32, 0, rqueue, wqueue, 0, inode))
+
+
+def listener_of(snapshot: ConnectionsSnapshot, port: int) -> Listener:
+    (found,) = [listener for listener in snapshot.listeners if listener.local_port == port]
+    return found
+
+
+@contextlib.contextmanager
+def unaccepted(listener: socket.socket, clients: int) -> Iterator[list[socket.socket]]:
+    """`clients` non-blocking connects to a listener that never accepts, closed at exit."""
+    sockets = []
+    try:
+        for _ in range(clients):
+            client = socket.socket(listener.family)
+            client.setblocking(False)
+            client.connect_ex(listener.getsockname()[:2])
+            sockets.append(client)
+        yield sockets
+    finally:
+        for client in sockets:
+            client.close()
+
+
+def sample_reading() -> ConnectionsSnapshot:
+    """A reading with every field filled, for tests/test_metrics_doc.py."""
+    timed = exported_buckets(kernel_buckets([1] * hist_slots()))
+    measured = Listener("ipv4", "0.0.0.0", 8000, 5, 4, 2, 99, 7, 1, "server", reuseport_group=2, overflows=3,
+                        accepted=10, accept_wait_sum_seconds=2.0, accept_wait_p50_seconds=0.2,
+                        accept_wait_p99_seconds=0.21, accept_wait_histogram=timed, handshake_sum_seconds=0.1,
+                        handshake_histogram=timed)
+    group = ReuseportGroup("ipv4", "0.0.0.0", 8000, 2, 10, 2.0, [1])
+    return ConnectionsSnapshot(0.0, [measured], unattributed_overflows=1, reuseport_groups=[group])
+
+
+# --- parsers and joins, on crafted and hostile input ---
+
+
+def test_a_diag_message_is_parsed_and_a_short_or_foreign_one_skipped() -> None:
+    message = diag_message(socket.AF_INET, diag.TCP_LISTEN, socket.inet_aton("127.0.0.1"), 8000, 5, 4, 99, 1 << 40 | 7)
+    parsed = diag.parse_message(socket.AF_INET, message)
+    assert parsed == diag.DiagSocket(socket.AF_INET, diag.TCP_LISTEN, "127.0.0.1", 8000, 5, 4, 99, 1 << 40 | 7)
+    assert diag.parse_message(socket.AF_INET, message[:-1]) is None
+    assert diag.parse_message(socket.AF_INET6, message) is None
+
+
+def test_socket_inodes_come_only_from_socket_links() -> None:
+    assert diag.socket_inode("socket:[12345]") == 12345
+    for odd in ("pipe:[12]", "socket:[]", "socket:[12a]", "socket:[-1]", "/dev/null", "socket:[12"):
+        assert diag.socket_inode(odd) is None
+
+
+def test_owners_survive_vanishing_and_odd_descriptor_tables(tmp_path: Path) -> None:
+    for pid, links in {7: {"3": "socket:[100]", "4": "pipe:[5]"}, 9: {"1": "socket:[100]", "2": "socket:[200]"},
+                       12: {"0": "socket:[\n\x1b]"}}.items():
+        (tmp_path / str(pid) / "fd").mkdir(parents=True)
+        for fd, target in links.items():
+            (tmp_path / str(pid) / "fd" / fd).symlink_to(target)
+    (tmp_path / "8").mkdir()  # a process whose fd table vanished
+    (tmp_path / "self").mkdir()
+    assert diag.owners({100, 200, 300}, tmp_path) == {100: 7, 200: 9}
+
+
+def test_half_open_requests_go_to_the_listener_of_their_address_else_the_wildcard() -> None:
+    def sock(family: int, state: int, address: str, port: int, cookie: int = 0) -> diag.DiagSocket:
+        return diag.DiagSocket(family, state, address, port, 0, 0, cookie, cookie)
+
+    v4, v6 = socket.AF_INET, socket.AF_INET6
+    listeners = [sock(v4, diag.TCP_LISTEN, "127.0.0.1", 80, 1), sock(v4, diag.TCP_LISTEN, "0.0.0.0", 80, 2),
+                 sock(v6, diag.TCP_LISTEN, "::", 443, 3), sock(v6, diag.TCP_LISTEN, "::", 443, 4)]
+    requests = [sock(v4, diag.TCP_SYN_RECV, "127.0.0.1", 80), sock(v4, diag.TCP_SYN_RECV, "10.0.0.1", 80),
+                sock(v4, diag.TCP_SYN_RECV, "10.0.0.1", 443), sock(v6, diag.TCP_SYN_RECV, "::1", 443),
+                sock(v4, diag.TCP_SYN_RECV, "10.0.0.1", 9)]
+    assert half_open_by_listener(requests, listeners) == {1: 1, 2: 1, 3: 2}
+
+
+def listener(cookie: int, pid: int, queue: int = 0, group: int = 2) -> Listener:
+    return Listener("ipv4", "0.0.0.0", 8000, queue, 4, 0, cookie, cookie, pid, "server", reuseport_group=group)
+
+
+def test_a_reuseport_group_with_a_stuck_worker_is_imbalanced_and_names_it() -> None:
+    (group,) = reuseport_groups([listener(1, 100), listener(2, 200, queue=5), listener(3, 300, group=1)],
+                                {1: 10.0, 2: 0.0, 3: 50.0})
+    assert (group.sockets, group.accepted, group.imbalance_ratio, group.stuck_pids) == (2, 10, 2.0, [200])
+    (even,) = reuseport_groups([listener(1, 100), listener(2, 200)], {1: 5.0, 2: 5.0})
+    assert even.imbalance_ratio == 1.0 and even.stuck_pids == []
+    (idle,) = reuseport_groups([listener(1, 100), listener(2, 200)], {1: 0.0, 2: 0.0})
+    assert idle.imbalance_ratio is None
+    (unmeasured,) = reuseport_groups([listener(1, 100), listener(2, 200)], {})
+    assert unmeasured.imbalance_ratio is None
+
+
+def test_what_no_hook_measured_is_left_out_of_metrics() -> None:
+    """A listener read by sock_diag alone: its queue is exported, its overflows, accepts, handshakes
+    and accept waits (null) are not, rather than as zeros."""
+    readings = Readings(records={"connections": ConnectionsSnapshot(0.0, [listener(1, 100, queue=3, group=1)])})
+    collector = AgentCollector(Config(), build_info={"version": "0", "kernel": "k", "libbpf": "1"},
+                               source=lambda: readings)
+    samples = {family.name: family.samples for family in collector.collect()}
+    assert [s.value for s in samples["aiprobe_listen_queue_length"]] == [3.0]
+    for name in ("aiprobe_listen_overflows", "aiprobe_listen_accepted_connections", "aiprobe_accept_wait_seconds",
+                 "aiprobe_tcp_handshake_seconds", "aiprobe_reuseport_imbalance_ratio"):
+        assert samples[name] == [], name
+
+
+def test_a_rules_target_names_port_and_process() -> None:
+    record = listener(1, 100)
+    record.container = "3f2a9c1d0e4b"
+    assert listener_target(record) == ":8000 server@3f2a9c1d0e4b"
+
+
+# --- sock_diag, no BPF: a real listener of this process ---
+
+
+@pytest.mark.parametrize(("family", "address"), [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")],
+                         ids=["ipv4", "ipv6"])
+def test_a_listener_shows_its_queue_capacity_and_owner_without_bpf(family: int, address: str) -> None:
+    with socket.socket(family) as server:
+        server.bind((address, 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        with ConnectionsProbe(SOCK_DIAG_ONLY) as probe, unaccepted(server, 3):
+            assert probe.status().strategy == "sock_diag"
+            assert wait_until(lambda: listener_of(probe.read(), port).queue_length == 3, PATIENCE)
+            found = listener_of(probe.read(), port)
+            assert (found.local_address, found.queue_capacity, found.pid) == (address, 4, os.getpid())
+            assert found.comm == Path("/proc/self/comm").read_text().strip()
+            assert found.inode == os.fstat(server.fileno()).st_ino
+            assert (found.overflows, found.accepted, found.accept_wait_histogram) == (None, None, None)
+            assert "accept_wait_histogram" in found.to_dict()
+        assert not probe.status().up
+
+
+def test_an_idle_hosts_listeners_are_in_the_snapshot_and_the_command_table() -> None:
+    from aiprobe.probes.connections.command import render_table
+
+    with socket.create_server(("127.0.0.1", 0), backlog=7) as server, ConnectionsProbe(SOCK_DIAG_ONLY) as probe:
+        port = server.getsockname()[1]
+        snapshot = probe.read()
+        section = SPEC.hooks.snapshot(snapshot)["listeners"]
+        assert listener_of(snapshot, port) in section
+        assert f"127.0.0.1:{port}" in render_table(snapshot)
+
+
+def test_a_full_accept_queue_fires_accept_queue_saturated_naming_port_and_process() -> None:
+    """The agent on sock_diag alone: backlog 4 and 5 connections never accepted fill the queue (5 of
+    4: the kernel admits one more than the backlog) without overflowing; the rule names the port and
+    this process, and resolves once the connections are accepted."""
+    rules = {"accept_queue_saturated": RuleConfig(threshold=0.9, clear=0.5, for_seconds=0)}
+    config = Config(probes=("connections",), strategies={"connections": "sock_diag"}, rules=rules)
+    with socket.socket() as server, Agent(config) as agent:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+
+        def alert() -> dict[str, Any] | None:
+            return next((a for a in agent.refresh()["alerts"] if a["rule"] == "accept_queue_saturated"
+                         and a["evidence"]["port"] == port), None)
+
+        with unaccepted(server, 5):
+            assert wait_until(lambda: (found := alert()) is not None and found["state"] == "firing")
+            firing = alert()
+            assert firing is not None
+            comm = Path("/proc/self/comm").read_text().strip()
+            assert firing["target"] == f":{port} {comm}@{agent.workload_of_pid(os.getpid()).container}"
+            assert (firing["evidence"]["pid"], firing["evidence"]["queue_length"]) == (os.getpid(), 5)
+            assert firing["value"] == 5 / 4
+            for _ in range(5):
+                server.accept()[0].close()
+            assert wait_until(lambda: (found := alert()) is not None and found["state"] == "resolved")
+
+
+# --- against the kernel's hooks ---
+
+# The strategy each kernel of `make test-kernels` (and this host, 6.18) must run.
+EXPECTED = {(6, 1): "fentry", (6, 12): "fentry", (6, 18): "tracepoint"}
+
+
+@pytest.mark.bpf
+def test_the_probe_runs_the_strategy_expected_on_this_kernel() -> None:
+    series = tuple(int(part) for part in os.uname().release.split(".")[:2])
+    if series not in EXPECTED:
+        pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to EXPECTED")
+    with ConnectionsProbe() as probe:
+        assert probe.strategy == EXPECTED[series]
+        names = [s.name for s in STRATEGIES]
+        assert list(probe.skipped) == names[:names.index(EXPECTED[series])]
+        assert all(probe.skipped.values())
+        assert probe.status().up and probe.status().strategy == EXPECTED[series]
+
+
+def started(name: str) -> ConnectionsProbe:
+    """The probe with strategy `name` alone; the test is skipped with the kernel's reason where it cannot load."""
+    probe = ConnectionsProbe(tuple(s for s in STRATEGIES if s.name == name))
+    try:
+        probe.start()
+    except ProbeUnavailable as exc:
+        pytest.skip(f"{name} cannot run on this kernel: {exc.reasons[name]}")
+    return probe
+
+
+@pytest.fixture(params=[s.name for s in STRATEGIES if s.programs])
+def hooked(request: pytest.FixtureRequest) -> Iterator[ConnectionsProbe]:
+    """Each BPF strategy forced in turn."""
+    with started(request.param) as probe:
+        yield probe
+
+
+@pytest.fixture(params=ACCEPTS)
+def timing(request: pytest.FixtureRequest) -> Iterator[ConnectionsProbe]:
+    """Each strategy that times handshakes and accepts, forced in turn."""
+    with started(request.param) as probe:
+        yield probe
+
+
+def overflows_everywhere(snapshot: ConnectionsSnapshot) -> int:
+    return sum(listener.overflows or 0 for listener in snapshot.listeners) + snapshot.unattributed_overflows
+
+
+@pytest.mark.bpf
+def test_syns_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: ConnectionsProbe) -> None:
+    """Backlog 4, 30 clients, never accepted: 5 wait (the kernel lets one more in than the backlog), the
+    rest overflow at the SYN and at each SYN retry. Over every listener of the host's namespace (other
+    suites run beside this one), the overflows equal TcpExt ListenOverflows' increase. The tracepoint
+    strategy sees no SYN dropped at a full queue (the kernel leaves no trace of it)."""
+    before, counted_before = read_tcp_counters().listen_overflows, overflows_everywhere(hooked.read())
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        with unaccepted(server, 30):
+            assert wait_until(lambda: listener_of(hooked.read(), port).queue_length == 5)
+            assert listener_of(hooked.read(), port).queue_capacity == 4
+            if hooked.strategy == "tracepoint":
+                increase = read_tcp_counters().listen_overflows - before
+                assert (listener_of(hooked.read(), port).overflows or 0) <= increase
+                return
+            assert wait_until(lambda: (listener_of(hooked.read(), port).overflows or 0) > 0)
+            assert wait_until(lambda: overflows_everywhere(hooked.read()) - counted_before
+                              == read_tcp_counters().listen_overflows - before)
+
+
+@pytest.mark.bpf
+def test_last_acks_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: ConnectionsProbe) -> None:
+    """With TCP_DEFER_ACCEPT a handshake completes at the client's first data, not its ACK, so
+    connections admitted while the queue had room complete once it is full: backlog 4, four clients
+    complete, four more connect, then send; the first fills the queue (5), the others overflow at the
+    handshake's last ACK (tcp_v4_syn_recv_sock), again at each retransmission. Every strategy sees
+    these: over every listener, the host's increase."""
+    before, counted_before = read_tcp_counters().listen_overflows, overflows_everywhere(hooked.read())
+    with socket.socket() as server:
+        server.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 30)
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        address = server.getsockname()
+        port = address[1]
+        clients = []
+        try:
+            for wave, waiting in ((4, 4), (4, 5)):
+                joined = [socket.create_connection(address) for _ in range(wave)]
+                clients += joined
+                hooked.read()  # the listener's cookie, before its first overflow
+                for client in joined:
+                    client.send(b"x")
+                assert wait_until(lambda waiting=waiting: listener_of(hooked.read(), port).queue_length == waiting)
+            assert wait_until(lambda: (listener_of(hooked.read(), port).overflows or 0) > 0)
+            assert wait_until(lambda: overflows_everywhere(hooked.read()) - counted_before
+                              == read_tcp_counters().listen_overflows - before)
+        finally:
+            for client in clients:
+                client.close()
+
+
+def serve_late(server: socket.socket, connections: int, delay: float, accepted_at: list[float]) -> None:
+    """Accept each connection `delay` seconds after it is ready to be accepted."""
+    import select
+
+    for _ in range(connections):
+        select.select([server], [], [])
+        time.sleep(delay)
+        conn, _ = server.accept()
+        accepted_at.append(time.monotonic())
+        conn.close()
+
+
+@pytest.mark.bpf
+def test_accept_wait_is_the_time_a_connection_waits_for_accept(timing: ConnectionsProbe) -> None:
+    """A server accepting each connection 200 ms after it is ready; one client at a time, so each
+    wait runs from the client's connect() returning (the handshake done) to the server's accept()."""
+    connections, delay = 8, 0.2
+    accepted_at: list[float] = []
+    connected_at: list[float] = []
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as server:
+        port = server.getsockname()[1]
+        timing.read()  # the listener's cookie, for the hooks to file its waits under
+        worker = threading.Thread(target=serve_late, args=(server, connections, delay, accepted_at), daemon=True)
+        worker.start()
+        for i in range(connections):
+            with socket.create_connection(("127.0.0.1", port)):
+                connected_at.append(time.monotonic())
+                assert wait_until(lambda i=i: len(accepted_at) > i)
+        worker.join(PATIENCE)
+        found = listener_of(timing.read(), port)
+    truths = [accepted - connected for connected, accepted in zip(connected_at, accepted_at, strict=True)]
+    assert found.accepted == connections
+    assert found.accept_wait_histogram is not None and found.accept_wait_histogram[-1][1] == connections
+    assert abs(found.accept_wait_sum_seconds - sum(truths)) <= CLOCK_TOLERANCE * sum(truths)
+    assert found.accept_wait_p50_seconds is not None
+    assert abs(found.accept_wait_p50_seconds - statistics.median(truths)) <= CLOCK_TOLERANCE * statistics.median(truths)
+
+
+@pytest.mark.bpf
+def test_handshake_time_is_the_clients_delay_before_its_first_data_with_defer_accept(
+        timing: ConnectionsProbe) -> None:
+    """With TCP_DEFER_ACCEPT the server's handshake completes at the client's first data, not at its
+    bare ACK: a client that sends 150 ms after connect() returns makes a handshake that long, from the
+    SYN-ACK (on loopback, sent as the SYN arrived, before connect() returns) by the client's own clock."""
+    connections, delay = 6, 0.15
+    waited: list[float] = []
+    with socket.socket() as server:
+        server.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 30)
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        timing.read()  # the listener's cookie
+        for _ in range(connections):
+            began = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                time.sleep(delay)
+                waited.append(time.monotonic() - began)
+                client.send(b"x")
+                server.accept()[0].close()
+        found = listener_of(timing.read(), port)
+    assert found.handshake_histogram is not None and found.handshake_histogram[-1][1] == connections
+    assert abs(found.handshake_sum_seconds - sum(waited)) <= CLOCK_TOLERANCE * sum(waited)
+    assert found.handshake_p50_seconds is not None
+    assert abs(found.handshake_p50_seconds - statistics.median(waited)) <= CLOCK_TOLERANCE * statistics.median(waited)
+
+
+STUCK_WORKER = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(64)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.bpf
+def test_reuseport_imbalance_fires_naming_the_worker_that_never_accepts() -> None:
+    """Two sockets on one port with SO_REUSEPORT: this process accepts on one, a child process holds
+    the other and never accepts. The kernel's hash sends the child about half the connections; the
+    group's ratio is 2 (all accepts on one of two sockets) and the rule names the child's pid."""
+    rules = {"reuseport_imbalance": RuleConfig(threshold=1.5, clear=1.2, for_seconds=0)}
+    with socket.socket() as accepting:
+        accepting.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        accepting.bind(("127.0.0.1", 0))
+        accepting.listen(64)
+        port = accepting.getsockname()[1]
+        stuck = subprocess.Popen([sys.executable, "-c", STUCK_WORKER, str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert stuck.stdout is not None and stuck.stdout.readline().strip() == "ready"
+            with Agent(Config(probes=("connections",), rules=rules)) as agent:
+                if agent.readings.probes.get("connections") is None:
+                    agent.refresh()
+                if agent.readings.probes["connections"].strategy not in ACCEPTS:
+                    pytest.skip(f"{agent.readings.probes['connections'].strategy} does not count accepts")
+                agent.refresh()
+                threading.Thread(target=_accept_forever, args=(accepting,), daemon=True).start()
+                clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+                try:
+                    def fired() -> bool:
+                        document = agent.refresh()
+                        return any(alert["rule"] == "reuseport_imbalance" and alert["state"] == "firing"
+                                   and alert["evidence"]["stuck_pids"] == [stuck.pid]
+                                   for alert in document["alerts"])
+                    assert wait_until(fired, interval=0.5)
+                    (group,) = [g for g in agent.snapshot()["reuseport_groups"] if g["local_port"] == port]
+                    assert group["sockets"] == 2 and group["imbalance_ratio"] == pytest.approx(2.0)
+                finally:
+                    for client in clients:
+                        client.close()
+        finally:
+            stuck.kill()
+            stuck.wait()
+
+
+def _accept_forever(server: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while True:
+            server.accept()[0].close()
