@@ -156,12 +156,13 @@ class TopApp(App[None]):
         for name, view in views().items():
             label = f" {view.title} "
             tabs.append(label, style="reverse bold" if name == self.view.name else "")
-        column = self.view.columns[self.view.column_index(self.state.sort_key)]
-        tabs.append(f"  sort {column.title} {_arrow(self.state.descending)}")
+        # What the user just typed first: a narrow terminal cuts the sort order before the filter.
         if self.state.query:
             tabs.append(f"  filter “{self.state.query}”", style="bold")
         if self.paused:
             tabs.append("  PAUSED", style="bold reverse")
+        column = self.view.columns[self.view.column_index(self.state.sort_key)]
+        tabs.append(f"  sort {column.title} {_arrow(self.state.descending)}")
         self.query_one("#tabs", Static).update(tabs)
 
     def render_table(self) -> None:
