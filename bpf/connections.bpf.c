@@ -199,19 +199,28 @@ AT_ENTRY(cn_ack6, tcp_v6_syn_recv_sock, ack_arrived(sk, skb, req, true),
 
 /* --- handshake and accept wait: fexit --- */
 
-SEC("fexit/tcp_v4_syn_recv_sock")
-int BPF_PROG(cn_ready4_fexit, const struct sock *sk, struct sk_buff *skb, struct request_sock *req,
-	     struct dst_entry *dst, struct request_sock *req_unhash, bool *own_req, struct sock *child)
+/* Their return value is read with bpf_get_func_ret: the Debian kernels' BTF gives the return slot
+ * of tcp_v{4,6}_syn_recv_sock a type the verifier refuses to read directly ("arg6 type FUNC_PROTO
+ * is not a struct"); the child is only a key here, so its address as a number is all we need. */
+static __always_inline void handshake_returned(__u64 *ctx)
 {
-	handshake_done(child);
+	__u64 child = 0;
+
+	bpf_get_func_ret(ctx, &child);
+	handshake_done((const struct sock *)child);
+}
+
+SEC("fexit/tcp_v4_syn_recv_sock")
+int cn_ready4_fexit(__u64 *ctx)
+{
+	handshake_returned(ctx);
 	return 0;
 }
 
 SEC("fexit/tcp_v6_syn_recv_sock")
-int BPF_PROG(cn_ready6_fexit, const struct sock *sk, struct sk_buff *skb, struct request_sock *req,
-	     struct dst_entry *dst, struct request_sock *req_unhash, bool *own_req, struct sock *child)
+int cn_ready6_fexit(__u64 *ctx)
 {
-	handshake_done(child);
+	handshake_returned(ctx);
 	return 0;
 }
 
