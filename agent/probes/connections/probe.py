@@ -192,6 +192,8 @@ class PathQualities:
         retransmits: dict[int, int] = {}
         for connection in connections:
             cookie = index.of(connection)
+            if connection.info is None and connection.cookie in self._retransmits:
+                retransmits[connection.cookie] = self._retransmits[connection.cookie]  # not counted anew next time
             if cookie is None or connection.info is None:
                 continue
             quality, info = kept[cookie], connection.info
