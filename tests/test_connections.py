@@ -557,7 +557,7 @@ def test_rtt_and_retransmits_of_accepted_connections_are_the_kernels_over_loopba
     """Seven loopback connections, each sent 64 KiB: the listener counts the server's seven sockets
     (not the clients', on ports no one listens on), their RTTs and retransmits as `ss -ti` reads them."""
     connections = 7
-    with serving("127.0.0.1", 1 << 16) as (port, _accepted), ConnectionsProbe(SOCK_DIAG_ONLY) as probe:
+    with serving("127.0.0.1", 1 << 16) as (port, _accepted), ConnectionsProbe(SOCK_DIAG_ONLY, path_interval=0) as probe:
         probe.read()
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
         try:
@@ -610,7 +610,8 @@ def test_rtt_and_retransmits_over_a_delayed_and_lossy_path_are_the_kernels(netem
     connections, payload = 7, 1 << 17
     pair = netem_pair
     run(["tc", "qdisc", "add", "dev", pair.host, "root", "netem", *netem])
-    with serving(pair.host_ip4, payload) as (port, _accepted), ConnectionsProbe(SOCK_DIAG_ONLY) as probe:
+    with serving(pair.host_ip4, payload) as (port, _accepted), \
+            ConnectionsProbe(SOCK_DIAG_ONLY, path_interval=0) as probe:
         probe.read()
         clients = subprocess.Popen(pair.ns_cmd([sys.executable, "-c", NS_CLIENTS, pair.host_ip4, str(port),
                                                 str(connections), str(payload)]),
