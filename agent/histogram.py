@@ -37,6 +37,16 @@ def _slot_upper_units(index: int) -> int:
     return (mantissa + HIST_SUB + 1) << (shift - 1)
 
 
+def slot_of_microseconds(microseconds: int, slots: int) -> int:
+    """The slot of `slots` a duration falls in, as bpf/hist.h files one: the histogram of a value
+    user space reads (a connection's RTT) decodes like the kernel's."""
+    units = microseconds * UNITS_PER_MS // 1000
+    if units < 2 * HIST_SUB:
+        return min(units, slots - 1)
+    top = units.bit_length() - 1  # units lie in [2^top, 2^(top + 1)): 16 slots of 2^(top - 4) each
+    return min(HIST_SUB * (top - 3) + (units >> (top - 4)) - HIST_SUB, slots - 1)
+
+
 def _units_to_seconds(units: int) -> float:
     return units / UNITS_PER_MS / 1000  # two exact-as-possible divisions: 50 ms reads 0.05
 

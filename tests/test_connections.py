@@ -1,12 +1,15 @@
 """Connection set-up per listener: sock_diag's listeners and queues without root or BPF (a real
 loopback listener that never accepts, read back), the parsers on hostile input, and against the real
 kernel (marked `bpf`) each strategy's overflows against the host's TcpExt ListenOverflows, accept waits
-against the clients' and server's own clocks, and a SO_REUSEPORT group with a stuck worker."""
+against the clients' and server's own clocks, and a SO_REUSEPORT group with a stuck worker. The RTT and
+retransmits of accepted connections (sock_diag, no BPF) against the kernel's tcp_info as `ss -ti` prints
+it: over loopback, and over a veth pair that netem delays and drops on."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import statistics
 import struct
@@ -27,10 +30,17 @@ from aiprobe.loader import ProbeUnavailable
 from aiprobe.model import Readings
 from aiprobe.probes.connections import diag
 from aiprobe.probes.connections.hooks import listener_target, reuseport_groups
-from aiprobe.probes.connections.probe import SPEC, STRATEGIES, ConnectionsProbe, half_open_by_listener
+from aiprobe.probes.connections.probe import (
+    SPEC,
+    STRATEGIES,
+    ConnectionsProbe,
+    ListenerIndex,
+    PathQualities,
+    half_open_by_listener,
+)
 from aiprobe.probes.connections.records import ConnectionsSnapshot, Listener, ReuseportGroup
 from aiprobe.probes.netstat.probe import read_tcp_counters
-from helpers import CLOCK_TOLERANCE, PATIENCE, wait_until
+from helpers import CLOCK_TOLERANCE, PATIENCE, VethPair, make_veth_pair, remove_veth_pair, run, wait_until
 
 SOCK_DIAG_ONLY = (STRATEGIES[-1],)
 ACCEPTS = ("fentry", "kprobe")  # the strategies that time accepts
@@ -40,6 +50,14 @@ def diag_message(family: int, state: int, address: bytes, port: int, rqueue: int
                  cookie: int) -> bytes:
     return (bytes([family, state, 0, 0]) + struct.pack(">HH16s16s", port, 0, address.ljust(16, b"\0"), b"")
             + struct.pack("=IIIIIIII", 0, cookie & 0xFFFFFFFF, cookie >> 32, 0, rqueue, wqueue, 0, inode))
+
+
+def tcp_info_attribute(rtt_us: int, total_retrans: int, size: int = 232) -> bytes:
+    """An INET_DIAG_INFO attribute holding a struct tcp_info of `size` bytes (232 on 6.1)."""
+    info = bytearray(max(size, diag.TCP_INFO_MIN_SIZE))
+    struct.pack_into("=I", info, diag.TCPI_RTT_OFFSET, rtt_us)
+    struct.pack_into("=I", info, diag.TCPI_TOTAL_RETRANS_OFFSET, total_retrans)
+    return struct.pack("=HH", 4 + size, diag.INET_DIAG_INFO) + bytes(info[:size])
 
 
 def listener_of(snapshot: ConnectionsSnapshot, port: int) -> Listener:
@@ -69,7 +87,8 @@ def sample_reading() -> ConnectionsSnapshot:
     measured = Listener("ipv4", "0.0.0.0", 8000, 5, 4, 2, 99, 7, 1, "server", reuseport_group=2, overflows=3,
                         accepted=10, accept_wait_sum_seconds=2.0, accept_wait_p50_seconds=0.2,
                         accept_wait_p99_seconds=0.21, accept_wait_histogram=timed, handshake_sum_seconds=0.1,
-                        handshake_histogram=timed)
+                        handshake_histogram=timed, connections=4, retransmitted_segments=6, rtt_sum_seconds=0.5,
+                        rtt_p50_seconds=0.05, rtt_p99_seconds=0.06, rtt_histogram=timed)
     group = ReuseportGroup("ipv4", "0.0.0.0", 8000, 2, 10, 2.0, [1])
     return ConnectionsSnapshot(0.0, [measured], unattributed_overflows=1, reuseport_groups=[group])
 
@@ -83,6 +102,49 @@ def test_a_diag_message_is_parsed_and_a_short_or_foreign_one_skipped() -> None:
     assert parsed == diag.DiagSocket(socket.AF_INET, diag.TCP_LISTEN, "127.0.0.1", 8000, 5, 4, 99, 1 << 40 | 7)
     assert diag.parse_message(socket.AF_INET, message[:-1]) is None
     assert diag.parse_message(socket.AF_INET6, message) is None
+
+
+def test_a_connections_tcp_info_gives_its_rtt_and_retransmits_and_an_odd_one_none() -> None:
+    """The INET_DIAG_INFO attribute after the message, past attributes of other kinds; a tcp_info too
+    short, or an attribute overrunning the message, leaves the socket parsed without one."""
+    head = diag_message(socket.AF_INET, diag.TCP_ESTABLISHED, socket.inet_aton("10.0.0.1"), 443, 0, 0, 5, 9)
+    other = struct.pack("=HH", 5, 1) + b"\x07\0\0\0"  # INET_DIAG_MEMINFO-like, padded to 8
+    parsed = diag.parse_message(socket.AF_INET, head + other + tcp_info_attribute(50_123, 7))
+    assert parsed is not None and parsed.info == diag.TcpInfo(50_123, 7)
+    assert parsed.local_port == 443 and parsed.cookie == 9
+    for odd in (tcp_info_attribute(1, 2, size=diag.TCP_INFO_MIN_SIZE - 1), tcp_info_attribute(1, 2)[:-1],
+                struct.pack("=HH", 2, diag.INET_DIAG_INFO), b"\xff"):
+        hostile = diag.parse_message(socket.AF_INET, head + odd)
+        assert hostile is not None and hostile.info is None and hostile.cookie == 9
+    assert diag.parse_message(socket.AF_INET, head + tcp_info_attribute(1, 2, size=diag.TCP_INFO_MIN_SIZE)) \
+        == diag.DiagSocket(socket.AF_INET, diag.TCP_ESTABLISHED, "10.0.0.1", 443, 0, 0, 5, 9, diag.TcpInfo(1, 2))
+
+
+def test_connections_go_to_the_listener_they_were_accepted_from_and_retransmits_only_grow() -> None:
+    """Accepted connections at their listener's address, else the wildcard's (a client's socket on a port
+    no one listens on belongs to none); retransmits count from the first read (history before it is
+    not the probe's), a connection first seen later counts whole, one whose tcp_info a read could not
+parse keeps its last total, one gone from a dump and back counts anew."""
+    def sock(state: int, address: str, port: int, cookie: int, rtt_us: int = 0, retrans: int = 0) -> diag.DiagSocket:
+        return diag.DiagSocket(socket.AF_INET, state, address, port, 0, 0, cookie, cookie,
+                               diag.TcpInfo(rtt_us, retrans) if state != diag.TCP_LISTEN else None)
+
+    listeners = [sock(diag.TCP_LISTEN, "127.0.0.1", 80, 1), sock(diag.TCP_LISTEN, "0.0.0.0", 80, 2)]
+    assert [ListenerIndex(listeners).of(sock(1, address, port, 9)) for address, port in
+            (("127.0.0.1", 80), ("10.0.0.1", 80), ("10.0.0.1", 40000))] == [1, 2, None]
+    paths = PathQualities()
+    first = paths.read(listeners, [sock(1, "10.0.0.1", 80, 10, 1000, 5), sock(1, "10.0.0.1", 40000, 11, 9, 9)])
+    assert (first[2].connections, first[2].retransmitted, sum(first[2].now)) == (1, 0, 1)
+    later = paths.read(listeners, [sock(1, "10.0.0.1", 80, 10, 2000, 8), sock(8, "127.0.0.1", 80, 12, 0, 3)])
+    assert (later[2].retransmitted, later[1].retransmitted, later[1].connections) == (3, 3, 1)
+    assert (sum(later[2].slots), sum(later[1].slots), later[2].sum_seconds) == (2, 0, 0.003)
+    unreadable = diag.DiagSocket(socket.AF_INET, 1, "10.0.0.1", 80, 0, 0, 10, 10, None)
+    assert paths.read(listeners, [unreadable])[2].connections == 0
+    assert paths.read(listeners, [sock(1, "10.0.0.1", 80, 10, 2000, 9)])[2].retransmitted == 4
+    back = paths.read(listeners, [])
+    assert (back[2].connections, back[2].retransmitted) == (0, 4)
+    again = paths.read(listeners[1:], [sock(1, "10.0.0.1", 80, 10, 2000, 8)])
+    assert set(again) == {2} and again[2].retransmitted == 12
 
 
 def test_socket_inodes_come_only_from_socket_links() -> None:
@@ -434,3 +496,134 @@ def _accept_forever(server: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while True:
             server.accept()[0].close()
+
+
+# --- path quality of accepted connections, against the kernel's tcp_info as `ss -ti` prints it ---
+
+
+def server_sockets_info(port: int) -> list[tuple[float, int]]:
+    """(RTT seconds, retransmitted segments) of each connected socket at local port `port` whose
+    tcp_info has an RTT sample, as `ss -ti` prints them (rtt:<ms>/<var>, retrans:<now>/<total>)."""
+    out = run(["ss", "-Htin", "state", "established", f"sport = :{port}"]).stdout
+    found = []
+    for line in out.splitlines():
+        if rtt := re.search(r"\brtt:([\d.]+)/", line):
+            retrans = re.search(r"\bretrans:\d+/(\d+)", line)
+            found.append((float(rtt.group(1)) / 1000, int(retrans.group(1)) if retrans else 0))
+    return found
+
+
+@contextlib.contextmanager
+def serving(address: str, payload: int) -> Iterator[tuple[int, list[socket.socket]]]:
+    """A server at `address` sending `payload` bytes to each connection it accepts (each in a thread of
+    its own) and keeping it open; yields its port and the connections accepted so far."""
+    accepted: list[socket.socket] = []
+    with socket.create_server((address, 0), backlog=64) as server:
+        def serve() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    accepted.append(server.accept()[0])
+                    threading.Thread(target=_send_quietly, args=(accepted[-1], payload), daemon=True).start()
+        threading.Thread(target=serve, daemon=True).start()
+        try:
+            yield server.getsockname()[1], accepted
+        finally:
+            for conn in accepted:
+                conn.close()
+
+
+def _send_quietly(conn: socket.socket, payload: int) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall(b"x" * payload)
+
+
+def assert_path_quality_is_the_kernels(probe: ConnectionsProbe, port: int, connections: int) -> Listener:
+    """The listener's connections, RTT median and 99th percentile (of this read) and retransmits against
+    `ss -ti`'s once the two agree on the connections (idle connections' tcp_info no longer changes).
+    With an odd count the median is one connection's RTT, in the same kernel slot as the probe's."""
+    def agreeing() -> bool:
+        found = listener_of(probe.read(), port)
+        truth = server_sockets_info(port)
+        return (found.connections == len(truth) == connections
+                and found.retransmitted_segments == sum(retrans for _, retrans in truth))
+    assert wait_until(agreeing, interval=0.2)
+    found, rtts = listener_of(probe.read(), port), [rtt for rtt, _ in server_sockets_info(port)]
+    assert found.rtt_p50_seconds is not None and found.rtt_p99_seconds is not None
+    assert abs(found.rtt_p50_seconds - statistics.median(rtts)) <= CLOCK_TOLERANCE * statistics.median(rtts)
+    assert found.rtt_p99_seconds <= max(rtts) * (1 + CLOCK_TOLERANCE)
+    assert found.rtt_histogram is not None and found.rtt_histogram[-1][1] >= connections
+    return found
+
+
+def test_rtt_and_retransmits_of_accepted_connections_are_the_kernels_over_loopback() -> None:
+    """Seven loopback connections, each sent 64 KiB: the listener counts the server's seven sockets
+    (not the clients', on ports no one listens on), their RTTs and retransmits as `ss -ti` reads them."""
+    connections = 7
+    with serving("127.0.0.1", 1 << 16) as (port, _accepted), ConnectionsProbe(SOCK_DIAG_ONLY, path_interval=0) as probe:
+        probe.read()
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
+        try:
+            for client in clients:
+                received = 0
+                while received < 1 << 16:
+                    received += len(client.recv(1 << 16))
+            assert_path_quality_is_the_kernels(probe, port, connections)
+            assert "rtt_p50_seconds" in SPEC.hooks.snapshot(probe.read())["listeners"][0].to_dict()
+        finally:
+            for client in clients:
+                client.close()
+
+
+NETEM_DELAY_SECONDS = 0.05
+
+NS_CLIENTS = """
+import socket, sys
+address, port, connections, payload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+clients = [socket.create_connection((address, port)) for _ in range(connections)]
+for client in clients:
+    received = 0
+    while received < payload:
+        received += len(client.recv(1 << 16))
+print("received", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def netem_pair() -> Iterator[VethPair]:
+    """A veth pair whose host end can take a netem qdisc (skipped where the kernel has no sch_netem)."""
+    pair = make_veth_pair(index=201)
+    try:
+        probe = run(["tc", "qdisc", "add", "dev", pair.host, "root", "netem", "delay", "1ms"], check=False)
+        if probe.returncode != 0:
+            pytest.skip(f"netem unavailable on this kernel: {probe.stderr.strip()}")
+        run(["tc", "qdisc", "del", "dev", pair.host, "root"])
+        yield pair
+    finally:
+        remove_veth_pair(pair)
+
+
+@pytest.mark.parametrize("netem", [["delay", "50ms"], ["delay", "50ms", "loss", "10%"]], ids=["delay", "loss"])
+def test_rtt_and_retransmits_over_a_delayed_and_lossy_path_are_the_kernels(netem_pair: VethPair,
+                                                                             netem: list[str]) -> None:
+    """A server in this namespace, clients in the pair's namespace; netem delays (and drops) what the
+    server sends. Its listener's RTT median is the kernel's as `ss -ti` prints it (50 ms and more), and
+    with loss its retransmits are the sum of `ss -ti`'s totals, more than none."""
+    connections, payload = 7, 1 << 17
+    pair = netem_pair
+    run(["tc", "qdisc", "add", "dev", pair.host, "root", "netem", *netem])
+    with serving(pair.host_ip4, payload) as (port, _accepted), \
+            ConnectionsProbe(SOCK_DIAG_ONLY, path_interval=0) as probe:
+        probe.read()
+        clients = subprocess.Popen(pair.ns_cmd([sys.executable, "-c", NS_CLIENTS, pair.host_ip4, str(port),
+                                                str(connections), str(payload)]),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert clients.stdout is not None and clients.stdout.readline().strip() == "received"
+            found = assert_path_quality_is_the_kernels(probe, port, connections)
+            assert min(rtt for rtt, _ in server_sockets_info(port)) >= NETEM_DELAY_SECONDS
+            if "loss" in netem:
+                assert found.retransmitted_segments > 0
+        finally:
+            clients.kill()
+            clients.wait()

@@ -1,8 +1,10 @@
 """Listening TCP sockets and their queues from the kernel's sock_diag (NETLINK_SOCK_DIAG), as `ss -lnt`
 reads them, with no BPF: for a socket in LISTEN, idiag_rqueue is its accept queue's length (connections
 complete, waiting for accept()) and idiag_wqueue the backlog in force (listen()'s, capped by somaxconn);
-requests in SYN_RECV are dumped one by one (the half-open connections). Sockets of this network
-namespace only (the agent's: the host's). A message that does not parse is skipped alone.
+requests in SYN_RECV are dumped one by one (the half-open connections). Connected sockets come with their
+struct tcp_info (INET_DIAG_INFO): the smoothed RTT and the segments retransmitted, as `ss -ti` prints them.
+Sockets of this network namespace only (the agent's: the host's). A message that does not parse is
+skipped alone; a tcp_info missing or too short leaves that socket without one.
 
 Each socket's owner is found through its inode in /proc/<pid>/fd: processes and descriptors come and go
 during the scan, and whatever vanishes leaves that socket without an owner, nothing more."""
@@ -24,16 +26,32 @@ NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
-TCP_SYN_RECV, TCP_LISTEN = 3, 10
+TCP_ESTABLISHED, TCP_SYN_RECV, TCP_LISTEN = 1, 3, 10
+# Full sockets past the handshake that may still send (and retransmit): ESTABLISHED, FIN_WAIT1, FIN_WAIT2,
+# CLOSE_WAIT, LAST_ACK, CLOSING (TIME_WAIT ones have no tcp_info).
+CONNECTED = (TCP_ESTABLISHED, 4, 5, 8, 9, 11)
+INET_DIAG_INFO = 2  # the attribute holding struct tcp_info; requested as extension bit INET_DIAG_INFO - 1
 
 _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
 _REQUEST = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, extensions, states, an empty id
 _ADDRESSES = struct.Struct(">HH16s16s")  # inet_diag_sockid: ports (network order), addresses
 _TAIL = struct.Struct("=IIIIIIII")  # the id's interface and cookie, expires, rqueue, wqueue, uid, inode
 DIAG_MESSAGE_SIZE = 4 + _ADDRESSES.size + _TAIL.size  # struct inet_diag_msg, 72 bytes
+_ATTRIBUTE = struct.Struct("=HH")  # struct rtattr: length (header included), type
+_U32 = struct.Struct("=I")
+TCPI_RTT_OFFSET, TCPI_TOTAL_RETRANS_OFFSET = 68, 100  # in struct tcp_info (linux/tcp.h, stable ABI)
+TCP_INFO_MIN_SIZE = TCPI_TOTAL_RETRANS_OFFSET + 4
 _RECEIVE_BYTES = 1 << 16
 DUMP_TIMEOUT_SECONDS = 5.0  # a dump the kernel never ends fails that read (TimeoutError), not the agent
 FAMILIES: dict[int, str] = {int(socket.AF_INET): "ipv4", int(socket.AF_INET6): "ipv6"}
+
+
+@dataclass(frozen=True)
+class TcpInfo:
+    """What this probe reads of a connection's struct tcp_info."""
+
+    rtt_us: int  # tcpi_rtt: the smoothed RTT, 0 before the first sample
+    total_retrans: int  # tcpi_total_retrans: segments retransmitted over the connection's life
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,7 @@ class DiagSocket:
     send_queue: int  # LISTEN: the accept queue's capacity (the backlog in force)
     inode: int  # 0 for requests
     cookie: int
+    info: TcpInfo | None = None  # connected sockets dumped with INET_DIAG_INFO; None where absent or short
 
 
 def parse_message(family: int, data: bytes) -> DiagSocket | None:
@@ -59,11 +78,28 @@ def parse_message(family: int, data: bytes) -> DiagSocket | None:
     _ifindex, cookie_low, cookie_high, _expires, rqueue, wqueue, _uid, inode = \
         _TAIL.unpack_from(data, 4 + _ADDRESSES.size)
     return DiagSocket(family, state, ip_text(local, family == socket.AF_INET6), local_port, rqueue, wqueue, inode,
-                      cookie_low | cookie_high << 32)
+                      cookie_low | cookie_high << 32, tcp_info(data))
 
 
-def _request(family: int, states: int, sequence: int) -> bytes:
-    body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, states)
+def tcp_info(data: bytes) -> TcpInfo | None:
+    """The INET_DIAG_INFO attribute after a struct inet_diag_msg; None when absent, short or malformed."""
+    offset = DIAG_MESSAGE_SIZE
+    while offset + _ATTRIBUTE.size <= len(data):
+        length, kind = _ATTRIBUTE.unpack_from(data, offset)
+        if length < _ATTRIBUTE.size or offset + length > len(data):
+            return None
+        if kind == INET_DIAG_INFO:
+            if length - _ATTRIBUTE.size < TCP_INFO_MIN_SIZE:
+                return None
+            start = offset + _ATTRIBUTE.size
+            return TcpInfo(_U32.unpack_from(data, start + TCPI_RTT_OFFSET)[0],
+                           _U32.unpack_from(data, start + TCPI_TOTAL_RETRANS_OFFSET)[0])
+        offset += (length + 3) & ~3
+    return None
+
+
+def _request(family: int, states: int, sequence: int, extensions: int = 0) -> bytes:
+    body = _REQUEST.pack(family, socket.IPPROTO_TCP, extensions, states)
     return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, sequence, 0) + body
 
 
@@ -78,13 +114,14 @@ def _messages(buffer: bytes) -> Iterator[tuple[int, bytes]]:
         offset += (length + 3) & ~3
 
 
-def dump(family: int, states: Iterable[int]) -> list[DiagSocket]:
-    """Every TCP socket of `family` in one of `states`; OSError when the kernel refuses the dump."""
+def dump(family: int, states: Iterable[int], extensions: int = 0) -> list[DiagSocket]:
+    """Every TCP socket of `family` in one of `states` (with the attributes `extensions` asks for);
+    OSError when the kernel refuses the dump."""
     mask = sum(1 << state for state in set(states))
     found: list[DiagSocket] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(DUMP_TIMEOUT_SECONDS)
-        sock.sendto(_request(family, mask, 1), (0, 0))
+        sock.sendto(_request(family, mask, 1, extensions), (0, 0))
         while True:
             for kind, payload in _messages(sock.recv(_RECEIVE_BYTES)):
                 if kind == NLMSG_DONE:
@@ -99,6 +136,11 @@ def dump(family: int, states: Iterable[int]) -> list[DiagSocket]:
 def listening(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
     """Listening sockets and half-open requests (SYN_RECV) of every family."""
     return [s for family in families for s in dump(family, (TCP_LISTEN, TCP_SYN_RECV))]
+
+
+def connected(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
+    """Connected sockets (CONNECTED) of every family, each with its tcp_info where the kernel gave one."""
+    return [s for family in families for s in dump(family, CONNECTED, 1 << (INET_DIAG_INFO - 1))]
 
 
 def socket_inode(link: str) -> int | None:

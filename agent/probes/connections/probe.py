@@ -1,6 +1,7 @@
 """Connection set-up per listening TCP socket: its accept queue (length, capacity, half-open
-requests) from sock_diag, with no BPF; its overflows and how long connections wait in its accept
-queue from hooks at the drop and at accept() (bpf/connections.bpf.c).
+requests) and the path quality of the connections it accepted (smoothed RTT, retransmitted segments,
+from their tcp_info) from sock_diag, with no BPF; its overflows and how long connections wait in its
+accept queue from hooks at the drop and at accept() (bpf/connections.bpf.c).
 
 The BPF side is optional: where no strategy of the chain loads, the probe runs on sock_diag alone
 (`sock_diag`) and says why; overflows and accept waits are then null. Sockets of the agent's network
@@ -15,11 +16,12 @@ import os
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import libbpf
 from ...btf import Btf
-from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile
+from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile, slot_of_microseconds
 from ...libbpf import BpfError
 from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels, load_first
 from ...metrics import PROCESS_LABELS, Family
@@ -42,6 +44,9 @@ LISTEN_OVERFLOW_REASON = "SKB_DROP_REASON_TCP_LISTEN_OVERFLOW"
 # An inode whose owner a scan did not find is looked for again after this long (a scan reads every
 # process's descriptors).
 OWNER_RESCAN_SECONDS = 5.0
+# Connected sockets (their RTTs and retransmits) are dumped at most this often: a dump costs ~6 µs of
+# Python per connection (80 ms a read at 12k connections), and a path's quality changes slowly.
+PATH_QUALITY_SECONDS = 10.0
 
 STRATEGIES = (
     Strategy(
@@ -123,23 +128,89 @@ class _Owners:
         return {i: self._pids[i] for i in inodes if i in self._pids}
 
 
+class ListenerIndex:
+    """The listener a request or an accepted connection belongs to: the one of its local address and
+    port, else the wildcard one of its family, else a dual-stack ::; a reuseport group's first socket
+    takes them all (the kernel does not say which of the group holds one). A socket whose local port no
+    one listens on (a client's) belongs to none."""
+
+    def __init__(self, listeners: Iterable[diag.DiagSocket]) -> None:
+        self._by_key: dict[tuple[int, str, int], int] = {}
+        for listener in listeners:
+            self._by_key.setdefault((listener.family, listener.local_address, listener.local_port), listener.cookie)
+
+    def of(self, s: diag.DiagSocket) -> int | None:
+        """The cookie of `s`'s listener, None without one."""
+        wildcard = "0.0.0.0" if s.family == socket.AF_INET else "::"
+        for key in ((s.family, s.local_address, s.local_port), (s.family, wildcard, s.local_port),
+                    (socket.AF_INET6, "::", s.local_port)):
+            if key in self._by_key:
+                return self._by_key[key]
+        return None
+
+
 def half_open_by_listener(requests: Iterable[diag.DiagSocket], listeners: list[diag.DiagSocket]) -> dict[int, int]:
-    """Requests in SYN_RECV per listener cookie: at the listener of their address and port, else the
-    wildcard one of their family, else a dual-stack ::; a reuseport group's first socket takes them all
-    (the kernel does not say which of the group holds a request)."""
-    by_key: dict[tuple[int, str, int], int] = {}
-    for listener in listeners:
-        by_key.setdefault((listener.family, listener.local_address, listener.local_port), listener.cookie)
+    """Requests in SYN_RECV per listener cookie (ListenerIndex)."""
+    index = ListenerIndex(listeners)
     counts: dict[int, int] = {}
     for request in requests:
-        wildcard = "0.0.0.0" if request.family == socket.AF_INET else "::"
-        for key in ((request.family, request.local_address, request.local_port),
-                    (request.family, wildcard, request.local_port),
-                    (socket.AF_INET6, "::", request.local_port)):
-            if key in by_key:
-                counts[by_key[key]] = counts.get(by_key[key], 0) + 1
-                break
+        if (cookie := index.of(request)) is not None:
+            counts[cookie] = counts.get(cookie, 0) + 1
     return counts
+
+
+@dataclass
+class PathQuality:
+    """One listener's accepted connections: their smoothed RTTs, sampled at each read (`now`: this
+    read's, in kernel slots), and their retransmitted segments since the probe started."""
+
+    slots: list[int]  # every read's RTT samples since the probe started, in kernel slots
+    now: list[int]
+    connections: int = 0
+    retransmitted: int = 0
+    sum_seconds: float = 0.0  # of the RTT samples in `slots`
+
+    @classmethod
+    def empty(cls) -> PathQuality:
+        return cls([0] * hist_slots(), [0] * hist_slots())
+
+
+class PathQualities:
+    """Path quality per listener cookie from each read's connected sockets. A connection's retransmits
+    count from the first read (those before it are its history, not the probe's) or from when a later
+    read first sees it; its last total is kept by socket cookie, for connections of the latest dump
+    only, so what it retransmits after its last read before closing is lost."""
+
+    def __init__(self) -> None:
+        self._retransmits: dict[int, int] = {}  # connection cookie -> its total_retrans at the last read
+        self._listeners: dict[int, PathQuality] = {}
+        self._first = True
+
+    def read(self, listeners: list[diag.DiagSocket], connections: Iterable[diag.DiagSocket]) -> dict[int, PathQuality]:
+        index = ListenerIndex(listeners)
+        kept = {s.cookie: self._listeners.get(s.cookie) or PathQuality.empty() for s in listeners}
+        for quality in kept.values():
+            quality.now = [0] * len(quality.now)
+            quality.connections = 0
+        retransmits: dict[int, int] = {}
+        for connection in connections:
+            cookie = index.of(connection)
+            if connection.info is None and connection.cookie in self._retransmits:
+                retransmits[connection.cookie] = self._retransmits[connection.cookie]  # not counted anew next time
+            if cookie is None or connection.info is None:
+                continue
+            quality, info = kept[cookie], connection.info
+            quality.connections += 1
+            retransmits[connection.cookie] = info.total_retrans
+            before = self._retransmits.get(connection.cookie, info.total_retrans if self._first else 0)
+            quality.retransmitted += max(info.total_retrans - before, 0)
+            if connection.state == diag.TCP_ESTABLISHED and info.rtt_us > 0:
+                slot = slot_of_microseconds(info.rtt_us, len(quality.now))
+                quality.now[slot] += 1
+                quality.slots[slot] += 1
+                quality.sum_seconds += info.rtt_us / 1e6
+        self._retransmits, self._listeners, self._first = retransmits, kept, False
+        return kept
 
 
 def _group_sizes(listeners: list[diag.DiagSocket]) -> dict[tuple[int, str, int], int]:
@@ -165,6 +236,17 @@ def _timed(record: Listener, name: str, hist: Any) -> None:
     setattr(record, f"{name}_histogram", exported_buckets(fine) if hist is not None else _nothing_timed())
 
 
+def _path(record: Listener, quality: PathQuality) -> None:
+    """A listener's connections and their RTTs (quantiles of this read's) and retransmits into its record."""
+    now, since_start = kernel_buckets(quality.now), kernel_buckets(quality.slots)
+    record.connections = quality.connections
+    record.retransmitted_segments = quality.retransmitted
+    record.rtt_p50_seconds = quantile(now, 0.5)
+    record.rtt_p99_seconds = quantile(now, 0.99)
+    record.rtt_histogram = exported_buckets(since_start)
+    record.rtt_sum_seconds = quality.sum_seconds
+
+
 def _measured(record: Listener, stats: Any) -> None:
     """Fill a listener's counts from its `listeners` entry (zero when the hooks saw nothing of it)."""
     record.overflows = stats.overflows if stats is not None else 0
@@ -176,10 +258,15 @@ def _measured(record: Listener, stats: Any) -> None:
 class ConnectionsProbe(Probe):
     """Listeners from sock_diag at each read, with the BPF counts where a strategy loaded."""
 
-    def __init__(self, strategies: tuple[Strategy, ...] = STRATEGIES) -> None:
+    def __init__(self, strategies: tuple[Strategy, ...] = STRATEGIES,
+                 path_interval: float = PATH_QUALITY_SECONDS) -> None:
         super().__init__()
         self._strategies = strategies
         self._owners = _Owners()
+        self._paths = PathQualities()
+        self._path_interval = path_interval
+        self._next_paths = 0.0  # monotonic time of the next dump of connected sockets
+        self._latest_paths: dict[int, PathQuality] = {}
         self._skipped: dict[str, str] = {}
         self._diag_only = False
         self._seen: set[int] = set()  # cookies listening at the previous read
@@ -226,6 +313,7 @@ class ConnectionsProbe(Probe):
         groups = _group_sizes(listeners)
         owners = self._owners.of({s.inode for s in listeners}, time.monotonic())
         stats = self._stats({s.cookie for s in listeners})
+        paths = self._path_quality(listeners)
         records = []
         for s in listeners:
             pid = owners.get(s.inode)
@@ -234,12 +322,21 @@ class ConnectionsProbe(Probe):
                 queue_length=s.receive_queue, queue_capacity=s.send_queue, half_open=half_open.get(s.cookie, 0),
                 inode=s.inode, cookie=s.cookie, pid=pid, comm=process_name(pid) if pid is not None else "",
                 reuseport_group=groups[(s.family, s.local_address, s.local_port)])
+            _path(record, paths.get(s.cookie) or PathQuality.empty())
             if stats is not None:
                 _measured(record, stats.get(s.cookie))
             records.append(record)
         self._listener_count = len(records)
         unattributed = self._retired_overflows + (stats[0].overflows if stats and 0 in stats else 0)
         return ConnectionsSnapshot(time.time(), records, unattributed)
+
+    def _path_quality(self, listeners: list[diag.DiagSocket]) -> dict[int, PathQuality]:
+        """Each listener's path quality: from a new dump of connected sockets once its interval is over,
+        else the latest (a listener opened since has none yet)."""
+        if time.monotonic() >= self._next_paths:
+            self._latest_paths = self._paths.read(listeners, diag.connected())
+            self._next_paths = time.monotonic() + self._path_interval
+        return self._latest_paths
 
     def _stats(self, listening: set[int]) -> dict[int, Any] | None:
         """The `listeners` table by cookie (None without BPF). An entry of a socket that listened at
@@ -271,7 +368,8 @@ def _listener(name: str, kind: str, help_text: str, value: str, **extra: Any) ->
 
 SPEC = ProbeSpec(
     name="connections",
-    description="connection set-up per listening socket: accept queues, half-open requests, overflows, accept wait",
+    description="connection set-up per listening socket: accept queues, half-open requests, overflows, accept wait, "
+                "RTT and retransmits of its connections",
     strategies=STRATEGIES,
     bpf_object=OBJECT,
     order=55,
@@ -292,6 +390,18 @@ SPEC = ProbeSpec(
                   "host's TcpExt ListenOverflows.", "overflows", per_identity=True),
         _listener("aiprobe_listen_accepted_connections_total", "counter",
                   "Connections accept() returned from a listener.", "accepted", per_identity=True),
+        _listener("aiprobe_listen_connections", "gauge",
+                  "Connected sockets a listener accepted, open now (sock_diag: ESTABLISHED and the closing states "
+                  "that may still send).", "connections"),
+        _listener("aiprobe_tcp_rtt_seconds", "histogram",
+                  "Smoothed RTT (tcp_info tcpi_rtt) of a listener's ESTABLISHED connections, sampled at each agent "
+                  "refresh: one observation per connection per refresh (sock_diag).",
+                  "rtt_histogram", sum_field="rtt_sum_seconds", per_identity=True),
+        _listener("aiprobe_listen_retransmitted_segments_total", "counter",
+                  "Segments a listener's accepted connections retransmitted (tcp_info tcpi_total_retrans, from each "
+                  "connection's first refresh on; what one retransmits after its last refresh before it closes is "
+                  "lost); beside the host's aiprobe_tcp_retransmitted_segments_total.",
+                  "retransmitted_segments", per_identity=True),
         _listener("aiprobe_accept_wait_seconds", "histogram",
                   "How long connections waited in the accept queue: handshake complete to accept() returning them.",
                   "accept_wait_histogram", sum_field="accept_wait_sum_seconds", per_identity=True),

@@ -9,8 +9,9 @@ from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
 
 @dataclass
 class Listener(Record):
-    """A listening TCP socket of the host's network namespace: its queues from sock_diag, its
-    overflows and accept waits from the probe's hooks (null where no hook runs)."""
+    """A listening TCP socket of the host's network namespace: its queues and the path quality of the
+    connections it accepted from sock_diag, its overflows and accept waits from the probe's hooks (null
+    where no hook runs)."""
 
     family: str  # "ipv4" | "ipv6" (an ipv6 listener on :: takes IPv4 too unless IPV6_V6ONLY)
     local_address: str  # 0.0.0.0 or :: for every address
@@ -23,6 +24,13 @@ class Listener(Record):
     pid: int | None  # the lowest pid holding it (a pre-forking server's parent); null when unseen
     comm: str  # that process's name, "" when unseen
     reuseport_group: int = 1  # sockets listening at this address and port (SO_REUSEPORT)
+    connections: int = 0  # connected sockets it accepted, open now (a reuseport group's first socket)
+    retransmitted_segments: int = 0  # by those since the probe started (tcpi_total_retrans' increases)
+    rtt_sum_seconds: float = 0.0
+    rtt_p50_seconds: float | None = None  # of its ESTABLISHED connections at this read; null without one
+    rtt_p99_seconds: float | None = None
+    # Their smoothed RTTs (tcpi_rtt), one sample per connection per read since the probe started.
+    rtt_histogram: Histogram | None = field(default=None, metadata=HISTOGRAM)
     overflows: int | None = None  # connections dropped since the probe started: its accept queue was full
     accepted: int | None = None  # connections accept() returned since the probe started
     accept_wait_sum_seconds: float = 0.0

@@ -1,5 +1,5 @@
 """The connections probe in `aiprobe top`: its view of the snapshot's `listeners` (an idle host shows
-its listeners and their queues)."""
+its listeners and their queues), with the RTT and retransmits of the connections each accepted."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ LAYOUT = (
     ("LISTEN", "listen", 26), ("QUEUE", "queue_length", 6), ("CAP", "queue_capacity", 6),
     ("FULL", "queue_ratio", 5), ("SYN_RECV", "half_open", 8), ("OVERFL/S", "overflows_per_second", 8),
     ("OVERFLOWS", "overflows", 9), ("ACCEPT/S", "accepted_per_second", 8), ("WAIT P99", "accept_wait_p99_seconds", 9),
-    ("HANDSHAKE P99", "handshake_p99_seconds", 13),
+    ("HANDSHAKE P99", "handshake_p99_seconds", 13), ("CONNS", "connections", 6), ("RTT P50", "rtt_p50_seconds", 8),
+    ("RTT P99", "rtt_p99_seconds", 8), ("RETRANS", "retransmitted_segments", 8),
     ("GROUP", "reuseport_group", 5), ("PID", "pid", 7), ("PROCESS", "comm", 15), ("CONTAINER", "container", 12),
 )
 TEXT = {"listen", "comm", "container"}
