@@ -128,11 +128,11 @@ def _run_stats(churn: Churn, cases: list[Case]) -> tuple[dict[str, list[float]],
     return run_time, runs
 
 
-def _ratio(values: list[float], floor: list[float], what: str, name: str) -> Result:
+def _ratio(values: list[float], floor: list[float], what: str, name: str, detail: str = "") -> Result:
     base = statistics.median(floor)
     ratio = statistics.median(values) / base if base > 0 else float("nan")
     return Result("connections", f"{name}: {what} vs its empty programs", ratio, "ratio",
-                  "" if base > 0 else "the empty programs' figure is not above zero")
+                  detail if base > 0 else "the empty programs' figure is not above zero")
 
 
 def _results(cpu: dict[str, list[float]], run_time: dict[str, list[float]],
@@ -151,7 +151,10 @@ def _results(cpu: dict[str, list[float]], run_time: dict[str, list[float]],
         ]
     for name in (n for n in added if not n.endswith(EMPTY)):
         floor = f"{name}, {EMPTY}"
-        results += [_ratio(added[name], added[floor], "added CPU", name),
+        share = statistics.median(added[floor]) / statistics.median(detached)
+        results += [_ratio(added[name], added[floor], "added CPU", name,
+                           f"the empty programs add {share:.2%} of a connection's CPU time: "
+                           "a ratio of figures within the rounds' range is noise"),
                     _ratio(run_time[name], run_time[floor], "BPF run time", name)]
     return results
 
