@@ -285,3 +285,23 @@ int BPF_PROG(cn_drop_tp, struct sk_buff *skb, void *location, enum skb_drop_reas
 		count_overflow(rx_sk);
 	return 0;
 }
+
+/* --- reference for `make bench`: an empty program on each hook of each strategy above, named
+ * cn_empty_<the program's name without cn_>; no strategy loads them --- */
+
+#define EMPTY(name, hook) SEC(hook) int cn_empty_##name(void *ctx) { return 0; }
+
+EMPTY(syn_fentry, "fentry/tcp_conn_request")
+EMPTY(ack4_fentry, "fentry/tcp_v4_syn_recv_sock")
+EMPTY(ack6_fentry, "fentry/tcp_v6_syn_recv_sock")
+EMPTY(ready4_fexit, "fexit/tcp_v4_syn_recv_sock")
+EMPTY(ready6_fexit, "fexit/tcp_v6_syn_recv_sock")
+EMPTY(accept_fexit, "fexit/inet_csk_accept")
+EMPTY(syn_kprobe, "kprobe/tcp_conn_request")
+EMPTY(ack4_kprobe, "kprobe/tcp_v4_syn_recv_sock")
+EMPTY(ack6_kprobe, "kprobe/tcp_v6_syn_recv_sock")
+EMPTY(ready4_kret, "kretprobe/tcp_v4_syn_recv_sock")
+EMPTY(ready6_kret, "kretprobe/tcp_v6_syn_recv_sock")
+EMPTY(acc_kprobe, "kprobe/inet_csk_accept")
+EMPTY(acc_kret, "kretprobe/inet_csk_accept")
+EMPTY(drop_tp, "tp_btf/kfree_skb")

@@ -26,11 +26,12 @@ from aiprobe.config import Config, RuleConfig
 from aiprobe.daemon import Agent
 from aiprobe.exporters.prometheus import AgentCollector
 from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
-from aiprobe.loader import ProbeUnavailable
+from aiprobe.loader import BpfObject, ProbeUnavailable
 from aiprobe.model import Readings
 from aiprobe.probes.connections import diag
 from aiprobe.probes.connections.hooks import listener_target, reuseport_groups
 from aiprobe.probes.connections.probe import (
+    OBJECT,
     SPEC,
     STRATEGIES,
     ConnectionsProbe,
@@ -210,6 +211,18 @@ def test_a_rules_target_names_port_and_process() -> None:
     record = listener(1, 100)
     record.container = "3f2a9c1d0e4b"
     assert listener_target(record) == ":8000 server@3f2a9c1d0e4b"
+
+
+def test_the_benchmarks_empty_programs_sit_on_the_strategies_hooks_and_no_strategy_loads_them() -> None:
+    """`make bench`'s floor (benchmarks/bench_connections.py): one empty program on each hook a strategy
+    attaches and none elsewhere; a strategy loads its own programs only, never the empty ones."""
+    with BpfObject(OBJECT) as obj:
+        hooks = sorted(obj.programs[name].section for s in STRATEGIES for name in s.programs)
+        empty = sorted(p.section for name, p in obj.programs.items() if name.startswith("cn_empty_"))
+    assert empty == hooks
+    for strategy in (s for s in STRATEGIES if s.programs):
+        with BpfObject(OBJECT, programs=strategy.programs) as obj:
+            assert {name for name, p in obj.programs.items() if p.autoload} == set(strategy.programs)
 
 
 # --- sock_diag, no BPF: a real listener of this process ---
