@@ -31,12 +31,24 @@ enum stall_cause {
 };
 BTF_EXPORT_ENUM(stall_cause);
 
-/* The aggregate's key: a process in a cgroup serving one listening port with one protocol. */
+/* The TLS version a ServerHello negotiates (label values "1.0" .. "1.3": '_' reads '.'); none: not known. */
+enum tls_version {
+	TLS_VERSION_NONE,
+	TLS_VERSION_1_0,
+	TLS_VERSION_1_1,
+	TLS_VERSION_1_2,
+	TLS_VERSION_1_3,
+	TLS_VERSION_MAX,
+};
+BTF_EXPORT_ENUM(tls_version);
+
+/* The aggregate's key: a process in a cgroup serving one listening port with one protocol. An entry
+ * whose tls_version is not none counts that version's TLS handshakes (`handshake` only). */
 struct stream_key {
 	__u32 tgid;
 	__u16 port;		/* local (listening) port, host order */
 	__u8 protocol;		/* enum stream_protocol */
-	__u8 pad;
+	__u8 tls_version;	/* enum tls_version */
 	__u64 cgroup_id;
 };
 
@@ -44,6 +56,7 @@ struct stream_stats {
 	struct hist ttfb;	/* request received -> first body byte written */
 	struct hist gap;	/* between successive writes of a response */
 	struct hist duration;	/* request received -> last write, of ended responses */
+	struct hist handshake;	/* TLS: the ClientHello's read -> the read of the client's Finished */
 	__u64 durations_unknown;	/* ended responses whose last write precedes their request: not in duration */
 	__u64 streams;		/* responses that wrote a first byte */
 	__u64 chunks;		/* their writes (headers-only and last-chunk writes excluded) */

@@ -42,11 +42,13 @@ enum h2_carries { H2_CARRIES_DATA = 1, H2_CARRIES_END = 2 };
 struct stream_socket {
 	struct stream_timing t;	/* the connection's response (not HTTP/2) */
 	__u64 full_since_ns;	/* the socket found full since; 0: writable */
+	__u64 first_read_ns;	/* the connection's first read (TLS: the ClientHello's) */
 	struct stream_key key;
 	__u8 phase;		/* enum stream_phase */
 	__u8 write;		/* enum stream_write: what the send in progress holds (stream_send_begin) */
 	__u8 classified;	/* protocol read from the connection's first response */
 	__u8 frames;		/* HTTP/2: entries of frame_stream/frame_carries for the send in progress */
+	__u8 tls_awaiting;	/* enum tls_version: the server's ServerHello is out, the client's Finished awaited */
 	__u32 frame_stream[H2_FRAMES];
 	__u8 frame_carries[H2_FRAMES];	/* enum h2_carries */
 	struct h2_stream h2[H2_STREAMS];

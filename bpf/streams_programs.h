@@ -17,7 +17,9 @@
  * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
  * say which streams they are for. docs/streams.md has the rules. A stall's GPU evidence is its
  * process's time inside CUDA synchronizations, from the map the cuda probe writes (cuda_sync.h): each
- * write notes the process's total, the write ending a gap takes the difference.
+ * write notes the process's total, the write ending a gap takes the difference. TLS handshakes run
+ * from the connection's first read (the ClientHello) to the read after the server's ServerHello (the
+ * client's Finished).
  *
  * The parts: types user space decodes (streams.h), the state and maps (streams_maps.h), one parser per
  * protocol (http1.h, http2.h, tls.h), reading a send's bytes (msg.h), syscalls (syscalls.h). */
@@ -274,6 +276,8 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	if (!s->classified) {
 		s->key.protocol = protocol_of(peek->bytes, n);
 		s->classified = 1;
+		if (s->key.protocol == STREAM_PROTOCOL_TLS)
+			s->tls_awaiting = server_hello_version(peek->bytes, n);
 		if (is_h2(s)) {
 			h2_frames(s, msg, peek);
 			return;
@@ -312,6 +316,20 @@ static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 
 	bpf_loop(H2_WALK, h2_frame, &walk, 0);
 }
 
+/* TLS: the read after the server's ServerHello is the client's Finished (with what came before it in
+ * its flight): the handshake took from the ClientHello's read (the connection's first) to now, counted
+ * in the entry of the endpoint and the version (the key with its tls_version). */
+static __always_inline void tls_handshake_done(struct stream_socket *s, __u64 now)
+{
+	struct stream_key key = s->key;
+	struct stream_stats *stats;
+
+	key.tls_version = s->tls_awaiting;
+	s->tls_awaiting = TLS_VERSION_NONE;
+	if (key.port && (stats = stream_endpoint(&key)))
+		hist_add_span(&stats->handshake, s->first_read_ns, now);
+}
+
 /* The server received `ret` bytes: a request (or more of it). On HTTP/2 the frames say which
  * stream's (clients also send acknowledgements while they read); elsewhere the response in
  * progress ends. */
@@ -326,6 +344,10 @@ static __always_inline void stream_received(struct sock *sk, int ret, int flags)
 	if (!s)
 		return;
 	now = bpf_ktime_get_ns();
+	if (!s->first_read_ns)
+		s->first_read_ns = now;
+	if (s->tls_awaiting)
+		tls_handshake_done(s, now);
 	/* The response in progress ends before this read becomes the next request: timed from its own
 	 * request, not from this one (which would make it negative). */
 	if (!is_h2(s))

@@ -19,7 +19,7 @@ from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTot
 from aiprobe.probes.netstat.records import TcpCounters
 from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
 from aiprobe.probes.nvml.settings import NvmlSettings
-from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot
+from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
 from aiprobe.registry import faces
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -53,9 +53,6 @@ def every_kind_of_reading() -> Readings:
                                  [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
             "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
             "netstat": TcpCounters(0, 0, 0, 0),
-            "streams": StreamsSnapshot("tracepoint", "", 0.25, [
-                StreamEndpoint(1, "x", 0, 8000, "sse", 1, 2, 3, 1, 0.1, 0.1, 0.1, HISTOGRAM, 1, 0.02, 0.02, 0.02,
-                               HISTOGRAM, 0.2, HISTOGRAM, {"server": 1})]),
             **probe_suites_samples(),
         },
         probes={"flows": ProbeStatus(True, "xdp+tcx")},

@@ -1,7 +1,8 @@
 """Token streams against the real kernel: a real ASGI server (Starlette on uvicorn,
 tests/fixtures/sse_server.py) streams Server-Sent Events over loopback to real clients (httpx, curl,
 a socket that stops reading), observed by sendlat's programs with the stream logic on. The truth is
-the server's own schedule: a 150 ms prefill, then 100 events 20 ms apart, a pause where asked.
+the server's own schedule: a 150 ms prefill, then 100 events 20 ms apart, a pause where asked. TLS
+handshakes are held to a client's own clock (ssl.MemoryBIO: it holds its Finished back a known time).
 
 How the response's writes are counted: uvicorn writes the status line and headers alone as soon as
 the handler returns (not a chunk: TTFB runs to the first event), then one write per event (100
@@ -15,6 +16,7 @@ import itertools
 import json
 import os
 import socket
+import ssl
 import statistics
 import struct
 import subprocess
@@ -29,23 +31,32 @@ import grpc
 import httpx
 import pytest
 from aiprobe.config import ConfigError, from_dict
-from aiprobe.histogram import hist_slots
+from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.probe import CudaProbe
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
-from aiprobe.probes.sendlat.records import StreamEndpoint, StreamsSnapshot
+from aiprobe.probes.sendlat.records import StreamEndpoint, StreamsSnapshot, TlsHandshakes
 from aiprobe.probes.sendlat.settings import StreamsSettings
-from aiprobe.probes.sendlat.streams import StreamsProbe, _endpoint
+from aiprobe.probes.sendlat.streams import StreamsProbe, _endpoint, _handshakes
 from aiprobe.registry import catalog
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
-from helpers import free_port, wait_until
+from helpers import CLOCK_TOLERANCE, PATIENCE, free_port, wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
 GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
 EVENTS, CADENCE, PREFILL = 100, 0.020, 0.150
 PAUSE_AT, PAUSE = 50, 0.400
 BIG_EVENT = 256 * 1024  # events that fill a slow reader's socket buffers within a few of them
+
+
+def sample_reading() -> StreamsSnapshot:
+    """A reading with every field filled, for tests/test_metrics_doc.py."""
+    timed = exported_buckets(kernel_buckets([1] * hist_slots()))
+    endpoint = StreamEndpoint(1, "x", 0, 8000, "sse", 1, 2, 3, 1, 0.1, 0.1, 0.1, timed, 1, 0.02, 0.02, 0.02, timed,
+                              0.2, timed, {"server": 1})
+    return StreamsSnapshot("tracepoint", "", 0.25, [endpoint],
+                           tls_handshakes=[TlsHandshakes(1, "x", 0, 8443, "1.3", 1, 0.3, 0.3, 0.3, timed)])
 
 
 @pytest.fixture(scope="module")
@@ -348,11 +359,17 @@ def test_writer_starved_of_cpu_stalls_the_stream_with_cause_cpu(probe: StreamsPr
     assert endpoint.stalls["cpu"] >= 1 and endpoint.stalls["server"] == 0
 
 
-@pytest.mark.bpf
-def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate and its key, for a TLS server on 127.0.0.1."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.bpf
+def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
     port = free_port()
     server = subprocess.Popen([sys.executable, str(FIXTURE), str(port), "--certfile", str(cert), "--keyfile", str(key)],
                               stdout=subprocess.PIPE, text=True)
@@ -372,6 +389,65 @@ def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Pat
     assert endpoint.protocol == "tls"
     assert endpoint.chunks >= EVENTS
     assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
+
+
+def tls_server(listener: socket.socket, cert: Path, key: Path) -> None:
+    """Accept one connection and complete its TLS handshake (a thread of this process)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    connection, _ = listener.accept()
+    with context.wrap_socket(connection, server_side=True):
+        pass
+
+
+def client_with_finished_held(port: int, version: ssl.TLSVersion, hold: float) -> float:
+    """A TLS client on ssl.MemoryBIO that sends its ClientHello, reads the server's flight, holds its
+    next flight (its Finished) back for `hold` seconds, sends it and completes the handshake. Returns
+    its own clock from the ClientHello sent to the Finished sent."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.minimum_version = context.maximum_version = version
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing)
+
+    def handshake_step() -> bool:
+        try:
+            tls.do_handshake()
+            return True
+        except ssl.SSLWantReadError:
+            return False
+
+    with socket.create_connection(("127.0.0.1", port), timeout=PATIENCE) as sock:
+        handshake_step()
+        hello_sent = time.monotonic()
+        sock.sendall(outgoing.read())
+        while not outgoing.pending:  # the server's flight, until the client has its own to send
+            incoming.write(sock.recv(65536))
+            handshake_step()
+        time.sleep(hold)
+        finished_sent = time.monotonic()
+        sock.sendall(outgoing.read())
+        while not handshake_step():  # TLS 1.2: the server's Finished comes after the client's
+            incoming.write(sock.recv(65536))
+    return finished_sent - hello_sent
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize(("label", "version"), [("1.3", ssl.TLSVersion.TLSv1_3), ("1.2", ssl.TLSVersion.TLSv1_2)])
+def test_tls_handshake_runs_from_the_client_hello_to_the_client_finished(
+        probe: StreamsProbe, tmp_path: Path, label: str, version: ssl.TLSVersion) -> None:
+    if probe.strategy == "syscall":
+        pytest.skip("the syscall strategy cannot read the ServerHello")
+    cert, key = self_signed(tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        server = threading.Thread(target=tls_server, args=(listener, cert, key))
+        server.start()
+        truth = client_with_finished_held(port, version, hold=0.300)
+        server.join(timeout=PATIENCE)
+    handshakes = [h for h in probe.read().tls_handshakes if h.pid == os.getpid() and h.port == port]
+    assert [(h.tls_version, h.count) for h in handshakes] == [(label, 1)]
+    assert handshakes[0].sum_seconds == pytest.approx(truth, rel=CLOCK_TOLERANCE)
 
 
 @pytest.mark.bpf
@@ -439,6 +515,14 @@ def test_endpoint_entry_becomes_a_record() -> None:
     assert record.stalls == {"server": 1, "network": 2, "cpu": 0, "gpu": 0}
     assert record.gap_p50_seconds is None
     assert _endpoint({"tgid": 5, "port": 1, "protocol": 99, "cgroup_id": 0}, value, 0).protocol == "tcp"
+
+
+def test_handshake_entry_becomes_a_record() -> None:
+    hist = {"slots": [0] * hist_slots(), "count": 2, "sum_ns": 6 * 10**8}
+    record = _handshakes({"tgid": 5, "port": 8443, "tls_version": 4, "cgroup_id": 9}, {"comm": b"nginx\0",
+                                                                                     "handshake": hist}, 77)
+    assert (record.tls_version, record.comm, record.count, record.sum_seconds) == ("1.3", "nginx", 2, 0.6)
+    assert record.identity() == (5, 77, 9, 8443, "1.3")
 
 
 def test_stall_threshold_must_be_positive() -> None:

@@ -10,7 +10,15 @@ from ...histogram import quantile
 from ...model import Readings
 from ...refresh import SIGNAL_WINDOW_SECONDS, Hooks, ProcessRows, Refresh, Section, recent_buckets, target
 from ...rules import Signal
-from .records import CAUSES, ProcessSendLatency, SendLatencySnapshot, StreamEndpoint, StreamsSnapshot, StreamStall
+from .records import (
+    CAUSES,
+    ProcessSendLatency,
+    SendLatencySnapshot,
+    StreamEndpoint,
+    StreamsSnapshot,
+    StreamStall,
+    TlsHandshakes,
+)
 from .settings import StreamsSettings
 
 MIN_SENDS_FOR_P99 = 1
@@ -62,10 +70,11 @@ def send_stall(proc: ProcessSendLatency, refresh: Refresh, now: float) -> Signal
 
 
 class StreamsHooks(Hooks):
-    sections = {"streams": Section(StreamEndpoint)}
+    sections = {"streams": Section(StreamEndpoint), "tls_handshakes": Section(TlsHandshakes)}
 
     def join(self, reading: StreamsSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
-        streams: list[StreamEndpoint | StreamStall] = [*reading.endpoints, *reading.stalls]
+        streams: list[StreamEndpoint | StreamStall | TlsHandshakes] = [*reading.endpoints, *reading.stalls,
+                                                                        *reading.tls_handshakes]
         for stream in streams:
             stream.container = refresh.workload(stream.cgroup_id, stream.pid).container
         return {stream.pid for stream in streams}
@@ -93,4 +102,5 @@ class StreamsHooks(Hooks):
             for name, seen in by_target.items()]
 
     def snapshot(self, reading: StreamsSnapshot) -> dict[str, Any]:
-        return {"streams": sorted(reading.endpoints, key=lambda e: e.streams_per_second, reverse=True)}
+        return {"streams": sorted(reading.endpoints, key=lambda e: e.streams_per_second, reverse=True),
+                "tls_handshakes": sorted(reading.tls_handshakes, key=lambda h: (h.port, h.tls_version, h.pid))}

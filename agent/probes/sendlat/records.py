@@ -10,6 +10,8 @@ from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
 # As enum stream_protocol and enum stall_cause (bpf/streams.h) name them; the stream logic is in sendlat's object.
 PROTOCOLS = enum_labels("sendlat", "stream_protocol", "STREAM_PROTOCOL_")
 CAUSES = enum_labels("sendlat", "stall_cause", "STALL_")
+# As enum tls_version names them ("1_3" is "1.3"); the first, "none", is no version.
+TLS_VERSIONS = enum_labels("sendlat", "tls_version", "TLS_VERSION_", lambda name: name.lower().replace("_", "."))
 
 
 @dataclass
@@ -128,6 +130,28 @@ class StreamEndpoint(Record):
 
 
 @dataclass
+class TlsHandshakes(Record):
+    """Server-side TLS handshakes of one process (in one cgroup) on one listening port, by version, since
+    the probe started: from the read of the client's ClientHello to the read of its Finished."""
+
+    pid: int
+    comm: str
+    cgroup_id: int
+    port: int  # the listening (local) port
+    tls_version: str  # "1.3" | "1.2" | "1.1" | "1.0", from the ServerHello
+    count: int
+    sum_seconds: float
+    p50_seconds: float | None
+    p99_seconds: float | None
+    histogram: Histogram = field(metadata=HISTOGRAM)
+    start_ticks: int = 0
+    container: str = field(default="host", metadata=JOINED)
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.tls_version
+
+
+@dataclass
 class StreamStall(SocketEvent):
     """One gap between two writes of a response above the threshold, with the evidence of its cause."""
 
@@ -155,3 +179,4 @@ class StreamsSnapshot(Record):
     uncounted_streams: int = 0  # responses beyond the endpoint table's capacity, since start
     untimed_h2_streams: int = 0  # HTTP/2 streams beyond the streams timed at once on a connection, since start
     cuda_syncs_seen: bool = False  # the cuda probe runs: stalls spent in CUDA synchronizations are `gpu`
+    tls_handshakes: list[TlsHandshakes] = field(default_factory=list)

@@ -21,7 +21,7 @@ from ...names import comm_text, ip_text
 from ...procfs import StartTimes
 from ...registry import Part, Probe
 from .hooks import StreamsHooks
-from .records import CAUSES, PROTOCOLS, StreamEndpoint, StreamsSnapshot, StreamStall
+from .records import CAUSES, PROTOCOLS, TLS_VERSIONS, StreamEndpoint, StreamsSnapshot, StreamStall, TlsHandshakes
 from .rules import TOKEN_STREAMS_STALLING
 from .settings import StreamsSettings
 from .view import STREAMS_VIEW
@@ -64,6 +64,16 @@ def _endpoint(key: dict[str, Any], value: dict[str, Any], started: int) -> Strea
         duration_histogram=exported_buckets(duration), durations_unknown=value["durations_unknown"],
         stalls=dict(zip(CAUSES, value["stalls"], strict=True)),
         start_ticks=started,
+    )
+
+
+def _handshakes(key: dict[str, Any], value: dict[str, Any], started: int) -> TlsHandshakes:
+    handshake = kernel_buckets(value["handshake"]["slots"])
+    return TlsHandshakes(
+        pid=key["tgid"], comm=comm_text(value["comm"]), cgroup_id=key["cgroup_id"], port=key["port"],
+        tls_version=TLS_VERSIONS[key["tls_version"]], count=value["handshake"]["count"],
+        sum_seconds=value["handshake"]["sum_ns"] / NS_PER_SECOND, p50_seconds=quantile(handshake, 0.5),
+        p99_seconds=quantile(handshake, 0.99), histogram=exported_buckets(handshake), start_ticks=started,
     )
 
 
@@ -147,7 +157,10 @@ class StreamsProbe(Probe):
         stats = obj.maps["stream_stats"]
         entries = [(raw, btf.decode(raw), btf.decode(value)) for raw, value in stats.items()]
         self._entries = len(entries)
-        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for _, key, value in entries]
+        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for _, key, value in entries
+                     if not key["tls_version"]]
+        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"])) for _, key, value in entries
+                      if 0 < key["tls_version"] < len(TLS_VERSIONS)]
         self._starts.keep_only({key["tgid"] for _, key, _ in entries})
         stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
         counters = obj.maps["stream_counters"]
@@ -156,7 +169,7 @@ class StreamsProbe(Probe):
             stall_threshold_seconds=self.stall_threshold_ms / 1e3,
             endpoints=endpoints, stalls=stalls, lost_stalls=self.events_lost(),
             uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
-            cuda_syncs_seen=self.cuda_syncs_seen(),
+            cuda_syncs_seen=self.cuda_syncs_seen(), tls_handshakes=handshakes,
         )
 
     @property
@@ -224,6 +237,11 @@ PART = Part(
                "(the writer waited for a CPU), gpu (the process was inside a CUDA synchronization), server.",
                StreamEndpoint, "", STREAM_LABELS, per_identity=True, expand_label="cause",
                expand=Lazy(lambda: ((cause, _stalls_of(cause)) for cause in CAUSES))),
+        Family("aiprobe_tls_handshake_seconds", "histogram",
+               "Server-side TLS handshakes: the read of the client's ClientHello to the read of its Finished, "
+               "by the version the ServerHello chose.", TlsHandshakes, "histogram",
+               (("port", "port"), ("tls_version", "tls_version"), *PROCESS_LABELS), sum_field="sum_seconds",
+               per_identity=True),
     ),
     hooks=StreamsHooks(),
     views=(STREAMS_VIEW,),

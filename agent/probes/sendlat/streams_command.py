@@ -23,6 +23,7 @@ STALL_COLUMNS = columns_for(STALL_FIELDS, widths={"time": 9, "pid": 7, "comm": 1
                                                   "cause": 8})
 ENDPOINT_FIELDS = ("port", "protocol", "pid", "comm", "streams", "chunks", "ttfb_p50_seconds", "ttfb_p99_seconds",
                    "gap_p50_seconds", "gap_p99_seconds", "stalls")
+HANDSHAKE_FIELDS = ("port", "tls_version", "pid", "comm", "count", "p50_seconds", "p99_seconds")
 
 
 def _stall_row(stall: StreamStall) -> dict[str, object]:
@@ -77,5 +78,10 @@ def command(duration: float | None, threshold_ms: float, as_json: bool) -> None:
     click.echo("")
     for line in record_table(endpoint_rows(snapshot.endpoints), ENDPOINT_FIELDS):
         click.echo(line)
+    if snapshot.tls_handshakes:
+        click.echo("\nTLS handshakes (the client's ClientHello to its Finished, read by the server):")
+        handshakes = sorted(snapshot.tls_handshakes, key=lambda h: (h.port, h.tls_version, h.pid))
+        for line in record_table(({**h.to_dict(), "port": str(h.port)} for h in handshakes), HANDSHAKE_FIELDS):
+            click.echo(line)
     if snapshot.lost_stalls:
         click.echo(f"\n{snapshot.lost_stalls} stall events lost", err=True)
