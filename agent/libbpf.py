@@ -48,11 +48,20 @@ class LibbpfUnavailable(RuntimeError):
     """libbpf.so.1 is missing or too old."""
 
 
+# The kernel's own ENOTSUPP (include/linux/errno.h), which user space's strerror does not name: what the
+# kernel answers, for one, a BPF trampoline on a function with more arguments than its arch takes.
+KERNEL_ENOTSUPP = 524
+
+
+def _error_text(err: int) -> str:
+    return "not supported by this kernel (ENOTSUPP)" if err == KERNEL_ENOTSUPP else os.strerror(err)
+
+
 class BpfError(OSError):
     """A libbpf call failed: `errno`, the operation, and what libbpf printed just before."""
 
     def __init__(self, err: int, operation: str, libbpf_log: str = "") -> None:
-        message = f"{operation}: {os.strerror(err)}"
+        message = f"{operation}: {_error_text(err)}"
         if libbpf_log:
             message += f" — libbpf: {libbpf_log}"
         super().__init__(err, message)

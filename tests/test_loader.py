@@ -177,3 +177,10 @@ def test_libbpf_errors_quote_their_own_threads_log() -> None:
     for index, text in enumerate(logs):
         others = [f"aiprobe-thread-{other}.o" for other in range(4) if other != index]
         assert f"aiprobe-thread-{index}.o" in text and not any(name in text for name in others), text[:500]
+
+
+def test_the_kernels_own_enotsupp_is_named() -> None:
+    """524 is the kernel's ENOTSUPP (a trampoline on a function with more arguments than the arch takes),
+    which strerror calls "Unknown error 524"."""
+    assert "ENOTSUPP" in str(BpfError(524, "bpf_program__attach"))
+    assert str(BpfError(1, "bpf_object__load")) == "bpf_object__load: Operation not permitted"
