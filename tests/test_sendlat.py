@@ -221,8 +221,23 @@ def test_quantiles_of_constant_latency_sends_match_the_senders_clock(probe: Send
         sent, durations = mix(peer, "0" * sends, [(slow, size)])
     [record] = records_of(probe.read(), sent.pid)
     assert (record.count, record.bytes, record.timed) == (sends, sent.bytes, sends)
-    assert record.p50_seconds == pytest.approx(sender_quantile(durations, 0.5), rel=CLOCK_TOLERANCE), sorted(durations)
-    assert record.p99_seconds == pytest.approx(sender_quantile(durations, 0.99), rel=CLOCK_TOLERANCE), sorted(durations)
+    assert_within_senders_quantiles(record.p50_seconds, durations, 0.5)
+    assert_within_senders_quantiles(record.p99_seconds, durations, 0.99)
+
+
+# Sends whose sender's figure a preemption outside the kernel's span may inflate (one in 24 by 13 ms
+# was seen in an emulated guest on a loaded host).
+INFLATED_SENDS = 2
+
+
+def assert_within_senders_quantiles(kernel: float | None, durations: list[float], q: float) -> None:
+    """The kernel's q-quantile against the sender's clock. The sender's clock brackets each send's
+    kernel span, so each of its order statistics bounds the kernel's from above; from below, the sender's
+    quantile INFLATED_SENDS ranks down (those sends' sender figures may carry a preemption the kernel's
+    span does not)."""
+    upper = sender_quantile(durations, q) * (1 + CLOCK_TOLERANCE)
+    lower = sender_quantile(durations, q - INFLATED_SENDS / len(durations)) * (1 - CLOCK_TOLERANCE)
+    assert kernel is not None and lower <= kernel <= upper, (kernel, q, sorted(durations))
 
 
 @pytest.mark.bpf
@@ -234,7 +249,7 @@ def test_p99_of_a_few_slow_sends_among_fast_ones_matches_the_senders_clock(probe
         sent, durations = mix(peer, pattern, [(fast, 64), (slow, MiB)])
     [record] = records_of(probe.read(), sent.pid)
     assert record.count == 36 and pattern.count("1") == 5
-    assert record.p99_seconds == pytest.approx(sender_quantile(durations, 0.99), rel=CLOCK_TOLERANCE)
+    assert_within_senders_quantiles(record.p99_seconds, durations, 0.99)
     assert_histograms_consistent([record], observed=["aiprobe_tcp_sendmsg_duration_seconds"])
 
 
@@ -244,8 +259,8 @@ def test_p50_and_p99_of_a_mixture_match_the_senders_clock(probe: SendLatencyProb
     with paced_sink(peer, "127.0.0.1", 17, MiB) as short, paced_sink(peer, "127.0.0.1", 34, MiB) as long:
         sent, durations = mix(peer, pattern, [(short, MiB), (long, MiB)])
     [record] = records_of(probe.read(), sent.pid)
-    assert record.p50_seconds == pytest.approx(sender_quantile(durations, 0.5), rel=CLOCK_TOLERANCE), sorted(durations)
-    assert record.p99_seconds == pytest.approx(sender_quantile(durations, 0.99), rel=CLOCK_TOLERANCE), sorted(durations)
+    assert_within_senders_quantiles(record.p50_seconds, durations, 0.5)
+    assert_within_senders_quantiles(record.p99_seconds, durations, 0.99)
 
 
 @pytest.mark.realtime  # rule thresholds held for wall-clock windows
