@@ -7,14 +7,17 @@ import ctypes.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from aiprobe.loader import ProbeUnavailable
 from aiprobe.probes.nvml.probe import SPAN, NvmlProbe
 from helpers import FIXTURE_BUILD, CBuild, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from servers import AIPROBE, Agent
 
 GIB = 1 << 30
@@ -75,10 +78,71 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
     # Processes are joined to the GPU that runs them, by host pid.
     mine, other = report["processes"]
     assert mine == {"pid": os.getpid(), "comm": Path("/proc/self/comm").read_text().strip(), "gpu_index": 0,
-                    "gpu_uuid": h100["uuid"], "used_memory_bytes": GIB, "sm_utilization_ratio": 0.55}
+                    "gpu_uuid": h100["uuid"], "used_memory_bytes": GIB, "sm_utilization_ratio": 0.55,
+                    "memory_utilization_ratio": 0.0}
     assert (other["pid"], other["gpu_index"], other["gpu_uuid"], other["used_memory_bytes"]) == \
         (OTHER_PID, 1, a100["uuid"], 2 * GIB)
-    assert other["sm_utilization_ratio"] is None
+    assert other["sm_utilization_ratio"] is other["memory_utilization_ratio"] is None
+
+
+@pytest.fixture
+def named_process(tmp_path) -> Iterator[Callable[[str], subprocess.Popen]]:
+    """Starts a process whose comm is the given name (a copy of sleep), killed after the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(name: str) -> subprocess.Popen:
+        program = tmp_path / name
+        shutil.copy(shutil.which("sleep"), program)
+        started.append(subprocess.Popen([str(program), "600"]))
+        return started[-1]
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def _samples_file(tmp_path: Path, lines: list[tuple[object, ...]]) -> Path:
+    """The fake's FAKE_NVML_PROCESSES: one line per NVML sample (device pid memory_mib sm% memory%)."""
+    path = tmp_path / "processes"
+    path.write_text("".join(" ".join(map(str, line)) + "\n" for line in lines))
+    return path
+
+
+def _time_sliced(tmp_path: Path, other_pid: int) -> Path:
+    """Two processes time-sliced on GPU 0: this one sampled twice (60/30 then 40/10 percent: means
+    of 0.5 and 0.2), the other once (30/20)."""
+    return _samples_file(tmp_path, [(0, os.getpid(), 1024, 60, 30), (0, other_pid, 2048, 30, 20),
+                                    (0, os.getpid(), 1024, 40, 10)])
+
+
+def test_each_process_on_a_time_sliced_gpu_has_its_share_of_nvmls_samples(nvml_env, aiprobe_cli, tmp_path,
+                                                                          named_process) -> None:
+    other = named_process("llm-b")
+    env = {**nvml_env, "FAKE_NVML_PROCESSES": str(_time_sliced(tmp_path, other.pid))}
+    report = json.loads(subprocess.run([*aiprobe_cli, "gpus", "--json"], env=env, capture_output=True, text=True,
+                                       check=True).stdout)
+    shares = {p["pid"]: (p["comm"], p["gpu_index"], p["used_memory_bytes"], p["sm_utilization_ratio"],
+                         p["memory_utilization_ratio"]) for p in report["processes"]}
+    assert shares == {os.getpid(): (Path("/proc/self/comm").read_text().strip(), 0, GIB, 0.5, 0.2),
+                      other.pid: ("llm-b", 0, 2 * GIB, 0.3, 0.2)}
+
+
+def _process_series(metrics: str, family: str) -> dict[str, float]:
+    """process -> value of `family`'s series on /metrics."""
+    return {sample.labels["process"]: sample.value for metric in text_string_to_metric_families(metrics)
+            for sample in metric.samples if sample.name == family}
+
+
+def test_agent_exports_each_processs_share(nvml_env, tmp_path, named_process) -> None:
+    other = named_process("llm-b")
+    env = {**nvml_env, "FAKE_NVML_PROCESSES": str(_time_sliced(tmp_path, other.pid))}
+    me = Path("/proc/self/comm").read_text().strip()
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env) as agent:
+        assert wait_until(lambda: _process_series(agent.metrics(), "aiprobe_gpu_process_sm_utilization_ratio"))
+        metrics = agent.metrics()
+    assert _process_series(metrics, "aiprobe_gpu_process_sm_utilization_ratio") == {me: 0.5, "llm-b": 0.3}
+    assert _process_series(metrics, "aiprobe_gpu_process_memory_utilization_ratio") == {me: 0.2, "llm-b": 0.2}
+    assert _process_series(metrics, "aiprobe_gpu_process_memory_used_bytes") == {me: GIB, "llm-b": 2 * GIB}
 
 
 def test_gpus_text_view(nvml_env, aiprobe_cli) -> None:

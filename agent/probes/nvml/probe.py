@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from functools import partial
+from statistics import mean
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pynvml
@@ -278,26 +279,12 @@ class NvmlProbe(Probe):
 
     def _processes(self, gpu: _Gpu) -> list[GpuProcess]:
         running = gpu.query("processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)) or []
-        sm = self._sm_utilization(gpu)
+        shares = _shares(gpu)
         return [
-            GpuProcess(p.pid, process_name(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory, sm.get(p.pid))
+            GpuProcess(p.pid, process_name(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory,
+                       *(shares.get(p.pid, IDLE) if shares is not None else (None, None)))
             for p in running
         ]
-
-    @staticmethod
-    def _sm_utilization(gpu: _Gpu) -> dict[int, float]:
-        """pid -> SM utilization from the samples NVML took since the last read."""
-        samples = gpu.query(
-            "process_utilization",
-            lambda: pynvml.nvmlDeviceGetProcessUtilization(gpu.handle, gpu.last_process_sample),
-        ) or []
-        newest: dict[int, Any] = {}
-        for sample in samples:
-            if sample.pid not in newest or sample.timeStamp > newest[sample.pid].timeStamp:
-                newest[sample.pid] = sample
-        if newest:
-            gpu.last_process_sample = max(s.timeStamp for s in newest.values())
-        return {pid: s.smUtil * PERCENT for pid, s in newest.items()}
 
     def close(self) -> None:
         for gpu in self._gpus:
@@ -307,6 +294,33 @@ class NvmlProbe(Probe):
             self._initialized = False
             pynvml.nvmlShutdown()
 
+
+IDLE = (0.0, 0.0)  # a process without a sample since the last read: NVML saw it use neither
+
+
+def _samples_since(handle: Any, timestamp: int) -> list[Any]:
+    """NVML's per-process samples newer than `timestamp` (NOT_FOUND: none were taken since)."""
+    try:
+        return list(pynvml.nvmlDeviceGetProcessUtilization(handle, timestamp))
+    except pynvml.NVMLError as exc:
+        if exc.value == pynvml.NVML_ERROR_NOT_FOUND:
+            return []
+        raise
+
+
+def _shares(gpu: _Gpu) -> dict[int, tuple[float, float]] | None:
+    """pid -> (SM, memory) utilization: the mean of NVML's samples of it since the last read (each
+    sample covers one of NVML's sampling periods); None where the GPU gives no per-process samples."""
+    samples = gpu.query("process_utilization", lambda: _samples_since(gpu.handle, gpu.last_process_sample))
+    if samples is None:
+        return None
+    if samples:
+        gpu.last_process_sample = max(sample.timeStamp for sample in samples)
+    by_pid: dict[int, list[Any]] = {}
+    for sample in samples:
+        by_pid.setdefault(sample.pid, []).append(sample)
+    return {pid: (mean(s.smUtil for s in taken) * PERCENT, mean(s.memUtil for s in taken) * PERCENT)
+            for pid, taken in by_pid.items()}
 
 
 def started_probe() -> NvmlProbe:
@@ -365,6 +379,14 @@ def _engine_gauge(name: str, field: str, help_text: str) -> Family:
                   series=_engine_series(field), doc_note=ENGINE_NOTE)
 
 
+def _process_gauge(name: str, value: str, help_text: str, doc_note: str = "") -> Family:
+    return Family(name, "gauge", help_text, GpuProcess, value, (("gpu", "gpu_index"), *PROCESS_LABELS),
+                  doc_note=doc_note)
+
+
+PROCESS_SHARE_NOTE = ("The mean of NVML's per-process samples since the previous refresh "
+                      "(`nvmlDeviceGetProcessUtilization`; 0 for a process with none); none where the GPU "
+                      "gives no per-process samples. On a time-sliced GPU, each process's share.")
 ENGINE_NOTE = ("From GPM (Hopper and newer; none for a GPU without it), between two reads; `engine` is the "
                "graphics engine (GR0..GR7: 0 alone without MIG).")
 
@@ -397,8 +419,13 @@ METRICS = (
                   "Fraction of time a GPU's graphics engine spent switching contexts."),
     _engine_gauge("aiprobe_gpu_context_switch_seconds", "context_switch_seconds",
                   "Mean time of one context switch of a GPU's graphics engine (cycles per switch at the SM clock)."),
-    Family("aiprobe_gpu_process_memory_used_bytes", "gauge", "GPU memory used by processes.", GpuProcess,
-           "used_memory_bytes", (("gpu", "gpu_index"), *PROCESS_LABELS)),
+    _process_gauge("aiprobe_gpu_process_memory_used_bytes", "used_memory_bytes", "GPU memory used by processes."),
+    _process_gauge("aiprobe_gpu_process_sm_utilization_ratio", "sm_utilization_ratio",
+                   "Fraction of time a kernel of these processes ran on the GPU's SMs, between two refreshes.",
+                   PROCESS_SHARE_NOTE),
+    _process_gauge("aiprobe_gpu_process_memory_utilization_ratio", "memory_utilization_ratio",
+                   "Fraction of time these processes read or wrote the GPU's memory, between two refreshes.",
+                   PROCESS_SHARE_NOTE),
     _dcgm("DCGM_FI_DEV_GPU_UTIL", "utilization_gpu_ratio", "GPU utilization (in %).", scale=100),
     _dcgm("DCGM_FI_DEV_MEM_COPY_UTIL", "utilization_memory_ratio", "Memory utilization (in %).", scale=100),
     _dcgm("DCGM_FI_DEV_FB_USED", "memory_used_bytes", "Framebuffer memory used (in MiB).", scale=1 / 2**20),

@@ -57,7 +57,9 @@ class GpuProcess(Record):
     gpu_index: int
     gpu_uuid: str
     used_memory_bytes: int | None
+    # NVML's samples of the process since the previous read, averaged (None: the GPU gives none).
     sm_utilization_ratio: float | None = None
+    memory_utilization_ratio: float | None = None
     container: str = field(default="host", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
