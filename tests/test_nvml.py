@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from aiprobe.loader import ProbeUnavailable
-from aiprobe.probes.nvml.probe import SPAN, NvmlProbe
+from aiprobe.probes.nvml.probe import NO_MIG_UTILIZATION, SPAN, NvmlProbe
 from helpers import FIXTURE_BUILD, CBuild, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import AIPROBE, Agent
@@ -35,6 +34,8 @@ FAKE_GPU0_SWITCHING = {
     "context_switch_seconds": pytest.approx(3e-5),  # (1600 x 25 us + 400 x 50 us) / 2000
     "engines": FAKE_GPU0_ENGINES,
 }
+WHOLE_GPU = {"parent_uuid": "", "gpu_instance_id": None, "compute_instance_id": None, "mig_profile": "",
+             "utilization_reason": ""}  # not a MIG instance
 OTHER_PID = 4343  # a pid the fake reports on GPU 1 that need not exist
 
 
@@ -67,6 +68,7 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
         "gpm_context_switch_requests": 160.0, "gpm_context_switch_cycles_per_request": 49500.0,
         "gpm_context_switch_active_ratio": 0.04,
         **FAKE_GPU0_SWITCHING,
+        **WHOLE_GPU,
     }
     # GPU 1 answers NOT_SUPPORTED for power and PCIe throughput and has no GPM: None, not zero.
     assert (a100["index"], a100["name"], a100["memory_total_bytes"], a100["sm_clock_hz"]) == \
@@ -79,7 +81,7 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
     mine, other = report["processes"]
     assert mine == {"pid": os.getpid(), "comm": Path("/proc/self/comm").read_text().strip(), "gpu_index": 0,
                     "gpu_uuid": h100["uuid"], "used_memory_bytes": GIB, "sm_utilization_ratio": 0.55,
-                    "memory_utilization_ratio": 0.0}
+                    "memory_utilization_ratio": 0.0, "gpu_instance_id": None, "compute_instance_id": None}
     assert (other["pid"], other["gpu_index"], other["gpu_uuid"], other["used_memory_bytes"]) == \
         (OTHER_PID, 1, a100["uuid"], 2 * GIB)
     assert other["sm_utilization_ratio"] is other["memory_utilization_ratio"] is None
@@ -145,6 +147,71 @@ def test_agent_exports_each_processs_share(nvml_env, tmp_path, named_process) ->
     assert _process_series(metrics, "aiprobe_gpu_process_memory_used_bytes") == {me: GIB, "llm-b": 2 * GIB}
 
 
+A100_UUID = "GPU-66666666-7777-8888-9999-000000000000"
+# The fake's GPU 1 in MIG mode (FAKE_NVML_MIG): instance -> (uuid, profile, GPU instance, memory total, used),
+# each running one process of the given memory.
+MIG_INSTANCES = {"a": ("MIG-aaaaaaaa-1111-2222-3333-444444444444", "3g.20gb", 1, 20 * GIB, 2 * GIB, GIB),
+                 "b": ("MIG-bbbbbbbb-1111-2222-3333-444444444444", "2g.10gb", 2, 10 * GIB, GIB // 2, GIB // 2)}
+
+
+@pytest.fixture
+def mig_env(nvml_env, named_process) -> tuple[dict[str, str], dict[str, int]]:
+    """GPU 1 in MIG mode, a process on each of its two instances: (environment, instance -> pid)."""
+    pids = {name: named_process(f"mig-{name}").pid for name in MIG_INSTANCES}
+    return {**nvml_env, "FAKE_NVML_MIG": ",".join(map(str, pids.values()))}, pids
+
+
+def test_each_mig_instance_is_a_gpu_with_its_own_processes(mig_env, aiprobe_cli) -> None:
+    env, pids = mig_env
+    report = json.loads(subprocess.run([*aiprobe_cli, "gpus", "--json"], env=env, capture_output=True, text=True,
+                                       check=True).stdout)
+    h100, a100, *instances = report["gpus"]
+    assert (h100["utilization_gpu_ratio"], h100["utilization_reason"]) == (0.87, "")
+    # Under MIG, NVML gives utilization neither for the GPU nor its instances: null, and why.
+    assert (a100["uuid"], a100["utilization_gpu_ratio"], a100["utilization_reason"]) == \
+        (A100_UUID, None, NO_MIG_UTILIZATION)
+    assert a100["temperature_celsius"] == 45  # the GPU's own figures stay the GPU's
+    assert [{k: gpu[k] for k in ("index", "uuid", "name", "parent_uuid", "gpu_instance_id", "compute_instance_id",
+                                 "mig_profile", "memory_total_bytes", "memory_used_bytes", "utilization_gpu_ratio",
+                                 "utilization_reason", "temperature_celsius", "engines")} for gpu in instances] == [
+        {"index": 1, "uuid": uuid, "name": f"NVIDIA A100-SXM4-40GB MIG {profile}", "parent_uuid": A100_UUID,
+         "gpu_instance_id": gi, "compute_instance_id": 0, "mig_profile": profile, "memory_total_bytes": total,
+         "memory_used_bytes": used, "utilization_gpu_ratio": None, "utilization_reason": NO_MIG_UTILIZATION,
+         "temperature_celsius": None, "engines": []}
+        for uuid, profile, gi, total, used, _ in MIG_INSTANCES.values()]
+    # Each process on the instance it runs on, once (NVML lists them under the GPU as well).
+    on_gpu1 = [(p["pid"], p["comm"], p["gpu_index"], p["gpu_uuid"], p["gpu_instance_id"], p["compute_instance_id"],
+                p["used_memory_bytes"]) for p in report["processes"] if p["gpu_index"] == 1]
+    assert on_gpu1 == [(pids[name], f"mig-{name}", 1, uuid, gi, 0, memory)
+                       for name, (uuid, _, gi, _, _, memory) in MIG_INSTANCES.items()]
+
+
+def _samples(metrics: str, family: str) -> dict[frozenset[tuple[str, str]], float]:
+    return {frozenset(sample.labels.items()): sample.value for metric in text_string_to_metric_families(metrics)
+            for sample in metric.samples if sample.name == family}
+
+
+def test_agent_labels_each_mig_instance_as_dcgm_does(mig_env, tmp_path) -> None:
+    env, _pids = mig_env
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env) as agent:
+        assert wait_until(lambda: _samples(agent.metrics(), "aiprobe_gpu_process_memory_used_bytes"))
+        metrics = agent.metrics()
+    whole = {"GPU_I_ID": "", "GPU_I_PROFILE": "", "GPU_CI_ID": ""}
+    assert _samples(metrics, "aiprobe_gpu_memory_used_bytes") == {
+        frozenset({"gpu": "0", "uuid": H100_UUID, **whole}.items()): 32 * GIB,
+        frozenset({"gpu": "1", "uuid": A100_UUID, **whole}.items()): 2 * GIB,
+        **{frozenset({"gpu": "1", "uuid": A100_UUID, "GPU_I_ID": str(gi), "GPU_I_PROFILE": profile,
+                      "GPU_CI_ID": "0"}.items()): used
+           for _, profile, gi, _, used, _ in MIG_INSTANCES.values()}}
+    # No utilization series for GPU 1 or its instances: NVML gives none under MIG.
+    assert [dict(labels)["gpu"] for labels in _samples(metrics, "aiprobe_gpu_utilization_ratio")] == ["0"]
+    processes = {dict(labels)["process"]: (dict(labels)["gpu"], dict(labels)["GPU_I_ID"], dict(labels)["GPU_CI_ID"],
+                                           value)
+                 for labels, value in _samples(metrics, "aiprobe_gpu_process_memory_used_bytes").items()}
+    assert {name: processes[f"mig-{name}"] for name in MIG_INSTANCES} == {
+        name: ("1", str(gi), "0", memory) for name, (_, _, gi, _, _, memory) in MIG_INSTANCES.items()}
+
+
 def test_gpus_text_view(nvml_env, aiprobe_cli) -> None:
     out = subprocess.run([*aiprobe_cli, "gpus"], env=nvml_env, capture_output=True, text=True, check=True).stdout
     assert "GPU 0  NVIDIA H100 80GB HBM3" in out
@@ -177,9 +244,9 @@ SWITCHING_FAMILIES = {"aiprobe_gpu_context_switches_per_second": "context_switch
 
 def _switching_series(metrics: str) -> dict[tuple[str, str, str, str], float]:
     """(family, gpu, uuid, engine) -> value of every GPU context-switch series on /metrics."""
-    pattern = r'^(aiprobe_gpu_context_switch\w*)\{engine="(\d)",gpu="(\d)",uuid="([^"]*)"\} (\S+)$'
-    return {(name, gpu, uuid, engine): float(value)
-            for name, engine, gpu, uuid, value in re.findall(pattern, metrics, re.MULTILINE)}
+    return {(sample.name, sample.labels["gpu"], sample.labels["uuid"], sample.labels["engine"]): sample.value
+            for metric in text_string_to_metric_families(metrics) for sample in metric.samples
+            if sample.name.startswith("aiprobe_gpu_context_switch")}
 
 
 def test_agent_exports_each_engines_switching_and_says_once_which_gpu_has_none(nvml_env, tmp_path) -> None:

@@ -62,7 +62,7 @@ def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
     """Each NVML GPU's active CUDA contexts (the cuda probe names a GPU by index or UUID)."""
     active = {gpu.gpu: gpu.active_contexts for gpu in gpus}
     for info in infos:
-        info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
+        info.cuda_active_contexts = next((active[key] for key in info.keys() if key in active), 0)
 
 
 def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo],
@@ -70,7 +70,7 @@ def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos
     """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
     processes, launch rates, and the GPU's utilization, each process's share of it and the GPU's own
     measure of its switching (NVML, matched by index or UUID) as evidence."""
-    by_key = {key: info for info in infos for key in (str(info.index), info.uuid)}
+    by_key = {key: info for info in infos for key in info.keys()}
     signals = []
     for gpu in gpus:
         active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
