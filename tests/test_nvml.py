@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from aiprobe.loader import ProbeUnavailable
 from aiprobe.probes.nvml.probe import NO_MIG_UTILIZATION, SPAN, NvmlProbe
+from fixtures.cuda_fake import DRIVER as CUDA_DRIVER
+from fixtures.cuda_fake import Driver, counters
+from fixtures.cuda_fake import build as build_cuda
 from helpers import FIXTURE_BUILD, CBuild, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import AIPROBE, Agent
@@ -81,7 +84,8 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
     mine, other = report["processes"]
     assert mine == {"pid": os.getpid(), "comm": Path("/proc/self/comm").read_text().strip(), "gpu_index": 0,
                     "gpu_uuid": h100["uuid"], "used_memory_bytes": GIB, "sm_utilization_ratio": 0.55,
-                    "memory_utilization_ratio": 0.0, "gpu_instance_id": None, "compute_instance_id": None}
+                    "memory_utilization_ratio": 0.0, "gpu_instance_id": None, "compute_instance_id": None,
+                    "attribution": "nvml"}
     assert (other["pid"], other["gpu_index"], other["gpu_uuid"], other["used_memory_bytes"]) == \
         (OTHER_PID, 1, a100["uuid"], 2 * GIB)
     assert other["sm_utilization_ratio"] is other["memory_utilization_ratio"] is None
@@ -210,6 +214,89 @@ def test_agent_labels_each_mig_instance_as_dcgm_does(mig_env, tmp_path) -> None:
                  for labels, value in _samples(metrics, "aiprobe_gpu_process_memory_used_bytes").items()}
     assert {name: processes[f"mig-{name}"] for name in MIG_INSTANCES} == {
         name: ("1", str(gi), "0", memory) for name, (_, _, gi, _, _, memory) in MIG_INSTANCES.items()}
+
+
+# The agent in a process of its own, started with the fake NVML on its library path: one refresh per
+# line on stdin, then its nvml reading's processes (and whether the cuda probe has probed `library`).
+MPS_AGENT = """
+import json, sys
+from aiprobe.config import Config
+from aiprobe.daemon import Agent
+from aiprobe.probes.cuda.settings import CudaSettings
+
+# Every launch counted: no duty-cycling of the launch probes within the budget.
+config = Config(probes=("nvml", "cuda"), sections=(CudaSettings(cuda_cpu_budget=64.0),))
+with Agent(config) as agent:
+    for _ in sys.stdin:
+        agent.refresh()
+        cuda = agent.readings.records.get("cuda")
+        print(json.dumps({"attached": cuda is not None and sys.argv[1] in {lib.path for lib in cuda.libraries},
+                          "processes": [proc.to_dict() for proc in agent.readings.records["nvml"].processes]}),
+              flush=True)
+"""
+MPS_LAUNCHES = {"client-a": 3000, "client-b": 1000}  # 3:1
+MPS_SERVER_SHARES = MPS_SERVER_SM, MPS_SERVER_MEMORY = 0.8, 0.4
+
+
+@pytest.mark.bpf
+def test_an_mps_servers_share_goes_to_its_clients_by_their_launches(nvml_env, cbuild, tmp_path,
+                                                                    named_process) -> None:
+    """NVML lists only the MPS server on GPU 1 (80% SM, 40% memory); two clients on GPU 1 launch
+    3000 and 1000 kernels between two refreshes (the fake driver's own counts): they get 0.75 and
+    0.25 of the server's shares, by the cuda probe's launch counts, labelled as such."""
+    cuda = build_cuda(cbuild)
+    server = named_process("nvidia-cuda-mps-server")
+    samples = _samples_file(tmp_path, [(1, server.pid, 512, *(round(ratio * 100) for ratio in MPS_SERVER_SHARES))])
+    for name in MPS_LAUNCHES:  # the driver program under each client's name
+        shutil.copy(CUDA_DRIVER, tmp_path / name)
+    clients = {name: Driver(cuda.libdir, "bursts", program=(str(tmp_path / name),), env={"CUDA_VISIBLE_DEVICES": "1"})
+               for name in MPS_LAUNCHES}
+    agent = subprocess.Popen([sys.executable, "-c", MPS_AGENT, str(cuda.libdir / "libcuda.so.1")], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env={**nvml_env, "FAKE_NVML_PROCESSES": str(samples)})
+
+    def refresh() -> dict:
+        agent.stdin.write("\n")
+        agent.stdin.flush()
+        return json.loads(agent.stdout.readline())
+
+    def burst(launches: dict[str, int]) -> None:
+        for name, count in launches.items():
+            clients[name].say(str(count))
+        for name in launches:
+            clients[name].expect("launched")
+    try:
+        assert wait_until(lambda: refresh()["attached"]), "the cuda probe never probed the fake libcuda"
+        for client in clients.values():
+            client.say("go")
+        burst(dict.fromkeys(MPS_LAUNCHES, 1))
+        refresh()  # the launches since this refresh are the bursts alone
+        burst(MPS_LAUNCHES)
+        processes = {proc["comm"]: proc for proc in refresh()["processes"] if proc["gpu_index"] == 1}
+        truth = {name: counters(_finish(client))["kernel_launches"]
+                 for name, client in clients.items()}
+    finally:
+        agent.stdin.close()
+        agent.wait(timeout=60)
+        for client in clients.values():
+            client.kill()
+    assert truth == {name: count + 1 for name, count in MPS_LAUNCHES.items()}
+    mps = processes.pop("nvidia-cuda-mps")  # comm keeps 15 characters
+    # The server keeps its memory; its shares went to its clients.
+    assert (mps["pid"], mps["used_memory_bytes"], mps["sm_utilization_ratio"], mps["attribution"]) == \
+        (server.pid, 512 << 20, None, "nvml")
+    total = sum(MPS_LAUNCHES.values())
+    assert {name: proc["pid"] for name, proc in processes.items()} == {n: c.pid for n, c in clients.items()}
+    for name, proc in processes.items():
+        share = MPS_LAUNCHES[name] / total
+        assert proc["attribution"] == "cuda_launches"
+        assert proc["sm_utilization_ratio"] == pytest.approx(MPS_SERVER_SM * share, rel=0.05), name
+        assert proc["memory_utilization_ratio"] == pytest.approx(MPS_SERVER_MEMORY * share, rel=0.05), name
+
+
+def _finish(client: Driver) -> str:
+    client.say("0")
+    return client.finish()
 
 
 def test_gpus_text_view(nvml_env, aiprobe_cli) -> None:

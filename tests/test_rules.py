@@ -112,8 +112,10 @@ def test_time_sliced_evidence_carries_the_gpus_own_switching() -> None:
     assert (signal.target, signal.value) == ("gpu0", 2)
     # Each process's share of the GPU, by NVML's samples (the other GPU's process is not evidence).
     assert signal.evidence["process_shares"] == [
-        {"pid": 1, "process": "llm@host", "sm_utilization_ratio": 0.5, "memory_utilization_ratio": 0.2},
-        {"pid": 2, "process": "llm@host", "sm_utilization_ratio": 0.3, "memory_utilization_ratio": 0.1}]
+        {"pid": 1, "process": "llm@host", "sm_utilization_ratio": 0.5, "memory_utilization_ratio": 0.2,
+         "attribution": "nvml"},
+        {"pid": 2, "process": "llm@host", "sm_utilization_ratio": 0.3, "memory_utilization_ratio": 0.1,
+         "attribution": "nvml"}]
     assert {k: signal.evidence[k] for k in ("utilization_ratio", "context_switching_ratio",
                                             "context_switch_seconds")} == {
         "utilization_ratio": 0.9, "context_switching_ratio": 0.04, "context_switch_seconds": 3e-5}

@@ -444,7 +444,7 @@ _DCGM_LABELS: tuple[tuple[str, Getter], ...] = (("gpu", "index"), ("UUID", _gpu_
                                                 *_INSTANCE_LABELS[:2])
 _PROCESS_LABELS: tuple[tuple[str, Getter], ...] = (
     ("gpu", "gpu_index"), ("GPU_I_ID", _optional("gpu_instance_id")), ("GPU_CI_ID", _optional("compute_instance_id")),
-    *PROCESS_LABELS)
+    *PROCESS_LABELS, ("attribution", "attribution"))
 
 
 def _gauge(name: str, value: str, help_text: str, labels: tuple[tuple[str, Any], ...] = _GPU_LABELS,
@@ -483,7 +483,9 @@ def _process_gauge(name: str, value: str, help_text: str, doc_note: str = "") ->
 
 PROCESS_SHARE_NOTE = ("The mean of NVML's per-process samples since the previous refresh "
                       "(`nvmlDeviceGetProcessUtilization`; 0 for a process with none); none where the GPU "
-                      "gives no per-process samples. On a time-sliced GPU, each process's share.")
+                      "gives no per-process samples. On a time-sliced GPU, each process's share. "
+                      "`attribution`: `nvml` (NVML's samples of the process), or `cuda_launches` (an MPS client, "
+                      "which NVML does not list: the MPS server's share split by the clients' kernel launches).")
 ENGINE_NOTE = ("From GPM (Hopper and newer; none for a GPU without it), between two reads; `engine` is the "
                "graphics engine (GR0..GR7: 0 alone without MIG).")
 

@@ -74,6 +74,9 @@ class GpuProcess(Record):
     memory_utilization_ratio: float | None = None
     gpu_instance_id: int | None = None  # the MIG instance it runs on
     compute_instance_id: int | None = None
+    # How its shares were measured: "nvml" (NVML's samples of it), or "cuda_launches" (an MPS client,
+    # which NVML does not list: the MPS server's shares split by its kernel launches).
+    attribution: str = "nvml"
     container: str = field(default="host", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 

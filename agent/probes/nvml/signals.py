@@ -27,7 +27,7 @@ def share_evidence(info: GpuInfo | None, processes: list[GpuProcess]) -> list[di
         return []
     return [{"pid": proc.pid, "process": f"{proc.comm or proc.pid}@{proc.container}",
              "sm_utilization_ratio": _rounded(proc.sm_utilization_ratio, 4),
-             "memory_utilization_ratio": _rounded(proc.memory_utilization_ratio, 4)}
+             "memory_utilization_ratio": _rounded(proc.memory_utilization_ratio, 4), "attribution": proc.attribution}
             for proc in processes if proc.gpu_uuid == info.uuid]
 
 
