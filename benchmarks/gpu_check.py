@@ -9,7 +9,9 @@ context pushed over the first and popped (two context changes). The child counts
 times its start-up calls; this prints those beside what aiprobe counted, NVML's view of the GPU (on
 Hopper and newer, GPM's context switches over the run: per second, share of time, time per switch,
 per graphics engine) and `nvidia-smi`'s (`--query-gpu` with the SM clock those times are counted at,
-and `dmon`'s own GPM context-switch columns), and exits 0 only when every count matches exactly. Takes seconds (the
+and `dmon`'s own GPM context-switch columns), each process's share of its GPU or MIG instance as aiprobe
+exports it (an MPS server's split by its clients' launches) beside `nvidia-smi pmon -c 1` and
+`nvidia-smi mig -lgi`, and exits 0 only when every count matches exactly. Takes seconds (the
 limit for the whole run is under 3 minutes). Without an NVIDIA driver it says so and exits 2.
 
 Not part of `make bench` (it needs a GPU); tests/test_cuda.py runs it against the fake libcuda.
@@ -31,8 +33,10 @@ from pathlib import Path
 
 from aiprobe import formatting
 from aiprobe.probes.cuda.probe import STATIC_RUNTIME, CudaProbe, CudaProcess, mapped_cuda_libraries
+from aiprobe.probes.cuda.records import CudaContext
+from aiprobe.probes.nvml.mps import attribute_mps
 from aiprobe.probes.nvml.probe import NvmlProbe, started_probe
-from aiprobe.probes.nvml.records import GpuEngine, GpuInfo
+from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU_EXIT = 2
@@ -185,21 +189,40 @@ def _switching(name: str, switching: GpuInfo | GpuEngine) -> str:
             f"{formatting.field('context_switch_seconds', switching.context_switch_seconds)} per switch")
 
 
-def nvml_lines(nvml: NvmlProbe, pid: int) -> list[str]:
-    """NVML's view of the GPUs, the program's processes on them, and GPM's context switches since
-    the read before the program ran."""
+def _device(process: GpuProcess) -> str:
+    """`gpu0`, or `gpu1 GI 2 CI 0` for a MIG instance."""
+    if process.gpu_instance_id is None:
+        return f"gpu{process.gpu_index}"
+    return f"gpu{process.gpu_index} GI {process.gpu_instance_id} CI {process.compute_instance_id}"
+
+
+def sharing_lines(snapshot: GpuSnapshot) -> list[str]:
+    """Each process's share of its GPU (or MIG instance) as aiprobe exports it, and each MIG instance."""
+    field = formatting.field
+    lines = [f"{_device(p)} pid {p.pid} ({p.comm}): SM {field('sm_utilization_ratio', p.sm_utilization_ratio)}, "
+             f"memory {field('memory_utilization_ratio', p.memory_utilization_ratio)}, "
+             f"{field('used_memory_bytes', p.used_memory_bytes)} used, attribution {p.attribution}"
+             for p in snapshot.processes]
+    return lines + [f"gpu{g.index} MIG GI {g.gpu_instance_id} CI {g.compute_instance_id} ({g.mig_profile}, {g.uuid}): "
+                    f"{field('memory_used_bytes', g.memory_used_bytes)} used"
+                    f"{'; ' + g.utilization_reason if g.utilization_reason else ''}"
+                    for g in snapshot.gpus if g.parent_uuid]
+
+
+def nvml_lines(nvml: NvmlProbe, contexts: list[CudaContext]) -> tuple[list[str], list[str]]:
+    """NVML's view of the GPUs and GPM's context switches since the read before the program ran; and
+    every process's share over the run (an MPS server's split by its clients' launches: `contexts`)."""
     if not nvml.available:
-        return [f"({nvml.reason})"]
+        return [f"({nvml.reason})"], []
     snapshot = nvml.read()
+    attribute_mps(snapshot, contexts)
     lines = [f"gpu{g.index} {g.name}: utilization {g.utilization_gpu_ratio}, memory used {g.memory_used_bytes} B"
              for g in snapshot.gpus]
-    lines += [f"gpu{p.gpu_index} pid {p.pid} ({p.comm}): {p.used_memory_bytes} B"
-              for p in snapshot.processes if p.pid == pid]
     for gpu in snapshot.gpus:
         if gpu.engines:
             lines.append("GPM context switches of " + _switching(f"gpu{gpu.index}", gpu) + " (" + ", ".join(
                 _switching(f"engine {engine.engine}", engine) for engine in gpu.engines) + ")")
-    return lines + nvml.gpm_refusals
+    return lines + nvml.gpm_refusals, sharing_lines(snapshot)
 
 
 def _start_child(args: argparse.Namespace) -> subprocess.Popen:
@@ -265,7 +288,7 @@ def check(args: argparse.Namespace) -> int:
             child.stdin.write("go\n")
             child.stdin.flush()
             report = json.loads(child.stdout.readline() or "{}")
-            nvml = nvml_lines(gpus, child.pid)
+            nvml, shares = nvml_lines(gpus, probe.read().contexts)
             child.wait(timeout=WORKLOAD_TIMEOUT)
         finally:
             if child.poll() is None:
@@ -288,6 +311,9 @@ def check(args: argparse.Namespace) -> int:
     print("NVML: " + "; ".join(nvml))
     print("nvidia-smi before: " + " | ".join(smi_before))
     print("nvidia-smi after:  " + " | ".join(nvidia_smi_gpus()))
+    print("GPU sharing, aiprobe (NVML's per-process samples over the run):\n  " + "\n  ".join(shares or ["-"]))
+    print("nvidia-smi pmon -c 1:\n  " + "\n  ".join(nvidia_smi("pmon", "-c", "1")))
+    print("nvidia-smi mig -lgi:\n  " + "\n  ".join(nvidia_smi("mig", "-lgi")))
     print("nvidia-smi dmon GPM (GR0 context-switch requests, cycles per request, active %): " + " | ".join(
         nvidia_smi("dmon", "--gpm-metrics", NVIDIA_SMI_GPM_METRICS, "--count", "1")))
     print("all counts match" if matched else "COUNTS DIFFER")

@@ -68,6 +68,7 @@ GPU_LEGEND = "{{instance}} gpu{{gpu}}"
 ENGINE_LEGEND = GPU_LEGEND + " engine{{engine}}"
 GPM_NOTE = " From GPM (Hopper and newer), per graphics engine (several under MIG); none for a GPU without GPM."
 PROCESS_LEGEND = "{{process}} @ {{container}} ({{instance}})"
+SHARE_LEGEND = "gpu{{gpu}}/{{GPU_I_ID}} " + PROCESS_LEGEND + " {{attribution}}"
 
 
 def label_variable(name: str, label: str, metric: str, selector: str = "", hide_all: bool = False) -> dict:
@@ -290,6 +291,13 @@ def gpu_cuda() -> dict:
         Panel("GPU memory per process", [
             Target(gauge("aiprobe_gpu_process_memory_used_bytes", WORKLOAD), "gpu{{gpu}} " + PROCESS_LEGEND)],
               unit="bytes"),
+        Panel("GPU share per process", [
+            Target(gauge("aiprobe_gpu_process_sm_utilization_ratio", WORKLOAD), "SM " + SHARE_LEGEND),
+            Target(gauge("aiprobe_gpu_process_memory_utilization_ratio", WORKLOAD), "memory " + SHARE_LEGEND)],
+              unit="percentunit",
+              description="Each process's share of a shared GPU (time-sliced, or a MIG instance: GPU_I_ID) from "
+                          "NVML's per-process samples; MPS clients' (attribution cuda_launches) are the MPS "
+                          "server's share split by their kernel launches."),
         Panel("Power", [Target(gauge("aiprobe_gpu_power_watts"), GPU_LEGEND)], unit="watt"),
         Panel("Temperature", [Target(gauge("aiprobe_gpu_temperature_celsius"), GPU_LEGEND)], unit="celsius"),
         Panel("Clocks (drops under load = throttling)", [

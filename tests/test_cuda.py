@@ -549,6 +549,10 @@ def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs, cbuild) -> 
     assert "GPM context switches of gpu0: 2k/s, 4% of the time, 30.0 µs per switch (engine 0: 1.60k/s, 4% of " \
            "the time, 25 µs per switch, engine 1: 400/s, 2% of the time, 50 µs per switch)" in result.stdout
     assert "GPU 1 (NVIDIA A100-SXM4-40GB): no GPM (Hopper or newer)" in result.stdout
+    # Each process's share as aiprobe exports it (the fake's GPU 0 process at 55% SM), beside nvidia-smi's.
+    sharing = result.stdout[result.stdout.index("GPU sharing, aiprobe"):result.stdout.index("nvidia-smi pmon -c 1:")]
+    assert "gpu0 pid 4242 (): SM 55%, memory 0%, 1 GiB used, attribution nvml" in sharing
+    assert "nvidia-smi mig -lgi:" in result.stdout
     assert "all counts match" in result.stdout
 
 

@@ -51,7 +51,7 @@ def every_kind_of_reading() -> Readings:
                                               cold_start=ColdStart(0.1, 0.1, 1, 0.1, 1, 0.1, 0.2))],
                                  "tp_btf", [], [CudaContext(1, "x", "0x1", 0, "0", 1, 0, 1.0, True)],
                                  [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
-            "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1)]),
+            "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1, 0.5, 0.2)]),
             "netstat": TcpCounters(0, 0, 0, 0),
             **probe_suites_samples(),
         },

@@ -9,7 +9,7 @@ from aiprobe.config import RuleConfig
 from aiprobe.exporters.rules_file import render
 from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.records import CudaContext, CudaGpu
-from aiprobe.probes.nvml.records import GpuEngine, GpuInfo
+from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess
 from aiprobe.registry import catalog, rules
 from aiprobe.rules import RuleEngine, Signal, alert_name
 
@@ -106,8 +106,16 @@ def test_time_sliced_evidence_carries_the_gpus_own_switching() -> None:
     info = GpuInfo(0, "GPU-a", "H100", utilization_gpu_ratio=0.9, context_switches_per_second=2000.0,
                    context_switching_ratio=0.04, context_switch_seconds=3e-5,
                    engines=[GpuEngine(0, 2000.0, 0.04, 3e-5)])
-    [signal] = time_slicing_signals([gpu], contexts, [info])
+    shares = [GpuProcess(1, "llm", 0, "GPU-a", 1 << 30, 0.5, 0.2), GpuProcess(2, "llm", 0, "GPU-a", 1 << 30, 0.3, 0.1),
+              GpuProcess(3, "other", 1, "GPU-b", 1 << 30, 0.9, 0.9)]
+    [signal] = time_slicing_signals([gpu], contexts, [info], shares)
     assert (signal.target, signal.value) == ("gpu0", 2)
+    # Each process's share of the GPU, by NVML's samples (the other GPU's process is not evidence).
+    assert signal.evidence["process_shares"] == [
+        {"pid": 1, "process": "llm@host", "sm_utilization_ratio": 0.5, "memory_utilization_ratio": 0.2,
+         "attribution": "nvml"},
+        {"pid": 2, "process": "llm@host", "sm_utilization_ratio": 0.3, "memory_utilization_ratio": 0.1,
+         "attribution": "nvml"}]
     assert {k: signal.evidence[k] for k in ("utilization_ratio", "context_switching_ratio",
                                             "context_switch_seconds")} == {
         "utilization_ratio": 0.9, "context_switching_ratio": 0.04, "context_switch_seconds": 3e-5}

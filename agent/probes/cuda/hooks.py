@@ -10,8 +10,8 @@ from ...histogram import quantile
 from ...model import Readings
 from ...refresh import Hooks, ProcessRows, Refresh, recent_buckets, target
 from ...rules import Signal
-from ..nvml.records import GpuInfo
-from ..nvml.signals import switching_evidence
+from ..nvml.records import GpuInfo, GpuProcess
+from ..nvml.signals import share_evidence, switching_evidence
 from .records import CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 
 
@@ -42,7 +42,8 @@ class CudaHooks(Hooks):
                 signals.append(Signal("gpu_threads_starved", target(cuda), p99, {
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
                     "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
-        return signals + time_slicing_signals(reading.gpus, reading.contexts, readings.of(GpuInfo))
+        return signals + time_slicing_signals(reading.gpus, reading.contexts, readings.of(GpuInfo),
+                                              readings.of(GpuProcess))
 
     def process_rows(self, reading: CudaSnapshot, rows: ProcessRows) -> None:
         for cuda in reading.processes:
@@ -61,14 +62,15 @@ def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:
     """Each NVML GPU's active CUDA contexts (the cuda probe names a GPU by index or UUID)."""
     active = {gpu.gpu: gpu.active_contexts for gpu in gpus}
     for info in infos:
-        info.cuda_active_contexts = active.get(str(info.index), active.get(info.uuid, 0))
+        info.cuda_active_contexts = next((active[key] for key in info.keys() if key in active), 0)
 
 
-def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo]) -> list[Signal]:
+def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos: list[GpuInfo],
+                         processes: list[GpuProcess] | None = None) -> list[Signal]:
     """gpu_time_sliced: per GPU, the contexts that launched work since the last refresh, with their
-    processes, launch rates, and the GPU's utilization and own measure of its switching (NVML, matched
-    by index or UUID) as evidence."""
-    by_key = {key: info for info in infos for key in (str(info.index), info.uuid)}
+    processes, launch rates, and the GPU's utilization, each process's share of it and the GPU's own
+    measure of its switching (NVML, matched by index or UUID) as evidence."""
+    by_key = {key: info for info in infos for key in info.keys()}
     signals = []
     for gpu in gpus:
         active = [c for c in contexts if c.active and c.gpu == gpu.gpu]
@@ -77,5 +79,6 @@ def time_slicing_signals(gpus: list[CudaGpu], contexts: list[CudaContext], infos
             "contexts": [{"pid": c.pid, "process": f"{c.comm or c.pid}@{c.container}", "context": c.context,
                           "launches_per_second": round(c.launches_per_second, 1)} for c in active],
             "utilization_ratio": None if info is None else info.utilization_gpu_ratio,
+            "process_shares": share_evidence(info, processes or []),
             **switching_evidence(info)}))
     return signals

@@ -13,7 +13,8 @@ from ...loader import ProbeUnavailable
 from .probe import GPM_SAMPLE_GAP, NvmlProbe
 from .records import GpuSnapshot
 
-PROCESS_FIELDS = ("gpu_index", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio")
+PROCESS_FIELDS = ("gpu_index", "gpu_instance_id", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio",
+                  "memory_utilization_ratio")
 
 
 def _values(gpu: dict[str, Any], *pairs: tuple[str, str]) -> str:
@@ -24,6 +25,10 @@ def print_text(snapshot: GpuSnapshot) -> None:
     for g in snapshot.gpus:
         gpu = g.to_dict()
         click.echo(f"GPU {g.index}  {g.name}  {g.uuid}")
+        if g.parent_uuid:
+            click.echo(f"  MIG instance: GPU instance {g.gpu_instance_id}, compute instance {g.compute_instance_id}")
+        if g.utilization_reason:
+            click.echo(f"  no utilization: {g.utilization_reason}")
         click.echo("  " + _values(gpu, ("util", "utilization_gpu_ratio"), ("mem-util", "utilization_memory_ratio"),
                                   ("memory", "memory_used_bytes"), ("of", "memory_total_bytes"),
                                   ("power", "power_watts"), ("temp", "temperature_celsius")))

@@ -9,7 +9,9 @@ from typing import Any
 from ...model import Readings
 from ...refresh import Hooks, ProcessRows, Refresh, Section
 from ...rules import Signal
+from ..cuda.records import CudaContext
 from ..flows.records import InterfaceTotals
+from .mps import attribute_mps
 from .records import GpuInfo, GpuSnapshot
 from .signals import context_switch_signals, utilization_signals
 
@@ -18,6 +20,7 @@ class NvmlHooks(Hooks):
     sections = {"gpus": Section(GpuInfo)}
 
     def join(self, reading: GpuSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
+        attribute_mps(reading, readings.of(CudaContext))
         for proc in reading.processes:
             workload = refresh.workload_of_pid(proc.pid)
             proc.container, proc.pod_uid = workload.container, workload.pod_uid

@@ -13,12 +13,13 @@ import contextlib
 import logging
 from collections.abc import Callable
 from functools import partial
+from statistics import mean
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pynvml
 
 from ...loader import ProbeUnavailable, Strategy
-from ...metrics import PROCESS_LABELS, Family, Series
+from ...metrics import PROCESS_LABELS, Family, Getter, Series, value_of
 from ...model import ProbeStatus
 from ...names import process_name
 from ...registry import Probe, ProbeSpec
@@ -78,17 +79,34 @@ def _reason(exc: pynvml.NVMLError) -> str:
 
 
 class _Gpu:
-    """One device handle, with the metrics it has refused and its GPM state."""
+    """One device handle, a GPU or a MIG instance of one, with the metrics it has refused and its GPM
+    state."""
 
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    def __init__(self, index: int, handle: Any) -> None:
+        self.index = index  # a MIG instance's: its GPU's
+        self.handle = handle
         self.uuid = pynvml.nvmlDeviceGetUUID(self.handle)
         self.name = pynvml.nvmlDeviceGetName(self.handle)
         self.disabled: set[str] = set()
         self.last_process_sample = 0  # NVML timestamp (us) of the newest per-process sample seen
         self.gpm_sample: Any = None
-        self.no_gpm = _gpm_refusal(self.handle)  # why this GPU gives no GPM metrics; "" when it does
+        self.no_gpm = ""  # why this GPU gives no GPM metrics; "" when it does
+        self.parent_uuid = ""  # a MIG instance's GPU
+        self.instance_ids: tuple[int | None, int | None] = (None, None)  # a MIG instance's GPU and compute instance
+        self.instances: dict[str, _Gpu] = {}  # a GPU in MIG mode: its instances by UUID
+
+    @classmethod
+    def whole(cls, index: int) -> _Gpu:
+        gpu = cls(index, pynvml.nvmlDeviceGetHandleByIndex(index))
+        gpu.no_gpm = _gpm_refusal(gpu.handle)
+        return gpu
+
+    @classmethod
+    def instance(cls, parent: _Gpu, handle: Any) -> _Gpu:
+        gpu = cls(parent.index, handle)
+        gpu.parent_uuid = parent.uuid
+        gpu.instance_ids = (pynvml.nvmlDeviceGetGpuInstanceId(handle), pynvml.nvmlDeviceGetComputeInstanceId(handle))
+        return gpu
 
     def query(self, metric: str, call: Callable[[], T]) -> T | None:
         """`call()`, or None when this GPU does not support `metric` (remembered) or it failed."""
@@ -172,7 +190,7 @@ class NvmlProbe(Probe):
         try:
             pynvml.nvmlInit()
             self._initialized = True
-            self._gpus = [_Gpu(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._gpus = [_Gpu.whole(i) for i in range(pynvml.nvmlDeviceGetCount())]
             self.reason = ""
             for refusal in self.gpm_refusals:
                 log.info("nvml: %s", refusal)
@@ -204,10 +222,27 @@ class NvmlProbe(Probe):
     def read(self) -> GpuSnapshot:
         if not self.available:
             return GpuSnapshot(False, self.reason)
+        devices = [device for gpu in self._gpus for device in (gpu, *_instances(gpu))]
         return GpuSnapshot(
             True,
-            gpus=[self._gpu_info(gpu) for gpu in self._gpus],
-            processes=[proc for gpu in self._gpus for proc in self._processes(gpu)],
+            gpus=[self._instance_info(d) if d.parent_uuid else self._gpu_info(d) for d in devices],
+            # A GPU in MIG mode lists its instances' processes: each is taken from its instance.
+            processes=[proc for device in devices if not device.instances for proc in self._processes(device)],
+        )
+
+    @staticmethod
+    def _instance_info(instance: _Gpu) -> GpuInfo:
+        """A MIG instance: its memory and, where NVML gives it, utilization (its GPU has the rest)."""
+        h = instance.handle
+        utilization = instance.query("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
+        memory = instance.query("memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
+        return GpuInfo(
+            index=instance.index, uuid=instance.uuid, name=instance.name, **_mig_fields(instance, utilization),
+            utilization_gpu_ratio=None if utilization is None else utilization.gpu * PERCENT,
+            utilization_memory_ratio=None if utilization is None else utilization.memory * PERCENT,
+            memory_total_bytes=None if memory is None else memory.total,
+            memory_used_bytes=None if memory is None else memory.used,
+            memory_free_bytes=None if memory is None else memory.free,
         )
 
     def _gpu_info(self, gpu: _Gpu) -> GpuInfo:
@@ -230,6 +265,7 @@ class NvmlProbe(Probe):
             index=gpu.index,
             uuid=gpu.uuid,
             name=gpu.name,
+            **_mig_fields(gpu, utilization),
             utilization_gpu_ratio=None if utilization is None else utilization.gpu * PERCENT,
             utilization_memory_ratio=None if utilization is None else utilization.memory * PERCENT,
             memory_total_bytes=None if memory is None else memory.total,
@@ -278,26 +314,12 @@ class NvmlProbe(Probe):
 
     def _processes(self, gpu: _Gpu) -> list[GpuProcess]:
         running = gpu.query("processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(gpu.handle)) or []
-        sm = self._sm_utilization(gpu)
+        shares = _shares(gpu)
         return [
-            GpuProcess(p.pid, process_name(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory, sm.get(p.pid))
+            GpuProcess(p.pid, process_name(p.pid), gpu.index, gpu.uuid, p.usedGpuMemory, sm, memory, *gpu.instance_ids)
             for p in running
+            for sm, memory in [shares.get(p.pid, IDLE) if shares is not None else (None, None)]
         ]
-
-    @staticmethod
-    def _sm_utilization(gpu: _Gpu) -> dict[int, float]:
-        """pid -> SM utilization from the samples NVML took since the last read."""
-        samples = gpu.query(
-            "process_utilization",
-            lambda: pynvml.nvmlDeviceGetProcessUtilization(gpu.handle, gpu.last_process_sample),
-        ) or []
-        newest: dict[int, Any] = {}
-        for sample in samples:
-            if sample.pid not in newest or sample.timeStamp > newest[sample.pid].timeStamp:
-                newest[sample.pid] = sample
-        if newest:
-            gpu.last_process_sample = max(s.timeStamp for s in newest.values())
-        return {pid: s.smUtil * PERCENT for pid, s in newest.items()}
 
     def close(self) -> None:
         for gpu in self._gpus:
@@ -307,6 +329,75 @@ class NvmlProbe(Probe):
             self._initialized = False
             pynvml.nvmlShutdown()
 
+
+NO_MIG_UTILIZATION = ("NVML gives no utilization for a MIG instance, nor for a GPU in MIG mode "
+                      "(DCGM's profiling metrics measure instances)")
+
+
+def _mig_fields(gpu: _Gpu, utilization: Any) -> dict[str, Any]:
+    """A MIG instance's place in its GPU, and why NVML gives no utilization under MIG."""
+    gpu_instance, compute_instance = gpu.instance_ids
+    return {"parent_uuid": gpu.parent_uuid, "gpu_instance_id": gpu_instance, "compute_instance_id": compute_instance,
+            "mig_profile": gpu.name.rpartition(" MIG ")[2] if gpu.parent_uuid else "",
+            "utilization_reason": NO_MIG_UTILIZATION if utilization is None and (gpu.parent_uuid or gpu.instances)
+            else ""}
+
+
+def _mig_handle(handle: Any, index: int) -> Any:
+    """The MIG device at `index` of a GPU, or None where no instance is (NOT_FOUND)."""
+    try:
+        return pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+    except pynvml.NVMLError as exc:
+        if exc.value == pynvml.NVML_ERROR_NOT_FOUND:
+            return None
+        raise
+
+
+def _instances(gpu: _Gpu) -> list[_Gpu]:
+    """The MIG instances of a GPU in MIG mode, found at every read (the GPU may be repartitioned);
+    none for a GPU without MIG (asked once) or with MIG off."""
+    mode = gpu.query("mig", lambda: pynvml.nvmlDeviceGetMigMode(gpu.handle))
+    count = gpu.query("mig", lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(gpu.handle)) \
+        if mode and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE else 0
+    found: dict[str, _Gpu] = {}
+    for index in range(count or 0):
+        handle = gpu.query("mig", partial(_mig_handle, gpu.handle, index))
+        uuid = None if handle is None else gpu.query("mig", partial(pynvml.nvmlDeviceGetUUID, handle))
+        instance = None if uuid is None else \
+            gpu.instances.get(uuid) or gpu.query("mig", partial(_Gpu.instance, gpu, handle))
+        if instance is not None:
+            instance.handle = handle  # NVML's handle of an instance need not stay the same
+            found[instance.uuid] = instance
+    gpu.instances = found
+    return list(found.values())
+
+
+IDLE = (0.0, 0.0)  # a process without a sample since the last read: NVML saw it use neither
+
+
+def _samples_since(handle: Any, timestamp: int) -> list[Any]:
+    """NVML's per-process samples newer than `timestamp` (NOT_FOUND: none were taken since)."""
+    try:
+        return list(pynvml.nvmlDeviceGetProcessUtilization(handle, timestamp))
+    except pynvml.NVMLError as exc:
+        if exc.value == pynvml.NVML_ERROR_NOT_FOUND:
+            return []
+        raise
+
+
+def _shares(gpu: _Gpu) -> dict[int, tuple[float, float]] | None:
+    """pid -> (SM, memory) utilization: the mean of NVML's samples of it since the last read (each
+    sample covers one of NVML's sampling periods); None where the GPU gives no per-process samples."""
+    samples = gpu.query("process_utilization", lambda: _samples_since(gpu.handle, gpu.last_process_sample))
+    if samples is None:
+        return None
+    if samples:
+        gpu.last_process_sample = max(sample.timeStamp for sample in samples)
+    by_pid: dict[int, list[Any]] = {}
+    for sample in samples:
+        by_pid.setdefault(sample.pid, []).append(sample)
+    return {pid: (mean(s.smUtil for s in taken) * PERCENT, mean(s.memUtil for s in taken) * PERCENT)
+            for pid, taken in by_pid.items()}
 
 
 def started_probe() -> NvmlProbe:
@@ -333,8 +424,27 @@ def gpus_without_gpm() -> list[str]:
 
 
 SPAN = "NVML samples at each read"
-_GPU_LABELS = (("gpu", "index"), ("uuid", "uuid"))
-_DCGM_LABELS = (("gpu", "index"), ("UUID", "uuid"), ("modelName", "name"))
+
+
+def _optional(name: str) -> Callable[[Any], str]:
+    return lambda record: "" if (value := getattr(record, name)) is None else str(value)
+
+
+def _gpu_uuid(gpu: GpuInfo) -> str:
+    return gpu.parent_uuid or gpu.uuid
+
+
+# A MIG instance is labelled as dcgm-exporter labels it: its GPU's index and UUID, GPU_I_ID and
+# GPU_I_PROFILE, and (aiprobe's, in dcgm's style) GPU_CI_ID; all three empty for a whole GPU.
+_INSTANCE_LABELS: tuple[tuple[str, Getter], ...] = (
+    ("GPU_I_ID", _optional("gpu_instance_id")), ("GPU_I_PROFILE", "mig_profile"),
+    ("GPU_CI_ID", _optional("compute_instance_id")))
+_GPU_LABELS: tuple[tuple[str, Getter], ...] = (("gpu", "index"), ("uuid", _gpu_uuid), *_INSTANCE_LABELS)
+_DCGM_LABELS: tuple[tuple[str, Getter], ...] = (("gpu", "index"), ("UUID", _gpu_uuid), ("modelName", "name"),
+                                                *_INSTANCE_LABELS[:2])
+_PROCESS_LABELS: tuple[tuple[str, Getter], ...] = (
+    ("gpu", "gpu_index"), ("GPU_I_ID", _optional("gpu_instance_id")), ("GPU_CI_ID", _optional("compute_instance_id")),
+    *PROCESS_LABELS, ("attribution", "attribution"))
 
 
 def _gauge(name: str, value: str, help_text: str, labels: tuple[tuple[str, Any], ...] = _GPU_LABELS,
@@ -354,7 +464,8 @@ def _dcgm(name: str, value: str, help_text: str, scale: float = 1.0) -> Family:
 def _engine_series(field: str) -> Callable[[Config], Callable[[list[GpuInfo]], list[Series]]]:
     """One series per graphics engine of each GPU: its engines are a list inside the GPU's record."""
     def series(gpus: list[GpuInfo]) -> list[Series]:
-        return [((str(gpu.index), gpu.uuid, str(engine.engine)), [value]) for gpu in gpus
+        return [((*(str(value_of(gpu, getter)) for _, getter in _GPU_LABELS), str(engine.engine)), [value])
+                for gpu in gpus
                 for engine in gpu.engines if (value := getattr(engine, field)) is not None]
     return lambda _config: series
 
@@ -365,6 +476,16 @@ def _engine_gauge(name: str, field: str, help_text: str) -> Family:
                   series=_engine_series(field), doc_note=ENGINE_NOTE)
 
 
+def _process_gauge(name: str, value: str, help_text: str, doc_note: str = "") -> Family:
+    return Family(name, "gauge", help_text, GpuProcess, value, _PROCESS_LABELS,
+                  doc_note=doc_note)
+
+
+PROCESS_SHARE_NOTE = ("The mean of NVML's per-process samples since the previous refresh "
+                      "(`nvmlDeviceGetProcessUtilization`; 0 for a process with none); none where the GPU "
+                      "gives no per-process samples. On a time-sliced GPU, each process's share. "
+                      "`attribution`: `nvml` (NVML's samples of the process), or `cuda_launches` (an MPS client, "
+                      "which NVML does not list: the MPS server's share split by the clients' kernel launches).")
 ENGINE_NOTE = ("From GPM (Hopper and newer; none for a GPU without it), between two reads; `engine` is the "
                "graphics engine (GR0..GR7: 0 alone without MIG).")
 
@@ -397,8 +518,13 @@ METRICS = (
                   "Fraction of time a GPU's graphics engine spent switching contexts."),
     _engine_gauge("aiprobe_gpu_context_switch_seconds", "context_switch_seconds",
                   "Mean time of one context switch of a GPU's graphics engine (cycles per switch at the SM clock)."),
-    Family("aiprobe_gpu_process_memory_used_bytes", "gauge", "GPU memory used by processes.", GpuProcess,
-           "used_memory_bytes", (("gpu", "gpu_index"), *PROCESS_LABELS)),
+    _process_gauge("aiprobe_gpu_process_memory_used_bytes", "used_memory_bytes", "GPU memory used by processes."),
+    _process_gauge("aiprobe_gpu_process_sm_utilization_ratio", "sm_utilization_ratio",
+                   "Fraction of time a kernel of these processes ran on the GPU's SMs, between two refreshes.",
+                   PROCESS_SHARE_NOTE),
+    _process_gauge("aiprobe_gpu_process_memory_utilization_ratio", "memory_utilization_ratio",
+                   "Fraction of time these processes read or wrote the GPU's memory, between two refreshes.",
+                   PROCESS_SHARE_NOTE),
     _dcgm("DCGM_FI_DEV_GPU_UTIL", "utilization_gpu_ratio", "GPU utilization (in %).", scale=100),
     _dcgm("DCGM_FI_DEV_MEM_COPY_UTIL", "utilization_memory_ratio", "Memory utilization (in %).", scale=100),
     _dcgm("DCGM_FI_DEV_FB_USED", "memory_used_bytes", "Framebuffer memory used (in MiB).", scale=1 / 2**20),

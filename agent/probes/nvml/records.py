@@ -20,6 +20,8 @@ class GpuEngine(Record):
 
 @dataclass
 class GpuInfo(Record):
+    """A GPU, or a MIG instance of one: a GPU of its own, with its GPU's index."""
+
     index: int
     uuid: str
     name: str
@@ -46,8 +48,18 @@ class GpuInfo(Record):
     context_switching_ratio: float | None = None
     context_switch_seconds: float | None = None
     engines: list[GpuEngine] = field(default_factory=list)
+    parent_uuid: str = ""  # a MIG instance's GPU
+    gpu_instance_id: int | None = None  # a MIG instance's GPU instance and compute instance
+    compute_instance_id: int | None = None
+    mig_profile: str = ""  # a MIG instance's profile (its name's last word: "3g.20gb")
+    utilization_reason: str = ""  # why utilization is null where NVML never gives it (MIG)
     # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
     cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
+
+    def keys(self) -> tuple[str, ...]:
+        """What a CUDA process may call it (CUDA_VISIBLE_DEVICES): a GPU, its index or UUID; a MIG
+        instance, its UUID."""
+        return (self.uuid,) if self.parent_uuid else (str(self.index), self.uuid)
 
 
 @dataclass
@@ -55,9 +67,16 @@ class GpuProcess(Record):
     pid: int  # host pid namespace
     comm: str
     gpu_index: int
-    gpu_uuid: str
+    gpu_uuid: str  # a MIG instance's own
     used_memory_bytes: int | None
+    # NVML's samples of the process since the previous read, averaged (None: the GPU gives none).
     sm_utilization_ratio: float | None = None
+    memory_utilization_ratio: float | None = None
+    gpu_instance_id: int | None = None  # the MIG instance it runs on
+    compute_instance_id: int | None = None
+    # How its shares were measured: "nvml" (NVML's samples of it), or "cuda_launches" (an MPS client,
+    # which NVML does not list: the MPS server's shares split by its kernel launches).
+    attribution: str = "nvml"
     container: str = field(default="host", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...rules import Signal
-from .records import GpuInfo
+from .records import GpuInfo, GpuProcess
 
 
 def _rounded(value: float | None, digits: int) -> float | None:
@@ -19,6 +19,16 @@ def switching_evidence(info: GpuInfo | None) -> dict[str, Any]:
         return {"context_switching_ratio": None, "context_switch_seconds": None}
     return {"context_switching_ratio": _rounded(info.context_switching_ratio, 4),
             "context_switch_seconds": _rounded(info.context_switch_seconds, 9)}
+
+
+def share_evidence(info: GpuInfo | None, processes: list[GpuProcess]) -> list[dict[str, Any]]:
+    """Each process's share of the GPU by NVML's per-process samples since the last refresh."""
+    if info is None:
+        return []
+    return [{"pid": proc.pid, "process": f"{proc.comm or proc.pid}@{proc.container}",
+             "sm_utilization_ratio": _rounded(proc.sm_utilization_ratio, 4),
+             "memory_utilization_ratio": _rounded(proc.memory_utilization_ratio, 4), "attribution": proc.attribution}
+            for proc in processes if proc.gpu_uuid == info.uuid]
 
 
 def context_switch_signals(infos: list[GpuInfo]) -> list[Signal]:

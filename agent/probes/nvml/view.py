@@ -34,7 +34,8 @@ VIEW = View(
         # The GPU's own measure of that time-slicing (GPM): its switches, and its busiest engine's share.
         Column("CTX SW", "context_switches_per_second", 8),
         Column("SWITCHING", "context_switching_ratio", 9),
+        Column("MIG", "mig_profile", 8, numeric=False),  # a MIG instance's profile (GPU: its GPU's index)
     ),
     "index", False, ("nvml",), _gpus,
-    identity=("index",), key="g",
+    identity=("uuid",), key="g",
 )
