@@ -59,6 +59,8 @@ class GpuProcess(Record):
     used_memory_bytes: int | None
     sm_utilization_ratio: float | None = None
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
 
