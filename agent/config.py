@@ -97,6 +97,10 @@ class Config:
     # and how long a label set may go unseen before it leaves /metrics.
     max_process_labels: int = field(default=200, metadata=limits(1, 100_000, whole=True))
     idle_series_seconds: float = field(default=300.0, metadata=limits(1.0, 7 * 86_400.0))
+    # The kubelet's log directories, which name each pod and container (kubelet.py); absent outside
+    # Kubernetes, where workloads have no namespace or pod.
+    pod_logs: str = "/var/log/pods"
+    container_logs: str = "/var/log/containers"
     # rule -> its thresholds: the declared defaults with `[rules.<name>]` over them (none here: the
     # defaults, which the rule engine has from the rules' declarations)
     rules: dict[str, RuleConfig] = field(default_factory=dict)

@@ -14,6 +14,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -45,16 +46,25 @@ _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f
 
 @dataclass(frozen=True)
 class Workload:
-    """The container and pod a cgroup belongs to; empty strings for host processes."""
+    """The container and pod a cgroup belongs to; empty strings for host processes. The names come
+    from the kubelet (kubelet.py), where the agent runs in Kubernetes."""
 
     cgroup: str
     container_id: str = ""
     pod_uid: str = ""
+    namespace: str = ""
+    pod: str = ""
+    container_name: str = ""
 
     @property
     def container(self) -> str:
-        """The label value: a short container id, or "host"."""
-        return self.container_id[:12] if self.container_id else "host"
+        """The label value: the container's name in its pod (dcgm-exporter's and cAdvisor's `container`
+        in Kubernetes), else a short container id, or "host"."""
+        return self.container_name or (self.container_id[:12] if self.container_id else "host")
+
+    def label(self, record: Any) -> None:
+        """Fill a record's joined workload fields (its labels)."""
+        record.container, record.namespace, record.pod = self.container, self.namespace, self.pod
 
 
 def workload_of(cgroup_path: str) -> Workload:

@@ -16,12 +16,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .config import Config, RuleConfig
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .deltas import Rates, Window
+from .kubelet import KubeletLogs
 from .loader import ProbeUnavailable
 from .model import Alert, HostInfo, ProbeStatus, ProcessRow, Readings, Snapshot
 from .names import process_name
@@ -57,6 +59,7 @@ class Agent:
         self._faces: dict[str, Face] = {}  # every running probe and part, by name
         self._down: dict[str, ProbeStatus] = {}
         self._cgroups = CgroupIndex()
+        self._kubelet = KubeletLogs(Path(config.pod_logs), Path(config.container_logs))
         self._sockets = SocketOwners()
         self._rules = RuleEngine(rules(), config.rules)
         self._rates = Rates()
@@ -222,11 +225,11 @@ class Agent:
         if pid not in self._workloads:
             path = cgroup_of_pid(pid)
             self._workloads[pid] = workload_of(path) if path is not None else Workload("")
-        return self._workloads[pid]
+        return self._kubelet.named(self._workloads[pid])
 
     def workload(self, cgroup_id: int, pid: int | None) -> Workload:
         if cgroup_id:
-            return self._cgroups.workload(cgroup_id)
+            return self._kubelet.named(self._cgroups.workload(cgroup_id))
         return self.workload_of_pid(pid) if pid is not None else Workload("")
 
     def socket_owner(self, local_address: str, local_port: int, remote_address: str, remote_port: int) -> int | None:

@@ -85,5 +85,8 @@ def doc_rows(source: str, families: Iterable[Family | AgentFamily]) -> list[str]
     return rows
 
 
-# Processes are labelled by name and container, never by pid (bounded label sets).
-PROCESS_LABELS: tuple[tuple[str, Getter], ...] = (("process", "comm"), ("container", "container"))
+# Processes are labelled by name and workload, never by pid (bounded label sets). In Kubernetes, as
+# dcgm-exporter's Kubernetes mode: `namespace`, `pod` and `container` (its name); empty `namespace` and
+# `pod` (no label, to Prometheus) elsewhere.
+PROCESS_LABELS: tuple[tuple[str, Getter], ...] = (("process", "comm"), ("container", "container"),
+                                                  ("namespace", "namespace"), ("pod", "pod"))

@@ -119,6 +119,8 @@ class ProcessRow(Record):
     pid: int
     comm: str
     container: str = "host"
+    namespace: str = ""
+    pod: str = ""
     pod_uid: str = ""
     send_count: int | None = None
     send_bytes: int | None = None

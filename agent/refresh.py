@@ -70,8 +70,11 @@ class ProcessRows:
     comm: Callable[[int], str]  # the kernel's comm of a pid, for rows whose record has none
     rows: dict[int, ProcessRow] = field(default_factory=dict)
 
-    def row(self, pid: int, comm: str, container: str, pod_uid: str) -> ProcessRow:
-        return self.rows.setdefault(pid, ProcessRow(pid, comm or self.comm(pid), container, pod_uid))
+    def row(self, record: Any) -> ProcessRow:
+        """The row of a record's process (a record with pid, comm and the joined workload fields)."""
+        return self.rows.setdefault(record.pid, ProcessRow(record.pid, record.comm or self.comm(record.pid),
+                                                           record.container, record.namespace, record.pod,
+                                                           record.pod_uid))
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -17,6 +18,7 @@ import pytest
 from aiprobe.containers import CgroupIndex, cgroup2_root, workload_of
 from helpers import VethPair, wait_until
 from servers import Agent
+from test_kubelet import kubelet_tree
 
 CID = "3f2a9c1d0e4b" + "a" * 52
 POD = "1234abcd-1234-5678-9abc-def012345678"
@@ -93,7 +95,12 @@ class Sender:
     """SENDER in a container-shaped cgroup, connected to SINK in the veth's namespace."""
 
     process: subprocess.Popen
-    container: str  # its short id
+    container_id: str
+
+    @property
+    def container(self) -> str:
+        """Its short id."""
+        return self.container_id[:12]
 
     def owner(self) -> dict[str, object]:
         """Who the agent must say owns the sender's flows."""
@@ -101,9 +108,11 @@ class Sender:
 
 
 @contextlib.contextmanager
-def sender_watched(tmp_path: Path, veth: VethPair, config: str) -> Iterator[tuple[Agent, Sender]]:
+def sender_watched(tmp_path: Path, veth: VethPair, config: str,
+                   before_sending: Callable[[str], object] = str) -> Iterator[tuple[Agent, Sender]]:
     """The agent (with `config`) watching the veth while SENDER, moved into a fresh container
-    cgroup, sends to SINK through it and then holds its connection."""
+    cgroup, sends to SINK through it and then holds its connection; `before_sending` gets the
+    container id first."""
     sink = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", SINK]), stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
     config = f'interfaces = ["{veth.host}"]\nexclude = []\n{config}'
@@ -113,9 +122,10 @@ def sender_watched(tmp_path: Path, veth: VethPair, config: str) -> Iterator[tupl
                                       stdout=subprocess.PIPE, text=True)
             try:
                 (leaf / "cgroup.procs").write_text(str(sender.pid))
+                before_sending(container_id)
                 sender.stdin.write("go\n")
                 sender.stdin.flush()
-                yield agent, Sender(sender, container_id[:12])
+                yield agent, Sender(sender, container_id)
             finally:
                 sender.kill()
                 sender.wait()
@@ -155,6 +165,28 @@ def test_agent_joins_a_containers_sends_and_flows(tmp_path: Path, veth: VethPair
         sent = [line for line in agent.metrics().splitlines()
                 if line.startswith("aiprobe_tcp_send_bytes_total{") and f'container="{sender.container}"' in line]
         assert sent and float(sent[0].rsplit(" ", 1)[1]) > 0, sent
+
+
+@pytest.mark.bpf
+def test_a_pods_metrics_and_snapshot_carry_its_namespace_pod_and_container_name(tmp_path: Path,
+                                                                                   veth: VethPair) -> None:
+    """The kubelet's log directories (a fake tree, written once the container exists and before it
+    runs, as the kubelet does) name the sender's pod: its series and its process row carry them in
+    place of its id."""
+    logs = tmp_path / "kubelet"
+    config = f'probes = ["sendlat"]\npod_logs = "{logs}/pods"\ncontainer_logs = "{logs}/containers"\n'
+    in_pod = partial(kubelet_tree, logs, "inference", "llm-0", POD, "server")
+    with sender_watched(tmp_path, veth, config, in_pod) as (agent, sender):
+        labels = ('container="server"', 'namespace="inference"', 'pod="llm-0"', f'process="{sender.owner()["comm"]}"')
+
+        def sent() -> list[str]:
+            return [line for line in agent.metrics().splitlines()
+                    if line.startswith("aiprobe_tcp_send_bytes_total{") and all(label in line for label in labels)]
+
+        assert wait_until(lambda: sent() and float(sent()[0].rsplit(" ", 1)[1]) > 0, timeout=20, interval=0.5), \
+            [line for line in agent.metrics().splitlines() if line.startswith("aiprobe_tcp_send_bytes_total{")]
+        [row] = [p for p in agent.snapshot()["processes"] if p["pid"] == sender.process.pid]
+        assert (row["container"], row["namespace"], row["pod"], row["pod_uid"]) == ("server", "inference", "llm-0", POD)
 
 
 @pytest.mark.bpf

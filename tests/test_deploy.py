@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from aiprobe import system
-from aiprobe.config import from_dict
+from aiprobe.config import Config, from_dict
 from aiprobe.registry import catalog
 from kubernetes_validate.utils import all_versions
 
@@ -275,9 +275,11 @@ def test_daemonset_has_what_a_gpu_node_agent_needs(base: list[dict]) -> None:
     assert all(set(container["resources"][k]) == {"cpu", "memory"} for k in ("requests", "limits"))
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
-    # tracefs is writable: CUDA uprobes are defined in its uprobe_events (aiprobe.uprobe_events).
+    # tracefs is writable: CUDA uprobes are defined in its uprobe_events (aiprobe.uprobe_events); the
+    # kubelet's log directories name pods and containers (aiprobe.kubelet).
     for path, writable in ((str(system.TRACEFS), True), (str(system.BPFFS), False), ("/sys/kernel/btf", False),
-                           ("/sys/fs/cgroup", False)):
+                           ("/sys/fs/cgroup", False), (Config().pod_logs, False),
+                           (Config().container_logs, False)):
         [name] = [n for n, p in host_paths.items() if p == path]
         assert mounts[name]["mountPath"] == path and mounts[name]["readOnly"] is not writable
 

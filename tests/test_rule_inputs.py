@@ -355,7 +355,8 @@ def paced_driver(cuda_agent: tuple[Agent, FakeCuda], workdir: Path, name: str, s
 
 
 def _context_switches_metric(agent: Agent, name: str) -> float | None:
-    match = re.search(rf'^aiprobe_cuda_context_switches_total{{container="[^"]*",process="{name}"}} (\S+)$',
+    match = re.search(rf'^aiprobe_cuda_context_switches_total{{container="[^"]*",namespace="",pod="",'
+                      rf'process="{name}"}} (\S+)$',
                       agent.metrics(), re.MULTILINE)
     return float(match.group(1)) if match else None
 

@@ -51,7 +51,7 @@ class ConnectionsHooks(Hooks):
     def join(self, reading: ConnectionsSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
         for listener in reading.listeners:
             if listener.pid is not None:
-                listener.container = refresh.workload_of_pid(listener.pid).container
+                refresh.workload_of_pid(listener.pid).label(listener)
         return {listener.pid for listener in reading.listeners if listener.pid is not None}
 
     def rates(self, reading: ConnectionsSnapshot, refresh: Refresh, now: float) -> None:

@@ -44,6 +44,8 @@ class Listener(Record):
     # Its first SYN-ACK sent to the handshake complete (connections made from SYN cookies left out).
     handshake_histogram: Histogram | None = field(default=None, metadata=HISTOGRAM)
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     queue_ratio: float = field(default=0.0, metadata=JOINED)  # queue_length / queue_capacity
     overflows_per_second: float = field(default=0.0, metadata=JOINED)
     accepted_per_second: float = field(default=0.0, metadata=JOINED)

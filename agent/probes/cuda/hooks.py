@@ -21,7 +21,8 @@ class CudaHooks(Hooks):
         procs: list[CudaProcess | CudaContext] = [*reading.processes, *reading.contexts]
         for proc in procs:
             workload = refresh.workload_of_pid(proc.pid)
-            proc.container, proc.pod_uid = workload.container, workload.pod_uid
+            workload.label(proc)
+            proc.pod_uid = workload.pod_uid
         return {proc.pid for proc in procs}
 
     def rates(self, reading: CudaSnapshot, refresh: Refresh, now: float) -> None:
@@ -47,7 +48,7 @@ class CudaHooks(Hooks):
 
     def process_rows(self, reading: CudaSnapshot, rows: ProcessRows) -> None:
         for cuda in reading.processes:
-            entry = rows.row(cuda.pid, cuda.comm, cuda.container, cuda.pod_uid)
+            entry = rows.row(cuda)
             entry.cuda_context_switches_per_second = cuda.context_switches_per_second
             entry.cuda_kernel_launches_per_second = cuda.kernel_launches_per_second
             entry.cuda_syncs_per_second = cuda.syncs_per_second

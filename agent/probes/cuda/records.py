@@ -60,6 +60,8 @@ class CudaProcess(Record):
     graph_launches_per_second: float = field(default=0.0, metadata=JOINED)
     syncs_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
@@ -80,6 +82,8 @@ class CudaContext(Record):
     launches_per_second: float  # kernel + graph launches, since the previous read
     active: bool  # launched since the previous read
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
 

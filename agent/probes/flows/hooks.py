@@ -22,7 +22,7 @@ class FlowsHooks(Hooks):
             flow.pid = refresh.socket_owner(flow.local_address, flow.local_port, flow.remote_address,
                                             flow.remote_port)
             flow.comm = refresh.comm(flow.pid) if flow.pid is not None else None
-            flow.container = refresh.workload(flow.cgroup_id, flow.pid).container
+            refresh.workload(flow.cgroup_id, flow.pid).label(flow)
         return {flow.pid for flow in reading.flows if flow.pid is not None}
 
     def rates(self, reading: FlowsSnapshot, refresh: Refresh, now: float) -> None:

@@ -30,6 +30,8 @@ class FlowRecord(Record):
     pid: int | None = field(default=None, metadata=JOINED)
     comm: str | None = field(default=None, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
         return (self.interface, self.direction, self.protocol, self.local_address, self.local_port,

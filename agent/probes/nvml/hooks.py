@@ -23,7 +23,8 @@ class NvmlHooks(Hooks):
         attribute_mps(reading, readings.of(CudaContext))
         for proc in reading.processes:
             workload = refresh.workload_of_pid(proc.pid)
-            proc.container, proc.pod_uid = workload.container, workload.pod_uid
+            workload.label(proc)
+            proc.pod_uid = workload.pod_uid
         return {proc.pid for proc in reading.processes}
 
     def signals(self, reading: GpuSnapshot, readings: Readings, refresh: Refresh, now: float) -> list[Signal]:
@@ -34,7 +35,7 @@ class NvmlHooks(Hooks):
 
     def process_rows(self, reading: GpuSnapshot, rows: ProcessRows) -> None:
         for gpu in reading.processes:
-            entry = rows.row(gpu.pid, gpu.comm, gpu.container, gpu.pod_uid)
+            entry = rows.row(gpu)
             entry.gpus.append(gpu.gpu_index)
             entry.gpu_memory_used_bytes = (entry.gpu_memory_used_bytes or 0) + (gpu.used_memory_bytes or 0)
             if gpu.sm_utilization_ratio is not None:

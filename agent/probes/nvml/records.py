@@ -78,6 +78,8 @@ class GpuProcess(Record):
     # which NVML does not list: the MPS server's shares split by its kernel launches).
     attribution: str = "nvml"
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
 

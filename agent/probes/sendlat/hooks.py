@@ -28,7 +28,8 @@ class SendLatencyHooks(Hooks):
     def join(self, reading: SendLatencySnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
         for send in reading.processes:
             workload = refresh.workload(send.cgroup_id, send.pid)
-            send.container, send.pod_uid = workload.container, workload.pod_uid
+            workload.label(send)
+            send.pod_uid = workload.pod_uid
         return {send.pid for send in reading.processes}
 
     def rates(self, reading: SendLatencySnapshot, refresh: Refresh, now: float) -> None:
@@ -42,7 +43,7 @@ class SendLatencyHooks(Hooks):
 
     def process_rows(self, reading: SendLatencySnapshot, rows: ProcessRows) -> None:
         for send in reading.processes:
-            entry = rows.row(send.pid, send.comm, send.container, send.pod_uid)
+            entry = rows.row(send)
             entry.send_count, entry.send_bytes = send.count, send.bytes
             entry.send_bytes_per_second = send.bytes_per_second
             entry.send_p50_seconds, entry.send_p99_seconds = send.p50_seconds, send.p99_seconds
@@ -76,7 +77,7 @@ class StreamsHooks(Hooks):
         streams: list[StreamEndpoint | StreamStall | TlsHandshakes] = [*reading.endpoints, *reading.stalls,
                                                                         *reading.tls_handshakes]
         for stream in streams:
-            stream.container = refresh.workload(stream.cgroup_id, stream.pid).container
+            refresh.workload(stream.cgroup_id, stream.pid).label(stream)
         return {stream.pid for stream in streams}
 
     def rates(self, reading: StreamsSnapshot, refresh: Refresh, now: float) -> None:

@@ -39,6 +39,8 @@ class ProcessSendLatency(Record):
     unwritable_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
     bytes_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
@@ -123,6 +125,8 @@ class StreamEndpoint(Record):
     start_ticks: int = 0
     streams_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
@@ -146,6 +150,8 @@ class TlsHandshakes(Record):
     histogram: Histogram = field(metadata=HISTOGRAM)
     start_ticks: int = 0
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
         return self.pid, self.start_ticks, self.cgroup_id, self.port, self.tls_version
@@ -166,6 +172,8 @@ class StreamStall(SocketEvent):
     runqueue_seconds: float  # the writing thread waited runnable for a CPU
     cuda_sync_seconds: float  # a thread of the process was inside a CUDA synchronization (cuda probe)
     container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
 
 
 @dataclass
