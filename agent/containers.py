@@ -14,10 +14,10 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
+from .model import Placed
 from .names import text_of
 
 log = logging.getLogger("aiprobe.containers")
@@ -62,7 +62,7 @@ class Workload:
         in Kubernetes), else a short container id, or "host"."""
         return self.container_name or (self.container_id[:12] if self.container_id else "host")
 
-    def label(self, record: Any) -> None:
+    def label(self, record: Placed) -> None:
         """Fill a record's joined workload fields (its labels)."""
         record.container, record.namespace, record.pod = self.container, self.namespace, self.pod
 

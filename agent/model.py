@@ -61,6 +61,16 @@ class Record:
         return result
 
 
+@dataclass(kw_only=True)
+class Placed(Record):
+    """A record of a process's, with the workload the agent's join placed it in: its labels
+    (containers.Workload.label)."""
+
+    container: str = field(default="host", metadata=JOINED)
+    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
+    pod: str = field(default="", metadata=JOINED)
+
+
 # --- the agent's own records (each probe's are in its package: agent/probes/<name>/records.py) ---
 
 

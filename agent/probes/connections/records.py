@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
+from ...model import HISTOGRAM, JOINED, Histogram, Identity, Placed, Record
 
 
 @dataclass
-class Listener(Record):
+class Listener(Placed):
     """A listening TCP socket of the host's network namespace: its queues and the path quality of the
     connections it accepted from sock_diag, its overflows and accept waits from the probe's hooks (null
     where no hook runs)."""
@@ -43,9 +43,6 @@ class Listener(Record):
     handshake_p99_seconds: float | None = None
     # Its first SYN-ACK sent to the handshake complete (connections made from SYN cookies left out).
     handshake_histogram: Histogram | None = field(default=None, metadata=HISTOGRAM)
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
     queue_ratio: float = field(default=0.0, metadata=JOINED)  # queue_length / queue_capacity
     overflows_per_second: float = field(default=0.0, metadata=JOINED)
     accepted_per_second: float = field(default=0.0, metadata=JOINED)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
+from ...model import HISTOGRAM, JOINED, Histogram, Identity, Placed, Record
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ColdStart(Record):
 
 
 @dataclass
-class CudaProcess(Record):
+class CudaProcess(Placed):
     pid: int
     comm: str
     library: str
@@ -59,9 +59,6 @@ class CudaProcess(Record):
     kernel_launches_per_second: float = field(default=0.0, metadata=JOINED)
     graph_launches_per_second: float = field(default=0.0, metadata=JOINED)
     syncs_per_second: float = field(default=0.0, metadata=JOINED)
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
@@ -69,7 +66,7 @@ class CudaProcess(Record):
 
 
 @dataclass
-class CudaContext(Record):
+class CudaContext(Placed):
     """A context that launched work, in its process."""
 
     pid: int
@@ -81,9 +78,6 @@ class CudaContext(Record):
     graph_launches: int
     launches_per_second: float  # kernel + graph launches, since the previous read
     active: bool  # launched since the previous read
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...model import JOINED, Identity, Record
+from ...model import JOINED, Identity, Placed, Record
 
 
 @dataclass
-class FlowRecord(Record):
+class FlowRecord(Placed):
     interface: str
     direction: str  # "ingress" | "egress"
     protocol: str  # "tcp", "udp", ... or the IP protocol number
@@ -29,9 +29,6 @@ class FlowRecord(Record):
     # The process owning the socket (host network namespace only) and its container.
     pid: int | None = field(default=None, metadata=JOINED)
     comm: str | None = field(default=None, metadata=JOINED)
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
         return (self.interface, self.direction, self.protocol, self.local_address, self.local_port,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...model import JOINED, Record
+from ...model import JOINED, Placed, Record
 
 
 @dataclass
@@ -63,7 +63,7 @@ class GpuInfo(Record):
 
 
 @dataclass
-class GpuProcess(Record):
+class GpuProcess(Placed):
     pid: int  # host pid namespace
     comm: str
     gpu_index: int
@@ -77,9 +77,6 @@ class GpuProcess(Record):
     # How its shares were measured: "nvml" (NVML's samples of it), or "cuda_launches" (an MPS client,
     # which NVML does not list: the MPS server's shares split by its kernel launches).
     attribution: str = "nvml"
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
 

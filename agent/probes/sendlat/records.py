@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...loader import enum_labels
-from ...model import HISTOGRAM, JOINED, Histogram, Identity, Record
+from ...model import HISTOGRAM, JOINED, Histogram, Identity, Placed, Record
 
 # As enum stream_protocol and enum stall_cause (bpf/streams.h) name them; the stream logic is in sendlat's object.
 PROTOCOLS = enum_labels("sendlat", "stream_protocol", "STREAM_PROTOCOL_")
@@ -15,7 +15,7 @@ TLS_VERSIONS = enum_labels("sendlat", "tls_version", "TLS_VERSION_", lambda name
 
 
 @dataclass
-class ProcessSendLatency(Record):
+class ProcessSendLatency(Placed):
     """Sends of one process in one cgroup since the probe started (monotonic counters). Failed
     sends are not sends: they are counted apart, by error."""
 
@@ -38,9 +38,6 @@ class ProcessSendLatency(Record):
     unwritable_p99_seconds: float | None = None
     unwritable_histogram: Histogram = field(default_factory=list, metadata=HISTOGRAM)
     bytes_per_second: float = field(default=0.0, metadata=JOINED)
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
@@ -96,7 +93,7 @@ class SendLatencySnapshot(Record):
 
 
 @dataclass
-class StreamEndpoint(Record):
+class StreamEndpoint(Placed):
     """Responses of one process (in one cgroup) on one listening port, by protocol, since the probe
     started (monotonic counters). A response starts at its first body write; see docs/streams.md."""
 
@@ -124,9 +121,6 @@ class StreamEndpoint(Record):
     durations_unknown: int = 0  # ended responses whose duration could not be known: not in duration_histogram
     start_ticks: int = 0
     streams_per_second: float = field(default=0.0, metadata=JOINED)
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
@@ -134,7 +128,7 @@ class StreamEndpoint(Record):
 
 
 @dataclass
-class TlsHandshakes(Record):
+class TlsHandshakes(Placed):
     """Server-side TLS handshakes of one process (in one cgroup) on one listening port, by version, since
     the probe started: from the read of the client's ClientHello to the read of its Finished."""
 
@@ -149,16 +143,13 @@ class TlsHandshakes(Record):
     p99_seconds: float | None
     histogram: Histogram = field(metadata=HISTOGRAM)
     start_ticks: int = 0
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
 
     def identity(self) -> Identity:
         return self.pid, self.start_ticks, self.cgroup_id, self.port, self.tls_version
 
 
 @dataclass
-class StreamStall(SocketEvent):
+class StreamStall(SocketEvent, Placed):
     """One gap between two writes of a response above the threshold, with the evidence of its cause."""
 
     protocol: str
@@ -171,9 +162,6 @@ class StreamStall(SocketEvent):
     blocked_send_seconds: float  # the write ending the gap blocked (timed sends only)
     runqueue_seconds: float  # the writing thread waited runnable for a CPU
     cuda_sync_seconds: float  # a thread of the process was inside a CUDA synchronization (cuda probe)
-    container: str = field(default="host", metadata=JOINED)
-    namespace: str = field(default="", metadata=JOINED)  # Kubernetes' (kubelet.py)
-    pod: str = field(default="", metadata=JOINED)
 
 
 @dataclass
