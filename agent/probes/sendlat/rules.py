@@ -1,4 +1,4 @@
-"""The send path's bottleneck rules (send latency's and the streams part's): what each means, its
+"""The send path's bottleneck rules (send latency's, the streams part's and the requests part's): what each means, its
 PromQL and its default thresholds (`[rules.<name>]` overrides them)."""
 
 from __future__ import annotations
@@ -32,4 +32,39 @@ TOKEN_STREAMS_STALLING = RuleSpec(
     name="token_streams_stalling",
     # stalls (gaps between writes above stream_stall_threshold_ms) of one process's responses in the window
     default=RuleConfig(threshold=0.0, clear=0.0, for_seconds=0, severity="warning"),
+)
+
+
+def _share(statuses: str) -> str:
+    """The share of the requests answered with these status codes over 5 minutes, per server, in PromQL."""
+    by = "instance, server_port, process, container"
+    total = "http_server_request_duration_seconds_count"
+    return (f"sum by ({by}) (rate({total}{{http_response_status_code=~\"{statuses}\"}}[5m]))\n"
+            f"/\nsum by ({by}) (rate({total}[5m]))")
+
+
+HTTP_SERVER_ERRORS = RuleSpec(
+    False, "{value:.2%} of the requests {target} answered in the last 10 s were server errors (5xx; the "
+    "evidence has the status counts)",
+    _share("5.."),
+    "{{ $labels.process }} on port {{ $labels.server_port }} answers more than %(threshold_percent)s of its "
+    "requests with 5xx",
+    "Server errors (HTTP status 5xx) above the service's error budget: the server fails, or sheds load with "
+    "503s.",
+    name="http_server_errors",
+    # share of the requests of one server (process, port) answered 5xx in the window
+    default=RuleConfig(threshold=0.001, clear=0.0005, for_seconds=0, severity="warning"),
+)
+
+HTTP_THROTTLED = RuleSpec(
+    False, "{value:.2%} of the requests {target} answered in the last 10 s were throttled (429; the evidence has "
+    "the status counts)",
+    _share("429"),
+    "{{ $labels.process }} on port {{ $labels.server_port }} throttles more than %(threshold_percent)s of its "
+    "requests (429)",
+    "Requests refused with 429 Too Many Requests: a rate limit (tokens, requests) is reached; clients retry "
+    "and wait.",
+    name="http_throttled",
+    # share of the requests of one server (process, port) answered 429 in the window
+    default=RuleConfig(threshold=0.01, clear=0.005, for_seconds=0, severity="warning"),
 )

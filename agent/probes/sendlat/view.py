@@ -1,4 +1,4 @@
-"""The send path in `aiprobe top`: its columns of the process table and the streams view."""
+"""The send path in `aiprobe top`: its columns of the process table, the streams and requests views."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ PROCESS_COLUMNS = (
 )
 # Stall causes in the order the view lists them.
 STALL_CAUSES = ("network", "cpu", "gpu", "server")
+
+
+def _percent(share: float) -> str:
+    return f"{share:.1%}"
 
 
 def _stream_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
@@ -43,4 +47,23 @@ STREAMS_VIEW = View(
     ),
     "streams_per_second", True, ("streams",), _stream_rows,
     identity=("pid", "port", "protocol"), key="t",
+)
+
+
+REQUESTS_VIEW = View(
+    "requests", "Requests",
+    (
+        Column("PORT", "port", 6, text=str),
+        Column("PROTO", "protocol", 6, numeric=False),
+        Column("PROCESS", "comm", 15, numeric=False),
+        Column("CONTAINER", "container", 12, numeric=False),
+        Column("REQ/s", "requests_per_second", 8),
+        Column("4xx", "client_error_share", 7, text=_percent),
+        Column("5xx", "server_error_share", 7, text=_percent),
+        Column("429", "throttled_share", 7, text=_percent),
+        Column("p50", "p50_seconds", 9),
+        Column("p99", "p99_seconds", 9),
+    ),
+    "requests_per_second", True, ("requests",), lambda snapshot: list(snapshot.get("requests") or []),
+    identity=("pid", "port", "protocol"), key="r",
 )
