@@ -6,7 +6,8 @@ bodies the client received.
 
 HTTP/2: hypercorn's encoder (hpack) writes a `:status` it has no static entry for (429, 503) as a literal
 the first time on a connection and as a dynamic-table index after that; those are not readable
-(docs/requests.md) and count as status unknown, so 429 and 503 are read once per connection (again only after the encoder evicts them)."""
+(docs/requests.md) and count as status unknown, so 429 and 503 are read once per connection (again only
+after the encoder evicts them)."""
 
 from __future__ import annotations
 

@@ -136,7 +136,7 @@ class RequestsHooks(Hooks):
                 float(endpoint.count), float(endpoint.server_errors), float(endpoint.throttled)], now)
             if not total:
                 continue
-            name = f"{target(endpoint)}:{endpoint.port}"
+            name = f":{endpoint.port} {target(endpoint)}"
             evidence = {"port": endpoint.port, "protocol": endpoint.protocol, "process": endpoint.comm,
                         "pid": endpoint.pid, "requests": int(total), "server_errors": int(server),
                         "throttled": int(throttled), "statuses": endpoint.statuses,

@@ -29,6 +29,7 @@ from .streams import RECEIVE_SIDE, STRATEGIES
 from .view import REQUESTS_VIEW
 
 COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
+NO_RESPONSES = "; counts nothing: the syscall strategy reads no response's bytes (no protocol, no status)"
 SPAN = ("each response of an accepted connection (as streams time it), counted when it ends: its status from "
         "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table or a literal spells "
         "it), its method from its request's first read, its duration from the request's last read to the "
@@ -115,7 +116,9 @@ class RequestsProbe(Probe):
     def status(self) -> ProbeStatus:
         if not self._started or self.strategy is None:
             return ProbeStatus(False, reason="not started")
-        return ProbeStatus(True, self.strategy, SPAN)
+        span = SPAN + (NO_RESPONSES if self.strategy == "syscall" else "")
+        overflows = {usage.map: usage.overflows for usage in self.map_usage() if usage.overflows}
+        return ProbeStatus(True, self.strategy, span, overflows=overflows)
 
     def read(self) -> RequestsSnapshot:
         """Everything counted since start; entries of exited processes are reported once more, then deleted."""
@@ -134,15 +137,20 @@ class RequestsProbe(Probe):
             http=[r for r in records if isinstance(r, HttpRequests)],
             rpc=[r for r in records if isinstance(r, RpcRequests)],
             endpoints=_endpoints((record, slots) for _, _, record, slots in entries),
-            uncounted_requests=obj.maps["stream_counters"].lookup(COUNTERS.index("request_endpoints_full")).value,
+            uncounted_requests=self._uncounted(),
         )
+
+    def _uncounted(self) -> int:
+        """Responses that found the request table full, since start."""
+        counted: int = self._obj().maps["stream_counters"].lookup(COUNTERS.index("request_endpoints_full")).value
+        return counted
 
     def map_usage(self) -> list[MapUsage]:
         try:
             capacity = self._obj().maps["request_stats"].max_entries
         except RuntimeError:
             return []
-        return [MapUsage("request_stats", self._entries, capacity)]
+        return [MapUsage("request_stats", self._entries, capacity, self._uncounted())]
 
     def close(self) -> None:
         """Switch the requests logic off in the host's object (it stays loaded with sendlat)."""
@@ -162,7 +170,7 @@ def _constant(value: str) -> Getter:
 
 
 HTTP_LABELS: tuple[tuple[str, Getter], ...] = (
-    ("http_request_method", "method"), ("http_response_status_code", "status_label"), ("server_port", "port"),
+    ("http_request_method", "method"), ("http_response_status_code", lambda r: r.status_label), ("server_port", "port"),
     ("url_scheme", _constant("http")), *PROCESS_LABELS)
 RPC_LABELS: tuple[tuple[str, Getter], ...] = (
     ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", _constant("")), ("server_port", "port"),
