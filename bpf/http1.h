@@ -76,29 +76,32 @@ static __always_inline __u16 http1_status(const char *bytes, __u64 len)
 	return status >= 200 && status <= 599 ? status : 0;
 }
 
+/* The request line's methods: its first 4 bytes, where the space after the name is. */
+static const struct http1_method {
+	__u32 first4;
+	__u8 space_at;
+	__u8 method;	/* enum http_method */
+} http1_methods[] = {
+	{ BYTES4('G', 'E', 'T', ' '), 3, HTTP_METHOD_GET },
+	{ BYTES4('P', 'U', 'T', ' '), 3, HTTP_METHOD_PUT },
+	{ BYTES4('P', 'O', 'S', 'T'), 4, HTTP_METHOD_POST },
+	{ BYTES4('H', 'E', 'A', 'D'), 4, HTTP_METHOD_HEAD },
+	{ BYTES4('P', 'A', 'T', 'C'), 5, HTTP_METHOD_PATCH },
+	{ BYTES4('T', 'R', 'A', 'C'), 5, HTTP_METHOD_TRACE },
+	{ BYTES4('D', 'E', 'L', 'E'), 6, HTTP_METHOD_DELETE },
+	{ BYTES4('O', 'P', 'T', 'I'), 7, HTTP_METHOD_OPTIONS },
+	{ BYTES4('C', 'O', 'N', 'N'), 7, HTTP_METHOD_CONNECT },
+};
+
 /* The method of a request line, from its first 8 bytes (the name and the space after it). */
-static __always_inline __u8 http1_method(const char *bytes)
+static __always_inline __u8 http1_method(const char bytes[8])
 {
 	__u32 word = first4(bytes);
 
-	if (word == BYTES4('G', 'E', 'T', ' '))
-		return HTTP_METHOD_GET;
-	if (word == BYTES4('P', 'U', 'T', ' '))
-		return HTTP_METHOD_PUT;
-	if (word == BYTES4('P', 'O', 'S', 'T') && bytes[4] == ' ')
-		return HTTP_METHOD_POST;
-	if (word == BYTES4('H', 'E', 'A', 'D') && bytes[4] == ' ')
-		return HTTP_METHOD_HEAD;
-	if (word == BYTES4('P', 'A', 'T', 'C') && bytes[5] == ' ')
-		return HTTP_METHOD_PATCH;
-	if (word == BYTES4('T', 'R', 'A', 'C') && bytes[5] == ' ')
-		return HTTP_METHOD_TRACE;
-	if (word == BYTES4('D', 'E', 'L', 'E') && bytes[6] == ' ')
-		return HTTP_METHOD_DELETE;
-	if (word == BYTES4('O', 'P', 'T', 'I') && bytes[7] == ' ')
-		return HTTP_METHOD_OPTIONS;
-	if (word == BYTES4('C', 'O', 'N', 'N') && bytes[7] == ' ')
-		return HTTP_METHOD_CONNECT;
+	for (int i = 0; i < sizeof(http1_methods) / sizeof(http1_methods[0]); i++) {
+		if (word == http1_methods[i].first4 && bytes[http1_methods[i].space_at & 7] == ' ')
+			return http1_methods[i].method;
+	}
 	return HTTP_METHOD_OTHER;
 }
 

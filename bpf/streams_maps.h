@@ -73,21 +73,19 @@ struct {
 	__type(value, struct stream_socket);
 } stream_sockets SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, STREAM_MAX_ENDPOINTS);
-	__type(key, struct stream_key);
-	__type(value, struct stream_stats);
-} stream_stats SEC(".maps");
+/* Aggregates by endpoint: a hash map of `value` by `key`, whose entries are made on first use
+ * (endpoint_entry()). */
+#define ENDPOINT_MAP(name, key_type, value_type, entries)		\
+	struct {							\
+		__uint(type, BPF_MAP_TYPE_HASH);			\
+		__uint(map_flags, BPF_F_NO_PREALLOC);			\
+		__uint(max_entries, entries);				\
+		__type(key, key_type);					\
+		__type(value, value_type);				\
+	} name SEC(".maps")
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, REQUEST_MAX_ENDPOINTS);
-	__type(key, struct request_key);
-	__type(value, struct request_stats);
-} request_stats SEC(".maps");
+ENDPOINT_MAP(stream_stats, struct stream_key, struct stream_stats, STREAM_MAX_ENDPOINTS);
+ENDPOINT_MAP(request_stats, struct request_key, struct request_stats, REQUEST_MAX_ENDPOINTS);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);

@@ -95,8 +95,21 @@ class SendLatencySnapshot(Record):
     sample_every: int = 1  # 1 send in this many per thread is timed now; counts are exact regardless
 
 
+class ServerEndpoint:
+    """What names a server's records: a process (in a cgroup) on a listening port, by protocol."""
+
+    pid: int
+    start_ticks: int
+    cgroup_id: int
+    port: int
+    protocol: str
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol
+
+
 @dataclass
-class StreamEndpoint(Record):
+class StreamEndpoint(ServerEndpoint, Record):
     """Responses of one process (in one cgroup) on one listening port, by protocol, since the probe
     started (monotonic counters). A response starts at its first body write; see docs/streams.md."""
 
@@ -126,9 +139,6 @@ class StreamEndpoint(Record):
     streams_per_second: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
-
-    def identity(self) -> Identity:
-        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol
 
 
 @dataclass
@@ -226,7 +236,7 @@ class RpcRequests(Requests):
 
 
 @dataclass
-class RequestEndpoint(Record):
+class RequestEndpoint(ServerEndpoint, Record):
     """All requests of one process on one listening port and protocol: counts by status class and the
     duration's quantiles, since start; shares and rates over the last refresh interval."""
 
@@ -250,12 +260,12 @@ class RequestEndpoint(Record):
     throttled_share: float = field(default=0.0, metadata=JOINED)
     container: str = field(default="host", metadata=JOINED)
 
-    def identity(self) -> Identity:
-        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol
-
 
 @dataclass
 class RequestsSnapshot(Record):
+    """A read of the requests part: every (process, port, protocol, method, status) entry since start, HTTP's
+    and gRPC's apart (their metric families differ), and their sums per server."""
+
     strategy: str
     span: str
     http: list[HttpRequests] = field(default_factory=list)

@@ -16,16 +16,15 @@ from typing import Any
 
 from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, ProbeUnavailable, enum_labels
+from ...loader import enum_labels
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text
-from ...procfs import StartTimes
 from ...registry import Part, Probe
 from .hooks import RequestsHooks
 from .records import METHODS, PROTOCOLS, HttpRequests, RequestEndpoint, Requests, RequestsSnapshot, RpcRequests
 from .rules import HTTP_SERVER_ERRORS, HTTP_THROTTLED
-from .streams import RECEIVE_SIDE, STRATEGIES
+from .streams import STRATEGIES, InStreamLogic
 from .view import REQUESTS_VIEW
 
 COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
@@ -83,35 +82,19 @@ def _endpoints(entries: Iterable[tuple[Requests, list[int]]]) -> list[RequestEnd
     return endpoints
 
 
-class RequestsProbe(Probe):
+class RequestsProbe(InStreamLogic):
     """The requests side of a running `SendLatencyProbe` (`host`) whose streams part runs."""
 
+    part = "requests"
+
     def __init__(self, host: Probe | None) -> None:
-        super().__init__()
-        self._host = host
-        self._entries = 0
-        self._starts = StartTimes()
+        super().__init__(host)
         self._started = False
 
-    def _obj(self) -> BpfObject:
-        loaded = self._host.loaded if self._host is not None else None
-        if loaded is None:
-            raise RuntimeError("RequestsProbe is not started")
-        return loaded.obj
-
     def start(self) -> None:
-        host = self._host.loaded if self._host is not None else None
-        if host is None:
-            raise ProbeUnavailable("requests", {"requests": "runs inside the sendlat probe, which is not running"})
-        if host.strategy.name not in RECEIVE_SIDE:
-            raise ProbeUnavailable("requests", {host.strategy.name: "needs socket storage (BTF programs)"})
-        host.obj.set_data(".data.streams", requests_enabled=1)
+        self._runnable_host()
+        self._set(requests_enabled=1)
         self._started = True
-
-    @property
-    def strategy(self) -> str | None:
-        loaded = self._host.loaded if self._host is not None else None
-        return loaded.strategy.name if loaded is not None else None
 
     def status(self) -> ProbeStatus:
         if not self._started or self.strategy is None:
@@ -154,8 +137,8 @@ class RequestsProbe(Probe):
 
     def close(self) -> None:
         """Switch the requests logic off in the host's object (it stays loaded with sendlat)."""
-        if self._started and self._host is not None and self._host.loaded is not None:
-            self._host.loaded.obj.set_data(".data.streams", requests_enabled=0)
+        if self._started and self._host_loaded() is not None:
+            self._set(requests_enabled=0)
         self._started = False
         self._host = None
 

@@ -35,36 +35,28 @@ TOKEN_STREAMS_STALLING = RuleSpec(
 )
 
 
-def _share(statuses: str) -> str:
-    """The share of the requests answered with these status codes over 5 minutes, per server, in PromQL."""
+def _share_rule(name: str, statuses: str, answered: str, meaning: str, default: RuleConfig) -> RuleSpec:
+    """A rule on the share of a server's (process, listening port) requests answered with `statuses`: the
+    agent's over the last 10 s, the rule file's over 5 minutes."""
     by = "instance, server_port, process, container"
     total = "http_server_request_duration_seconds_count"
-    return (f"sum by ({by}) (rate({total}{{http_response_status_code=~\"{statuses}\"}}[5m]))\n"
-            f"/\nsum by ({by}) (rate({total}[5m]))")
+    return RuleSpec(
+        False, f"{{target}} answered {{value:.2%}} of its requests in the last 10 s {answered} (the evidence has "
+        "the status counts)",
+        f'sum by ({by}) (rate({total}{{http_response_status_code=~"{statuses}"}}[5m]))\n'
+        f"/\nsum by ({by}) (rate({total}[5m]))",
+        f"{{{{ $labels.process }}}} on port {{{{ $labels.server_port }}}} answers more than %(threshold_percent)s of "
+        f"its requests {answered}",
+        meaning, name=name, default=default)
 
 
-HTTP_SERVER_ERRORS = RuleSpec(
-    False, "{value:.2%} of the requests {target} answered in the last 10 s were server errors (5xx; the "
-    "evidence has the status counts)",
-    _share("5.."),
-    "{{ $labels.process }} on port {{ $labels.server_port }} answers more than %(threshold_percent)s of its "
-    "requests with 5xx",
-    "Server errors (HTTP status 5xx) above the service's error budget: the server fails, or sheds load with "
-    "503s.",
-    name="http_server_errors",
-    # share of the requests of one server (process, port) answered 5xx in the window
-    default=RuleConfig(threshold=0.001, clear=0.0005, for_seconds=0, severity="warning"),
-)
-
-HTTP_THROTTLED = RuleSpec(
-    False, "{value:.2%} of the requests {target} answered in the last 10 s were throttled (429; the evidence has "
-    "the status counts)",
-    _share("429"),
-    "{{ $labels.process }} on port {{ $labels.server_port }} throttles more than %(threshold_percent)s of its "
-    "requests (429)",
-    "Requests refused with 429 Too Many Requests: a rate limit (tokens, requests) is reached; clients retry "
-    "and wait.",
-    name="http_throttled",
-    # share of the requests of one server (process, port) answered 429 in the window
-    default=RuleConfig(threshold=0.01, clear=0.005, for_seconds=0, severity="warning"),
-)
+# share of the requests of one server (process, port) answered 5xx in the window
+HTTP_SERVER_ERRORS = _share_rule(
+    "http_server_errors", "5..", "with server errors (5xx)",
+    "Server errors (HTTP status 5xx) above the service's error budget: the server fails, or sheds load with 503s.",
+    RuleConfig(threshold=0.001, clear=0.0005, for_seconds=0, severity="warning"))
+# share of the requests of one server (process, port) answered 429 in the window
+HTTP_THROTTLED = _share_rule(
+    "http_throttled", "429", "with 429 (throttled)",
+    "Requests refused with 429 Too Many Requests: a rate limit (tokens, requests) is reached; clients retry and "
+    "wait.", RuleConfig(threshold=0.01, clear=0.005, for_seconds=0, severity="warning"))
