@@ -29,6 +29,7 @@ from aiprobe.probes.sendlat.requests import RequestsProbe
 from exported_histograms import assert_histograms_consistent, rendered
 from helpers import CLOCK_TOLERANCE, PATIENCE, free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from servers import Agent
 
 pytestmark = pytest.mark.bpf
 
@@ -176,3 +177,36 @@ def test_endpoint_summary(probe: RequestsProbe) -> None:
         (len(accounts), statuses[503], statuses[429], statuses[429])
     assert endpoint.statuses == {str(s): n for s, n in sorted(statuses.items())}
     assert endpoint.p99_seconds is not None and endpoint.p99_seconds >= DELAY_MS / 1e3 * (1 - CLOCK_TOLERANCE)
+
+
+def alert_events(agent: Agent, rule: str, port: int) -> list[dict]:
+    if not agent.alert_log.exists():
+        return []
+    events = [json.loads(line) for line in agent.alert_log.read_text().splitlines()]
+    return [e for e in events if e["rule"] == rule and e["evidence"].get("port") == port]
+
+
+def test_agent_exports_otel_metrics_and_fires_the_error_rules(tmp_path: Path) -> None:
+    """Through a real agent: /metrics has the app's counts under OpenTelemetry's names, and 5xx and 429
+    shares far above their thresholds fire http_server_errors and http_throttled, their evidence naming
+    the port, the process and the status counts (since start: exact)."""
+    with Agent(tmp_path, 'probes = ["sendlat"]\n') as agent, app("uvicorn") as process:
+        assert wait_until(lambda: agent.snapshot()["probes"].get("requests", {}).get("up"), timeout=PATIENCE)
+        accounts, _ = drive(process, http2=False)
+        statuses = Counter(str(a["status"]) for a in accounts)
+        for rule in ("http_server_errors", "http_throttled"):
+            assert wait_until(lambda rule=rule: any(e["state"] == "firing" for e in alert_events(
+                agent, rule, process.port)), timeout=PATIENCE), rule
+            evidence = alert_events(agent, rule, process.port)[0]["evidence"]
+            assert (evidence["process"], evidence["pid"], evidence["protocol"]) == ("python", process.pid, "http")
+        assert wait_until(lambda: agent.snapshot()["requests"] and any(
+            e["statuses"] == statuses for e in agent.snapshot()["requests"] if e["port"] == process.port),
+            timeout=PATIENCE)
+        metrics = agent.metrics()
+    exported = Counter()
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "http_server_request_duration_seconds_count" and \
+                    sample.labels["server_port"] == str(process.port):
+                exported[sample.labels["http_response_status_code"]] += int(sample.value)
+    assert exported == statuses

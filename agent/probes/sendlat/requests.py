@@ -8,6 +8,7 @@ switches it on in the host's object and reads map `request_stats`. docs/requests
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections import defaultdict
@@ -24,7 +25,8 @@ from ...registry import Part, Probe
 from .hooks import RequestsHooks
 from .records import METHODS, PROTOCOLS, HttpRequests, RequestEndpoint, Requests, RequestsSnapshot, RpcRequests
 from .rules import HTTP_SERVER_ERRORS, HTTP_THROTTLED
-from .streams import STRATEGIES, InStreamLogic
+from .streams import STRATEGIES as STREAMS_STRATEGIES
+from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
 
 COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
@@ -33,6 +35,9 @@ SPAN = ("each response of an accepted connection (as streams time it), counted w
         "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table or a literal spells "
         "it), its method from its request's first read, its duration from the request's last read to the "
         "response's last write")
+# The streams part's strategies (the same programs), with what this part sees under each.
+STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name == "syscall" else ""))
+                   for s in STREAMS_STRATEGIES)
 
 
 def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
@@ -99,7 +104,7 @@ class RequestsProbe(InStreamLogic):
     def status(self) -> ProbeStatus:
         if not self._started or self.strategy is None:
             return ProbeStatus(False, reason="not started")
-        span = SPAN + (NO_RESPONSES if self.strategy == "syscall" else "")
+        span = next(s.span for s in STRATEGIES if s.name == self.strategy)
         overflows = {usage.map: usage.overflows for usage in self.map_usage() if usage.overflows}
         return ProbeStatus(True, self.strategy, span, overflows=overflows)
 
