@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
@@ -34,6 +35,7 @@ from servers import Agent
 pytestmark = pytest.mark.bpf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "requests_app.py"
+GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
 ANSWERS = {200: 9, 429: 5, 503: 4}  # quick answers per status
 DELAYED, DELAY_MS = 3, 300.0  # 503s after a delay, asked with PUT (their own method's entry)
 
@@ -177,6 +179,35 @@ def test_endpoint_summary(probe: RequestsProbe) -> None:
         (len(accounts), statuses[503], statuses[429], statuses[429])
     assert endpoint.statuses == {str(s): n for s, n in sorted(statuses.items())}
     assert endpoint.p99_seconds is not None and endpoint.p99_seconds >= DELAY_MS / 1e3 * (1 - CLOCK_TOLERANCE)
+
+
+def test_grpc_calls_counted_with_their_status_unknown(probe: RequestsProbe) -> None:
+    """gRPC calls (grpcio, server-streaming) count in rpc_server_duration_seconds, each once; the trailers'
+    grpc-status is not read: every call has rpc_grpc_status_code empty (docs/requests.md)."""
+    calls, port = 4, free_port()
+    process = subprocess.Popen([sys.executable, str(GRPC_FIXTURE), str(port), "--events", "2", "--cadence-ms", "1",
+                                "--prefill-ms", "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = channel.unary_stream("/tokens.Tokens/Stream")
+            for _ in range(calls):
+                assert len(list(stream(b"2"))) == 2
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    mine: list[RpcRequests] = []
+
+    def counted() -> bool:
+        nonlocal mine
+        mine = [r for r in probe.read().rpc if r.pid == process.pid and r.port == port]
+        return sum(r.count for r in mine) >= calls
+
+    assert wait_until(counted, timeout=PATIENCE, interval=0.2)
+    assert sum(r.count for r in mine) == calls and {r.protocol for r in mine} == {"grpc"}
+    exported = [sample for family in text_string_to_metric_families(rendered(mine)) for sample in family.samples
+                if sample.name == "rpc_server_duration_seconds_count"]
+    assert [(s.labels["rpc_grpc_status_code"], s.value) for s in exported] == [("", float(calls))]
 
 
 def alert_events(agent: Agent, rule: str, port: int) -> list[dict]:
