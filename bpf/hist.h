@@ -68,4 +68,15 @@ static __always_inline void hist_add(struct hist *h, __u64 value_ns)
 	__sync_fetch_and_add(&h->sum_ns, value_ns);
 }
 
+/* Adds the time from `start` to `end` to `h` (a TTFB, a duration); false, adding nothing, when `end`
+ * precedes `start` (a read and a write of two threads racing on one connection): no made-up value in
+ * the last slot. */
+static __always_inline bool hist_add_span(struct hist *h, __u64 start, __u64 end)
+{
+	if (end < start)
+		return false;
+	hist_add(h, end - start);
+	return true;
+}
+
 #endif /* AIPROBE_HIST_H */

@@ -7,6 +7,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "common.h"
+#include "requests.h"
 
 /* Of a response's first write, the bytes read to tell its protocol; the SSE content type is searched
  * for in these. A buffer passed to has_event_stream() holds this many. */
@@ -59,5 +60,49 @@ static __always_inline bool is_last_chunk(const char *bytes)
 
 /* The last 4 bytes of a write that ends the headers (the blank line after them), as first4() reads. */
 #define HTTP1_HEADERS_END BYTES4('\r', '\n', '\r', '\n')
+
+/* The status code of a status line ("HTTP/1.1 200 OK": len >= 12); 0 when it is none. */
+static __always_inline __u16 http1_status(const char *bytes, __u64 len)
+{
+	__u16 status = 0;
+
+	if (len < 12 || !is_http1(bytes, len) || bytes[8] != ' ')
+		return 0;
+	for (int i = 9; i < 12; i++) {
+		if (bytes[i] < '0' || bytes[i] > '9')
+			return 0;
+		status = status * 10 + (bytes[i] - '0');
+	}
+	return status >= 200 && status <= 599 ? status : 0;
+}
+
+/* The request line's methods: its first 4 bytes, where the space after the name is. */
+static const struct http1_method {
+	__u32 first4;
+	__u8 space_at;
+	__u8 method;	/* enum http_method */
+} http1_methods[] = {
+	{ BYTES4('G', 'E', 'T', ' '), 3, HTTP_METHOD_GET },
+	{ BYTES4('P', 'U', 'T', ' '), 3, HTTP_METHOD_PUT },
+	{ BYTES4('P', 'O', 'S', 'T'), 4, HTTP_METHOD_POST },
+	{ BYTES4('H', 'E', 'A', 'D'), 4, HTTP_METHOD_HEAD },
+	{ BYTES4('P', 'A', 'T', 'C'), 5, HTTP_METHOD_PATCH },
+	{ BYTES4('T', 'R', 'A', 'C'), 5, HTTP_METHOD_TRACE },
+	{ BYTES4('D', 'E', 'L', 'E'), 6, HTTP_METHOD_DELETE },
+	{ BYTES4('O', 'P', 'T', 'I'), 7, HTTP_METHOD_OPTIONS },
+	{ BYTES4('C', 'O', 'N', 'N'), 7, HTTP_METHOD_CONNECT },
+};
+
+/* The method of a request line, from its first 8 bytes (the name and the space after it). */
+static __always_inline __u8 http1_method(const char bytes[8])
+{
+	__u32 word = first4(bytes);
+
+	for (int i = 0; i < sizeof(http1_methods) / sizeof(http1_methods[0]); i++) {
+		if (word == http1_methods[i].first4 && bytes[http1_methods[i].space_at & 7] == ' ')
+			return http1_methods[i].method;
+	}
+	return HTTP_METHOD_OTHER;
+}
 
 #endif /* AIPROBE_HTTP1_H */

@@ -14,6 +14,8 @@
 #define H2_RST_STREAM 3
 #define H2_SETTINGS 4
 #define H2_END_STREAM 1		/* flag of DATA and HEADERS */
+#define H2_PADDED 0x8		/* flag of DATA and HEADERS: a padding length byte first */
+#define H2_PRIORITY 0x20	/* flag of HEADERS: 5 bytes of priority before the block */
 #define H2_FRAME_HEADER 9	/* bytes */
 /* The client's connection preface, "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": its length, its first 4 bytes. */
 #define H2_CLIENT_PREFACE 24

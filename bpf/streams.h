@@ -94,7 +94,9 @@ enum stream_counter {
 	STREAM_COUNTER_LOST_STALLS,
 	STREAM_COUNTER_ENDPOINTS_FULL,
 	STREAM_COUNTER_H2_UNTIMED,	/* HTTP/2 streams beyond H2_STREAMS on a connection */
+	STREAM_COUNTER_REQUEST_ENDPOINTS_FULL,	/* responses not counted: map request_stats was full */
 	STREAM_COUNTER_MAX,
 };
+BTF_EXPORT_ENUM(stream_counter);
 
 #endif /* AIPROBE_STREAMS_H */

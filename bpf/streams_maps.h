@@ -10,9 +10,11 @@
 #include "common.h"
 #include "http1.h"
 #include "msg.h"
+#include "requests.h"
 #include "streams.h"
 
 #define STREAM_MAX_ENDPOINTS 4096
+#define REQUEST_MAX_ENDPOINTS 4096	/* (process, port, protocol, method, status) entries */
 #define H2_STREAMS 8		/* HTTP/2 streams timed at once per connection */
 #define H2_FRAMES 8		/* streams a write is read for (frames carrying DATA or an end) */
 
@@ -28,6 +30,11 @@ struct stream_timing {
 	__u64 cuda_sync_ns;	/* its process's time inside CUDA synchronizations then (cuda_sync_ns()) */
 	__u32 writer_tid;
 	__u32 chunks;		/* 0: no body byte written yet */
+	/* The requests part (requests.h): */
+	__u64 request_bytes;	/* read for its request */
+	__u64 response_bytes;	/* of its body writes */
+	__u16 status;		/* read from its first write (HTTP/2: its HEADERS); 0: none yet, or not readable */
+	__u8 method;		/* enum http_method, read from its request's first bytes */
 };
 
 struct h2_stream {
@@ -57,6 +64,7 @@ struct stream_socket {
 /* Set by user space while running (its own section: sendlat's `.data` stays sendlat's). */
 __u32 streams_enabled SEC(".data.streams") = 0;
 __u64 stall_threshold_ns SEC(".data.streams") = 250 * 1000 * 1000;
+__u32 requests_enabled SEC(".data.streams") = 0;	/* the requests part (with streams_enabled) */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
@@ -65,13 +73,19 @@ struct {
 	__type(value, struct stream_socket);
 } stream_sockets SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, STREAM_MAX_ENDPOINTS);
-	__type(key, struct stream_key);
-	__type(value, struct stream_stats);
-} stream_stats SEC(".maps");
+/* Aggregates by endpoint: a hash map of `value` by `key`, whose entries are made on first use
+ * (endpoint_entry()). */
+#define ENDPOINT_MAP(name, key_type, value_type, entries)		\
+	struct {							\
+		__uint(type, BPF_MAP_TYPE_HASH);			\
+		__uint(map_flags, BPF_F_NO_PREALLOC);			\
+		__uint(max_entries, entries);				\
+		__type(key, key_type);					\
+		__type(value, value_type);				\
+	} name SEC(".maps")
+
+ENDPOINT_MAP(stream_stats, struct stream_key, struct stream_stats, STREAM_MAX_ENDPOINTS);
+ENDPOINT_MAP(request_stats, struct request_key, struct request_stats, REQUEST_MAX_ENDPOINTS);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -101,30 +115,58 @@ struct {
 BTF_EXPORT(stream_stall_event);
 
 static struct stream_stats zero_stream_stats;
+static struct request_stats zero_request_stats;
 
 static __always_inline void stream_count(enum stream_counter index)
 {
 	counter_inc(&stream_counters, index);
 }
 
+/* The entry of `key` in hash map `map`, made from `zero` on first use; NULL when the map is full
+ * (counted in `full`). */
+static __always_inline void *endpoint_entry(void *map, const void *key, const void *zero, enum stream_counter full)
+{
+	void *entry = bpf_map_lookup_elem(map, key);
+
+	if (entry)
+		return entry;
+	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
+	entry = bpf_map_lookup_elem(map, key);
+	if (!entry)
+		stream_count(full);
+	return entry;
+}
+
+/* An entry's name: the current process's (its leader's comm), once. */
+static __always_inline void name_entry(char comm[16])
+{
+	struct task_struct *leader;
+
+	if (comm[0])
+		return;
+	leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
+	bpf_core_read_str(comm, 16, &leader->comm);
+}
+
 /* The stats of the socket's endpoint, created (named after the current process) on first use. */
 static __noinline struct stream_stats *stream_endpoint(struct stream_key *key)
 {
-	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, key);
-	struct task_struct *leader;
+	struct stream_stats *stats = endpoint_entry(&stream_stats, key, &zero_stream_stats,
+						    STREAM_COUNTER_ENDPOINTS_FULL);
 
 	if (stats)
-		return stats;
-	bpf_map_update_elem(&stream_stats, key, &zero_stream_stats, BPF_NOEXIST);
-	stats = bpf_map_lookup_elem(&stream_stats, key);
-	if (!stats) {
-		stream_count(STREAM_COUNTER_ENDPOINTS_FULL);
-		return NULL;
-	}
-	if (!stats->comm[0]) {
-		leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
-		bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
-	}
+		name_entry(stats->comm);
+	return stats;
+}
+
+/* The requests of one (endpoint, method, status), created on first use. */
+static __noinline struct request_stats *request_endpoint(struct request_key *key)
+{
+	struct request_stats *stats = endpoint_entry(&request_stats, key, &zero_request_stats,
+						     STREAM_COUNTER_REQUEST_ENDPOINTS_FULL);
+
+	if (stats)
+		name_entry(stats->comm);
 	return stats;
 }
 

@@ -33,6 +33,7 @@
 #include <bpf/bpf_endian.h>
 #include "cuda_sync.h"
 #include "hist.h"
+#include "hpack.h"
 #include "http1.h"
 #include "http2.h"
 #include "msg.h"
@@ -49,31 +50,47 @@ static __always_inline bool is_h2(struct stream_socket *s)
 	return s->key.protocol == STREAM_PROTOCOL_HTTP2 || s->key.protocol == STREAM_PROTOCOL_GRPC;
 }
 
-/* Adds the time from `start` to `end` to `h` (a TTFB, a duration); false, adding nothing, when `end`
- * precedes `start` (a read and a write of two threads racing on one connection): no made-up value in
- * the last slot. */
-static __always_inline bool hist_add_span(struct hist *h, __u64 start, __u64 end)
+/* The protocols whose responses are requests: their status and method are read. */
+static __always_inline bool speaks_http(struct stream_socket *s)
 {
-	if (end < start)
-		return false;
-	hist_add(h, end - start);
-	return true;
+	return s->key.protocol == STREAM_PROTOCOL_HTTP || s->key.protocol == STREAM_PROTOCOL_SSE || is_h2(s);
 }
 
-/* A response ended (at its last write). */
+/* The requests part: response `t` ended; counted per (endpoint, method, status). */
+static __always_inline void request_end(struct stream_socket *s, struct stream_timing *t)
+{
+	struct request_key key = {
+		.tgid = s->key.tgid, .port = s->key.port, .status = t->status, .protocol = s->key.protocol,
+		.method = t->method, .cgroup_id = s->key.cgroup_id,
+	};
+	struct request_stats *stats;
+
+	if (!requests_enabled || !speaks_http(s) || !key.port || !(stats = request_endpoint(&key)))
+		return;
+	if (!hist_add_span(&stats->duration, t->request_ns, t->last_write_ns))
+		__sync_fetch_and_add(&stats->durations_unknown, 1);
+	__sync_fetch_and_add(&stats->request_bytes, t->request_bytes);
+	__sync_fetch_and_add(&stats->response_bytes, t->response_bytes);
+}
+
+/* A response ended (at its last write): one that wrote a body byte, or its status (headers alone). */
 static __always_inline void timing_end(struct stream_socket *s, struct stream_timing *t)
 {
 	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, &s->key);
 
+	if (t->chunks || t->status)
+		request_end(s, t);
 	if (stats && t->chunks && !hist_add_span(&stats->duration, t->request_ns, t->last_write_ns))
 		__sync_fetch_and_add(&stats->durations_unknown, 1);
 	t->chunks = 0;
+	t->status = 0;
+	t->response_bytes = 0;
 }
 
-/* The connection's response in progress ended. */
+/* The connection's response in progress ended (a response of headers alone has its status). */
 static __always_inline void stream_end(struct stream_socket *s)
 {
-	if (s->phase != STREAM_RESPONSE)
+	if (s->phase != STREAM_RESPONSE && !s->t.status)
 		return;
 	s->phase = STREAM_IDLE;
 	timing_end(s, &s->t);
@@ -176,18 +193,49 @@ static __always_inline struct h2_stream *h2_stream(struct stream_socket *s, __u3
 		return NULL;
 	}
 	s->h2[free].id = id;
+	__builtin_memset(&s->h2[free].t, 0, sizeof(s->h2[free].t));
 	s->h2[free].t.request_ns = s->t.request_ns;
-	s->h2[free].t.chunks = 0;
 	return &s->h2[free];
 }
 
-/* A frame the client sent on a stream (HEADERS, DATA): its request, until the response begins. */
-static __always_inline void h2_request(struct stream_socket *s, __u32 id, __u64 now)
+/* The first 8 bytes (big-endian) of the header block of the HEADERS frame at the cursor (past its
+ * padding length and priority); 0 where they are not in the cursor's segment. */
+static __always_inline __u64 h2_header_block(struct msg_cursor *c, __u8 flags)
+{
+	__u64 offset = H2_FRAME_HEADER, word;
+
+	if (flags & H2_PADDED)
+		offset += 1;
+	if (flags & H2_PRIORITY)
+		offset += 5;
+	if (c->left <= offset || bpf_probe_read_user(&word, sizeof(word), (void *)(c->base + offset)))
+		return 0;
+	return bpf_be64_to_cpu(word);
+}
+
+/* A frame the client sent on a stream (HEADERS, DATA): its request, until the response begins (its
+ * method from the HEADERS, its bytes). */
+static __always_inline void h2_request(struct stream_socket *s, struct msg_cursor *c, const __u8 *header,
+					__u32 id, __u64 now)
 {
 	struct h2_stream *stream = h2_stream(s, id, true);
 
-	if (stream && !stream->t.chunks)
-		stream->t.request_ns = now;
+	if (!stream || stream->t.chunks)
+		return;
+	stream->t.request_ns = now;
+	stream->t.request_bytes += H2_FRAME_HEADER + h2_length(header);
+	if (header[3] == H2_HEADERS && requests_enabled)
+		stream->t.method = hpack_method(h2_header_block(c, header[4]));
+}
+
+/* The server's HEADERS on a stream: the response's status, from the first (trailers come later). */
+static __always_inline void h2_response_headers(struct stream_socket *s, struct msg_cursor *c, const __u8 *header,
+						 __u32 id)
+{
+	struct h2_stream *stream = h2_stream(s, id, false);
+
+	if (stream && !stream->t.status)
+		stream->t.status = hpack_status(h2_header_block(c, header[4]));
 }
 
 /* One frame header of a write (which stream it carries DATA for or ends), or of a read (which stream
@@ -206,9 +254,11 @@ static long h2_frame(__u32 index, struct h2_walk *walk)
 	stream = h2_stream_id(header);
 	if (walk->received_ns) {
 		if ((header[3] == H2_HEADERS || header[3] == H2_DATA) && stream)
-			h2_request(s, stream, walk->received_ns);
+			h2_request(s, c, header, stream, walk->received_ns);
 		return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
 	}
+	if (header[3] == H2_HEADERS && stream && requests_enabled)
+		h2_response_headers(s, c, header, stream);
 	carries = 0;
 	if (header[3] == H2_DATA && length)
 		carries = H2_CARRIES_DATA;
@@ -283,8 +333,11 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 			return;
 		}
 	}
-	if (s->key.protocol == STREAM_PROTOCOL_HTTP || s->key.protocol == STREAM_PROTOCOL_SSE)
-		s->write = http_write(s, peek->bytes, user, len, msg->msg_iter.count);
+	if (s->key.protocol != STREAM_PROTOCOL_HTTP && s->key.protocol != STREAM_PROTOCOL_SSE)
+		return;
+	s->write = http_write(s, peek->bytes, user, len, msg->msg_iter.count);
+	if (s->phase == STREAM_REQUEST && !s->t.status)
+		s->t.status = http1_status(peek->bytes, n);
 }
 
 /* --- the server's reads --- */
@@ -330,6 +383,27 @@ static __always_inline void tls_handshake_done(struct stream_socket *s, __u64 no
 		hist_add_span(&stats->handshake, s->first_read_ns, now);
 }
 
+/* HTTP/1.x (or not yet known): `ret` bytes of a request. Its first read holds the request line, whose
+ * method the read syscall's buffer tells (reads through other calls, io_uring's, tell none). */
+static __always_inline void request_received(struct stream_socket *s, int ret)
+{
+	char first[8];
+	__u64 user;
+
+	if (s->phase == STREAM_REQUEST) {
+		s->t.request_bytes += ret;
+		return;
+	}
+	s->phase = STREAM_REQUEST;
+	s->t.request_bytes = ret;
+	s->t.method = HTTP_METHOD_OTHER;
+	if (!requests_enabled || (s->classified && !speaks_http(s)) || ret < (int)sizeof(first))
+		return;
+	user = received_buffer();
+	if (user && !bpf_probe_read_user(first, sizeof(first), (void *)user))
+		s->t.method = http1_method(first);
+}
+
 /* The server received `ret` bytes: a request (or more of it). On HTTP/2 the frames say which
  * stream's (clients also send acknowledgements while they read); elsewhere the response in
  * progress ends. */
@@ -356,7 +430,7 @@ static __always_inline void stream_received(struct sock *sk, int ret, int flags)
 	if (!s->classified || is_h2(s))
 		h2_received(s, ret, now);
 	if (!is_h2(s))
-		s->phase = STREAM_REQUEST;
+		request_received(s, ret);
 }
 
 SEC("tp_btf/sock_recv_length")
@@ -442,15 +516,6 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 	bpf_ringbuf_submit(event, 0);
 }
 
-/* The stats of the endpoint the writing process serves on `sk` (with the protocol as known now). */
-static __always_inline struct stream_stats *endpoint_of(struct sock *sk, struct stream_socket *s, __u32 tgid,
-							__u64 cgroup_id)
-{
-	s->key.tgid = tgid;
-	s->key.cgroup_id = cgroup_id;
-	s->key.port = sk->__sk_common.skc_num;
-	return stream_endpoint(&s->key);
-}
 
 /* A write of `ret` bytes of response `t` (stream `stream_id` on HTTP/2): the first byte ends the TTFB,
  * later ones a gap. */
@@ -470,6 +535,7 @@ static __always_inline void timing_write(struct sock *sk, struct stream_socket *
 			emit_stall(sk, s, t, stats, stream_id, now, gap, start_ns);
 	}
 	t->chunks++;
+	t->response_bytes += ret;
 	__sync_fetch_and_add(&stats->chunks, 1);
 	__sync_fetch_and_add(&stats->bytes, ret);
 	t->last_write_ns = now;
@@ -484,11 +550,9 @@ struct h2_write {
 	struct sock *sk;
 	struct stream_socket *s;
 	struct stream_stats *stats;	/* NULL until the first DATA */
-	__u64 cgroup_id;
 	__u64 now;
 	__u64 start_ns;
 	long ret;
-	__u32 tgid;
 };
 
 static long h2_write_frame(__u32 i, struct h2_write *w)
@@ -505,11 +569,13 @@ static long h2_write_frame(__u32 i, struct h2_write *w)
 		return 0;
 	/* Several frames of one stream in one write are one chunk. */
 	if ((carries & H2_CARRIES_DATA) && !(stream->t.chunks && stream->t.last_write_ns == w->now) &&
-	    (w->stats || (w->stats = endpoint_of(w->sk, s, w->tgid, w->cgroup_id)))) {
+	    (w->stats || (w->stats = stream_endpoint(&s->key)))) {
 		timing_write(w->sk, s, &stream->t, w->stats, stream->id, w->ret, w->now, w->start_ns);
 		w->ret = 0;
 	}
 	if (carries & H2_CARRIES_END) {
+		if (!stream->t.chunks)
+			stream->t.last_write_ns = w->now;	/* headers alone */
 		timing_end(s, &stream->t);
 		stream->id = 0;
 	}
@@ -519,11 +585,9 @@ static long h2_write_frame(__u32 i, struct h2_write *w)
 /* A chunk of each stream the write carries DATA for; the streams it ends end. Bytes are the write's,
  * counted once (with its first stream). The endpoint's entry is made at the first DATA, when the
  * protocol (http2 or grpc) is known. */
-static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, __u32 tgid, __u64 cgroup_id,
-				     long ret, __u64 now, __u64 start_ns)
+static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, long ret, __u64 now, __u64 start_ns)
 {
-	struct h2_write w = { .sk = sk, .s = s, .cgroup_id = cgroup_id, .now = now, .start_ns = start_ns,
-			      .ret = ret, .tgid = tgid };
+	struct h2_write w = { .sk = sk, .s = s, .now = now, .start_ns = start_ns, .ret = ret };
 
 	bpf_loop(H2_FRAMES, h2_write_frame, &w, 0);
 }
@@ -546,11 +610,17 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 			s->full_since_ns = now;
 		return;
 	}
+	/* The endpoint: the writing process serving on `sk`, with the protocol as known now. */
+	s->key.tgid = tgid;
+	s->key.cgroup_id = cgroup_id;
+	s->key.port = sk->__sk_common.skc_num;
 	if (is_h2(s)) {
-		h2_write(sk, s, tgid, cgroup_id, ret, now, start_ns);
+		h2_write(sk, s, ret, now, start_ns);
 		s->frames = 0;
 		goto done;
 	}
+	if (write == WRITE_HEADERS)
+		s->t.last_write_ns = now;	/* a response of headers alone ends here */
 	if (s->phase == STREAM_IDLE || write == WRITE_HEADERS)
 		goto done;	/* the server speaks first, or the headers alone: not a chunk */
 	if (write == WRITE_LAST_CHUNK) {
@@ -561,7 +631,7 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	if (s->phase == STREAM_REQUEST) {
 		s->phase = STREAM_RESPONSE;
 		s->t.chunks = 0;
-		stats = endpoint_of(sk, s, tgid, cgroup_id);
+		stats = stream_endpoint(&s->key);
 	} else {
 		stats = bpf_map_lookup_elem(&stream_stats, &s->key);
 	}

@@ -55,7 +55,7 @@ def _duration(seconds: float) -> str:
 
 
 def _rule(name: str, spec: RuleSpec, config: RuleConfig, traffic_floor: float) -> str:
-    values = {"threshold": f"{config.threshold:g}", "threshold_percent": f"{config.threshold:.0%}",
+    values = {"threshold": f"{config.threshold:g}", "threshold_percent": f"{config.threshold * 100:g}%",
               "traffic_floor": f"{traffic_floor:g}"}
     comparison = f"{spec.query} {'<' if spec.fires_below else '>'} {config.threshold:g}"
     expr = "\n".join(line for line in (comparison, spec.guard % values) if line)

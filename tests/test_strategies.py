@@ -33,9 +33,10 @@ from helpers import PATIENCE, VethPair
 # library, not a kernel (tests/test_nvml.py, test_least_privilege.py).
 ALWAYS = {"cuda": "uprobe", "sched": "tp_btf", "netstat": "procfs"}
 EXPECTED = {
-    (6, 1): {"sendlat": "fentry", "streams": "fentry", "flows": "clsact", **ALWAYS},  # no TCX before 6.6
-    (6, 12): {"sendlat": "fentry", "streams": "fentry", "flows": "tcx", **ALWAYS},
-    (6, 18): {"sendlat": "tracepoint", "streams": "tracepoint", "flows": "tcx", **ALWAYS},
+    # no TCX before 6.6
+    (6, 1): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "clsact", **ALWAYS},
+    (6, 12): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "tcx", **ALWAYS},
+    (6, 18): {"sendlat": "tracepoint", "streams": "tracepoint", "requests": "tracepoint", "flows": "tcx", **ALWAYS},
 }
 FORCEABLE = [(name, strategy.name) for name in ("flows", "sendlat", "sched") for strategy in face(name).strategies]
 SSE_EVENTS = 20

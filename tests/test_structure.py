@@ -93,9 +93,9 @@ def test_every_probe_is_registered_once_with_a_factory_and_one_owner_per_bpf_obj
     assert all(spec.factory is not None for spec in specs())
     owners = [spec.bpf_object for spec in specs() if spec.bpf_object]
     assert len(owners) == len(set(owners)), "a BPF object with two owners"
-    # streams is part of sendlat, sched of cuda; netstat runs always
+    # streams and requests are parts of sendlat, sched of cuda; netstat runs always
     assert {spec.name: [part.name for part in spec.parts] for spec in specs() if spec.parts} == \
-        {"sendlat": ["streams"], "cuda": ["sched"]}
+        {"sendlat": ["streams", "requests"], "cuda": ["sched"]}
     assert {"flows", "sendlat", "cuda", "nvml"} <= set(selectable_names())
     assert not {spec.name for spec in specs() if spec.always} & set(selectable_names())
 

@@ -1,5 +1,5 @@
-"""The send path in the agent's refresh: each process's send rate, the send-stall and stream-stall
-rules, its columns of the process table, and the snapshot's `streams`."""
+"""The send path in the agent's refresh: each process's send rate, the send-stall, stream-stall and
+request-error rules, its columns of the process table, and the snapshot's `streams` and `requests`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from ...rules import Signal
 from .records import (
     CAUSES,
     ProcessSendLatency,
+    RequestEndpoint,
+    Requests,
+    RequestsSnapshot,
     SendLatencySnapshot,
     StreamEndpoint,
     StreamsSnapshot,
@@ -105,3 +108,43 @@ class StreamsHooks(Hooks):
     def snapshot(self, reading: StreamsSnapshot) -> dict[str, Any]:
         return {"streams": sorted(reading.endpoints, key=lambda e: e.streams_per_second, reverse=True),
                 "tls_handshakes": sorted(reading.tls_handshakes, key=lambda h: (h.port, h.tls_version, h.pid))}
+
+
+class RequestsHooks(Hooks):
+    sections = {"requests": Section(RequestEndpoint)}
+
+    def join(self, reading: RequestsSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
+        records: list[RequestEndpoint | Requests] = [*reading.endpoints, *reading.http, *reading.rpc]
+        for record in records:
+            refresh.workload(record.cgroup_id, record.pid).label(record)
+        return {record.pid for record in records}
+
+    def rates(self, reading: RequestsSnapshot, refresh: Refresh, now: float) -> None:
+        """Requests per second and the shares of 4xx, 5xx and 429 among them, over the last interval."""
+        for endpoint in reading.endpoints:
+            total, client, server, throttled = refresh.rate(("requests", endpoint.identity()), [
+                endpoint.count, endpoint.client_errors, endpoint.server_errors, endpoint.throttled], now)
+            endpoint.requests_per_second = total
+            if total:
+                endpoint.client_error_share, endpoint.server_error_share = client / total, server / total
+                endpoint.throttled_share = throttled / total
+
+    def signals(self, reading: RequestsSnapshot, readings: Readings, refresh: Refresh, now: float) -> list[Signal]:
+        """Per endpoint, the shares of 5xx and of 429 among the requests answered in the window."""
+        signals = []
+        for endpoint in reading.endpoints:
+            total, server, throttled = refresh.recent(("requests", endpoint.identity()), [
+                float(endpoint.count), float(endpoint.server_errors), float(endpoint.throttled)], now)
+            if not total:
+                continue
+            name = f":{endpoint.port} {target(endpoint)}"
+            evidence = {"port": endpoint.port, "protocol": endpoint.protocol, "process": endpoint.comm,
+                        "pid": endpoint.pid, "requests": int(total), "server_errors": int(server),
+                        "throttled": int(throttled), "statuses": endpoint.statuses,
+                        "window_seconds": SIGNAL_WINDOW_SECONDS}
+            signals.append(Signal("http_server_errors", name, server / total, evidence))
+            signals.append(Signal("http_throttled", name, throttled / total, evidence))
+        return signals
+
+    def snapshot(self, reading: RequestsSnapshot) -> dict[str, Any]:
+        return {"requests": sorted(reading.endpoints, key=lambda e: e.requests_per_second, reverse=True)}

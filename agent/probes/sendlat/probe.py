@@ -28,6 +28,8 @@ from ...procfs import StartTimes
 from ...registry import Face, Probe, ProbeSpec, Unavailable, strategies_named
 from .hooks import SendLatencyHooks
 from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, SlowSend
+from .requests import PART as REQUESTS
+from .requests import RequestsProbe  # counted by the stream logic when responses end (bpf/requests.h)
 from .rules import NETWORK_SEND_STALL
 from .settings import SendLatencySettings, StreamsSettings
 from .streams import PART as STREAMS
@@ -106,7 +108,7 @@ SPEC = ProbeSpec(
     bpf_object=OBJECT,
     order=20,
     factory=_from_config,
-    parts=(STREAMS,),
+    parts=(STREAMS, REQUESTS),
     settings=SendLatencySettings,
     command="aiprobe.probes.sendlat.command:command",
     metrics=(
@@ -249,6 +251,7 @@ class SendLatencyProbe(Probe):
         self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
         self._stall_threshold_ms = stall_threshold_ms
         self._streams: Face | None = None
+        self._requests: Face | None = None
 
     def start(self) -> None:
         if self.loaded is not None:
@@ -258,25 +261,29 @@ class SendLatencyProbe(Probe):
             self._slow_sends = RingRecords(self.loaded.obj, "slow_sends", "slow_send_event", _slow_send,
                                            MAX_PENDING_SLOW_SENDS)
             if self._stall_threshold_ms is not None:
-                self._streams = self._start_streams(self._stall_threshold_ms)
+                self._streams = self._start_part(StreamsProbe(self, self._stall_threshold_ms))
+                # Requests are counted by the stream logic: without it, none (and the same reason).
+                self._requests = self._start_part(RequestsProbe(self)) if isinstance(self._streams, StreamsProbe) \
+                    else self._streams
         except BaseException:
             self.close()
             raise
 
-    def _start_streams(self, stall_threshold_ms: float) -> Face:
-        """The streams part on this probe's programs, or why it cannot run on this strategy."""
-        streams = StreamsProbe(self, stall_threshold_ms)
+    @staticmethod
+    def _start_part(part: Probe) -> Face:
+        """A part on this probe's programs, started, or why it cannot run on this strategy."""
         try:
-            streams.start()
+            part.start()
         except ProbeUnavailable as exc:
             return Unavailable("; ".join(exc.reasons.values()))
         except Exception as exc:  # the part cannot run; the send latency it rides on keeps going
-            streams.close()
+            part.close()
             return Unavailable(str(exc))
-        return streams
+        return part
 
     def parts(self) -> dict[str, Face]:
-        return {STREAMS.name: self._streams} if self._streams is not None else {}
+        faces = {STREAMS.name: self._streams, REQUESTS.name: self._requests}
+        return {name: face for name, face in faces.items() if face is not None}
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0,
@@ -376,8 +383,9 @@ class SendLatencyProbe(Probe):
         return [MapUsage(name, self._entries.get(name, 0), maps[name].max_entries) for name in _STATS_MAPS]
 
     def close(self) -> None:
-        if isinstance(self._streams, StreamsProbe):
-            self._streams.close()
-        self._streams = None
+        for part in (self._requests, self._streams):
+            if isinstance(part, Probe):
+                part.close()
+        self._streams = self._requests = None
         self._slow_sends = None  # its ring is freed with the object
         super().close()

@@ -1,4 +1,4 @@
-"""The send path's records: send latency per process and flow, slow sends, token streams."""
+"""The send path's records: send latency per process and flow, slow sends, token streams, requests."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ PROTOCOLS = enum_labels("sendlat", "stream_protocol", "STREAM_PROTOCOL_")
 CAUSES = enum_labels("sendlat", "stall_cause", "STALL_")
 # As enum tls_version names them ("1_3" is "1.3"); the first, "none", is no version.
 TLS_VERSIONS = enum_labels("sendlat", "tls_version", "TLS_VERSION_", lambda name: name.lower().replace("_", "."))
+# As enum http_method names them; OTHER (not one of them, or not readable) is OpenTelemetry's "_OTHER".
+METHODS = enum_labels("sendlat", "http_method", "HTTP_METHOD_", lambda name: "_OTHER" if name == "OTHER" else name)
 
 
 @dataclass
@@ -92,8 +94,21 @@ class SendLatencySnapshot(Record):
     sample_every: int = 1  # 1 send in this many per thread is timed now; counts are exact regardless
 
 
+class ServerEndpoint:
+    """What names a server's records: a process (in a cgroup) on a listening port, by protocol."""
+
+    pid: int
+    start_ticks: int
+    cgroup_id: int
+    port: int
+    protocol: str
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol
+
+
 @dataclass
-class StreamEndpoint(Placed):
+class StreamEndpoint(ServerEndpoint, Placed):
     """Responses of one process (in one cgroup) on one listening port, by protocol, since the probe
     started (monotonic counters). A response starts at its first body write; see docs/streams.md."""
 
@@ -122,9 +137,6 @@ class StreamEndpoint(Placed):
     start_ticks: int = 0
     streams_per_second: float = field(default=0.0, metadata=JOINED)
     pod_uid: str = field(default="", metadata=JOINED)
-
-    def identity(self) -> Identity:
-        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol
 
 
 @dataclass
@@ -176,3 +188,81 @@ class StreamsSnapshot(Record):
     untimed_h2_streams: int = 0  # HTTP/2 streams beyond the streams timed at once on a connection, since start
     cuda_syncs_seen: bool = False  # the cuda probe runs: stalls spent in CUDA synchronizations are `gpu`
     tls_handshakes: list[TlsHandshakes] = field(default_factory=list)
+
+
+@dataclass
+class Requests(Placed):
+    """Requests one process (in one cgroup) answered on one listening port, by protocol, method and status
+    code, since the probe started (monotonic counters): responses that ended (docs/requests.md)."""
+
+    pid: int
+    comm: str
+    cgroup_id: int
+    port: int  # the listening (local) port
+    protocol: str  # "http" | "sse" | "http2" | "grpc"
+    method: str  # "GET", "POST", ...; "_OTHER": another method, or not readable
+    status_code: int  # the response's (HTTP/2: :status); 0: not readable
+    count: int
+    duration_sum_seconds: float
+    duration_histogram: Histogram = field(metadata=HISTOGRAM)  # request received -> the response's last write
+    p50_seconds: float | None = None
+    p99_seconds: float | None = None
+    durations_unknown: int = 0  # responses whose last write preceded their request: not in duration_histogram
+    request_bytes: int = 0  # read for the requests, headers included
+    response_bytes: int = 0  # of the responses' body writes (a write of the headers alone excluded)
+    start_ticks: int = 0
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.cgroup_id, self.port, self.protocol, self.method, self.status_code
+
+    @property
+    def status_label(self) -> str:
+        """The status code as a label value; empty (no label) where it was not readable."""
+        return str(self.status_code) if self.status_code else ""
+
+
+class HttpRequests(Requests):
+    """HTTP requests (HTTP/1.x, Server-Sent Events, cleartext HTTP/2)."""
+
+
+class RpcRequests(Requests):
+    """gRPC calls (HTTP/2 whose DATA frames hold gRPC messages); `status_code` is the HTTP :status (the
+    grpc-status of the trailers is not read)."""
+
+
+@dataclass
+class RequestEndpoint(ServerEndpoint, Placed):
+    """All requests of one process on one listening port and protocol: counts by status class and the
+    duration's quantiles, since start; shares and rates over the last refresh interval."""
+
+    pid: int
+    comm: str
+    cgroup_id: int
+    port: int
+    protocol: str
+    count: int
+    client_errors: int  # 4xx
+    server_errors: int  # 5xx
+    throttled: int  # 429
+    status_unknown: int  # not readable (HTTP/2: a dynamic-table index)
+    p50_seconds: float | None
+    p99_seconds: float | None
+    statuses: dict[str, int] = field(default_factory=dict)  # status code ("unknown": not readable) -> requests
+    start_ticks: int = 0
+    requests_per_second: float = field(default=0.0, metadata=JOINED)
+    client_error_share: float = field(default=0.0, metadata=JOINED)  # of the requests in the last interval
+    server_error_share: float = field(default=0.0, metadata=JOINED)
+    throttled_share: float = field(default=0.0, metadata=JOINED)
+
+
+@dataclass
+class RequestsSnapshot(Record):
+    """A read of the requests part: every (process, port, protocol, method, status) entry since start, HTTP's
+    and gRPC's apart (their metric families differ), and their sums per server."""
+
+    strategy: str
+    span: str
+    http: list[HttpRequests] = field(default_factory=list)
+    rpc: list[RpcRequests] = field(default_factory=list)
+    endpoints: list[RequestEndpoint] = field(default_factory=list)
+    uncounted_requests: int = 0  # responses beyond the request table's capacity, since start

@@ -14,7 +14,7 @@ from typing import Any
 
 from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, Lazy, ProbeUnavailable, RingRecords, Strategy
+from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -94,41 +94,66 @@ def _stall(event: dict[str, Any]) -> StreamStall:
     )
 
 
-class StreamsProbe(Probe):
-    """The stream side of a running `SendLatencyProbe` (`host`). Stalls (gaps >= stall_threshold_ms)
-    are kept from one `read()` to the next; `poll()` shows them as they happen."""
+class InStreamLogic(Probe):
+    """A part whose logic runs inside the programs of a running `SendLatencyProbe` (`host`): the stream
+    logic, and what rides on it."""
 
-    def __init__(self, host: Probe | None, stall_threshold_ms: float = 250.0) -> None:
+    part = ""  # its name
+
+    def __init__(self, host: Probe | None) -> None:
         super().__init__()
-        if stall_threshold_ms <= 0:
-            raise ValueError("stall_threshold_ms must be positive")
         self._host = host
-        self.stall_threshold_ms = stall_threshold_ms
-        self._stalls: RingRecords[StreamStall] | None = None
         self._entries = 0
         self._starts = StartTimes()
 
+    def _host_loaded(self) -> Loaded | None:
+        return self._host.loaded if self._host is not None else None
+
     def _obj(self) -> BpfObject:
-        loaded = self._host.loaded if self._host is not None else None
+        loaded = self._host_loaded()
         if loaded is None:
-            raise RuntimeError("StreamsProbe is not started")
+            raise RuntimeError(f"{type(self).__name__} is not started")
         return loaded.obj
 
-    def start(self) -> None:
-        host = self._host.loaded if self._host is not None else None
+    def _runnable_host(self) -> Loaded:
+        """The host, loaded with a strategy the stream logic runs on; ProbeUnavailable otherwise."""
+        host = self._host_loaded()
         if host is None:
-            raise ProbeUnavailable("streams", {"streams": "runs inside the sendlat probe, which is not running"})
+            raise ProbeUnavailable(self.part, {self.part: "runs inside the sendlat probe, which is not running"})
         if host.strategy.name not in RECEIVE_SIDE:
-            raise ProbeUnavailable("streams", {host.strategy.name: "needs socket storage (BTF programs)"})
-        self._stalls = RingRecords(host.obj, "stream_stalls", "stream_stall_event", _stall, MAX_PENDING_STALLS)
-        self._set(stall_threshold_ns=round(self.stall_threshold_ms * 1e6), streams_enabled=1)
+            raise ProbeUnavailable(self.part, {host.strategy.name: "needs socket storage (BTF programs)"})
+        return host
 
     def _set(self, **values: int) -> None:
         """Write variables of the object's `.data.streams` section (stream settings only live there)."""
         self._obj().set_data(".data.streams", **values)
 
+    @property
+    def strategy(self) -> str | None:
+        loaded = self._host_loaded()
+        return loaded.strategy.name if loaded is not None else None
+
+
+class StreamsProbe(InStreamLogic):
+    """The stream side of a running `SendLatencyProbe` (`host`). Stalls (gaps >= stall_threshold_ms)
+    are kept from one `read()` to the next; `poll()` shows them as they happen."""
+
+    part = "streams"
+
+    def __init__(self, host: Probe | None, stall_threshold_ms: float = 250.0) -> None:
+        super().__init__(host)
+        if stall_threshold_ms <= 0:
+            raise ValueError("stall_threshold_ms must be positive")
+        self.stall_threshold_ms = stall_threshold_ms
+        self._stalls: RingRecords[StreamStall] | None = None
+
+    def start(self) -> None:
+        host = self._runnable_host()
+        self._stalls = RingRecords(host.obj, "stream_stalls", "stream_stall_event", _stall, MAX_PENDING_STALLS)
+        self._set(stall_threshold_ns=round(self.stall_threshold_ms * 1e6), streams_enabled=1)
+
     def status(self) -> ProbeStatus:
-        loaded = self._host.loaded if self._host is not None else None
+        loaded = self._host_loaded()
         if loaded is None or self._stalls is None:
             return ProbeStatus(False, reason="not started")
         span = next(s.span for s in STRATEGIES if s.name == loaded.strategy.name)
@@ -171,11 +196,6 @@ class StreamsProbe(Probe):
             uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
             cuda_syncs_seen=self.cuda_syncs_seen(), tls_handshakes=handshakes,
         )
-
-    @property
-    def strategy(self) -> str | None:
-        loaded = self._host.loaded if self._host is not None else None
-        return loaded.strategy.name if loaded is not None else None
 
     def events_lost(self) -> int:
         try:

@@ -1,4 +1,4 @@
-"""The send path in `aiprobe top`: its columns of the process table and the streams view."""
+"""The send path in `aiprobe top`: its columns of the process table, the streams and requests views."""
 
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ def _stream_rows(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+# The columns naming a server (a process on a listening port, by protocol), and how its rows are followed.
+ENDPOINT_COLUMNS = (
+    Column("PORT", "port", 6, text=str),
+    Column("PROTO", "protocol", 6, numeric=False),
+    Column("PROCESS", "comm", 15, numeric=False),
+    Column("CONTAINER", "container", 12, numeric=False),
+)
+ENDPOINT_IDENTITY = ("pid", "port", "protocol")
 
 STREAMS_VIEW = View(
     "streams", "Streams",
     (
-        Column("PORT", "port", 6, text=str),
-        Column("PROTO", "protocol", 6, numeric=False),
-        Column("PROCESS", "comm", 15, numeric=False),
-        Column("CONTAINER", "container", 12, numeric=False),
+        *ENDPOINT_COLUMNS,
         Column("STREAMS", "streams_per_second", 8),
         Column("TTFB p50", "ttfb_p50_seconds", 9),
         Column("TTFB p99", "ttfb_p99_seconds", 9),
@@ -41,6 +46,22 @@ STREAMS_VIEW = View(
         Column("STALLS", "stall_count", 7, text=str),
         Column("BY CAUSE", "stalls_text", 24, numeric=False),
     ),
-    "streams_per_second", True, ("streams",), _stream_rows,
-    identity=("pid", "port", "protocol"), key="t",
+    "streams_per_second", True, ("streams",), _stream_rows, identity=ENDPOINT_IDENTITY, key="t",
+)
+
+
+def _percent(share: float) -> str:
+    return f"{share:.1%}"
+
+
+# The shares of the requests answered in the last interval, by status class.
+SHARE_COLUMNS = tuple(Column(title, f"{share}_share", 7, text=_percent)
+                      for title, share in (("4xx", "client_error"), ("5xx", "server_error"), ("429", "throttled")))
+
+REQUESTS_VIEW = View(
+    "requests", "Requests",
+    (*ENDPOINT_COLUMNS, Column("REQ/s", "requests_per_second", 8), *SHARE_COLUMNS,
+     Column("p50", "p50_seconds", 9), Column("p99", "p99_seconds", 9)),
+    "requests_per_second", True, ("requests",), lambda snapshot: list(snapshot.get("requests") or []),
+    identity=ENDPOINT_IDENTITY, key="r",
 )
