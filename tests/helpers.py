@@ -32,7 +32,7 @@ IS_ROOT = os.geteuid() == 0
 # output, exporter bookkeeping) or `realtime` (held to wall-clock time that emulation stretches) run
 # on this host alone.
 KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_connections", "test_loader", "test_check",
-                  "test_least_privilege", "test_strategies", "test_requests"}
+                  "test_least_privilege", "test_strategies", "test_requests", "test_tls_handshakes"}
 
 
 # How far a kernel-measured time may stand from a user-space clock's view of the same thing: wider
@@ -192,3 +192,11 @@ class CBuild:
             cmd[1:1] = ["-shared", "-fPIC", f"-Wl,-soname,{output}"]
         run(cmd)
         return target
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate and its key, for a TLS server on 127.0.0.1."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key

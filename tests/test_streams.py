@@ -2,7 +2,7 @@
 tests/fixtures/sse_server.py) streams Server-Sent Events over loopback to real clients (httpx, curl,
 a socket that stops reading), observed by sendlat's programs with the stream logic on. The truth is
 the server's own schedule: a 150 ms prefill, then 100 events 20 ms apart, a pause where asked. TLS
-handshakes are held to a client's own clock (ssl.MemoryBIO: it holds its Finished back a known time).
+handshakes are in tests/test_tls_handshakes.py.
 
 How the response's writes are counted: uvicorn writes the status line and headers alone as soon as
 the handler returns (not a chunk: TTFB runs to the first event), then one write per event (100
@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import socket
-import ssl
 import statistics
 import struct
 import subprocess
@@ -41,7 +40,7 @@ from aiprobe.probes.sendlat.streams import StreamsProbe, _endpoint, _handshakes
 from aiprobe.registry import catalog
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.cuda_fake import FakeCuda, build
-from helpers import CLOCK_TOLERANCE, PATIENCE, free_port, wait_until
+from helpers import free_port, self_signed, wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sse_server.py"
 GRPC_FIXTURE = Path(__file__).parent / "fixtures" / "grpc_server.py"
@@ -359,14 +358,6 @@ def test_writer_starved_of_cpu_stalls_the_stream_with_cause_cpu(probe: StreamsPr
     assert endpoint.stalls["cpu"] >= 1 and endpoint.stalls["server"] == 0
 
 
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A certificate and its key, for a TLS server on 127.0.0.1."""
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return cert, key
-
-
 @pytest.mark.bpf
 def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
@@ -389,65 +380,6 @@ def test_tls_stream_is_timed_and_labelled_tls(probe: StreamsProbe, tmp_path: Pat
     assert endpoint.protocol == "tls"
     assert endpoint.chunks >= EVENTS
     assert endpoint.gap_p50_seconds == pytest.approx(statistics.median(truth.gaps), rel=0.10)
-
-
-def tls_server(listener: socket.socket, cert: Path, key: Path) -> None:
-    """Accept one connection and complete its TLS handshake (a thread of this process)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    connection, _ = listener.accept()
-    with context.wrap_socket(connection, server_side=True):
-        pass
-
-
-def client_with_finished_held(port: int, version: ssl.TLSVersion, hold: float) -> float:
-    """A TLS client on ssl.MemoryBIO that sends its ClientHello, reads the server's flight, holds its
-    next flight (its Finished) back for `hold` seconds, sends it and completes the handshake. Returns
-    its own clock from the ClientHello sent to the Finished sent."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    context.minimum_version = context.maximum_version = version
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = context.wrap_bio(incoming, outgoing)
-
-    def handshake_step() -> bool:
-        try:
-            tls.do_handshake()
-            return True
-        except ssl.SSLWantReadError:
-            return False
-
-    with socket.create_connection(("127.0.0.1", port), timeout=PATIENCE) as sock:
-        handshake_step()
-        hello_sent = time.monotonic()
-        sock.sendall(outgoing.read())
-        while not outgoing.pending:  # the server's flight, until the client has its own to send
-            incoming.write(sock.recv(65536))
-            handshake_step()
-        time.sleep(hold)
-        finished_sent = time.monotonic()
-        sock.sendall(outgoing.read())
-        while not handshake_step():  # TLS 1.2: the server's Finished comes after the client's
-            incoming.write(sock.recv(65536))
-    return finished_sent - hello_sent
-
-
-@pytest.mark.bpf
-@pytest.mark.parametrize(("label", "version"), [("1.3", ssl.TLSVersion.TLSv1_3), ("1.2", ssl.TLSVersion.TLSv1_2)])
-def test_tls_handshake_runs_from_the_client_hello_to_the_client_finished(
-        probe: StreamsProbe, tmp_path: Path, label: str, version: ssl.TLSVersion) -> None:
-    if probe.strategy == "syscall":
-        pytest.skip("the syscall strategy cannot read the ServerHello")
-    cert, key = self_signed(tmp_path)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        server = threading.Thread(target=tls_server, args=(listener, cert, key))
-        server.start()
-        truth = client_with_finished_held(port, version, hold=0.300)
-        server.join(timeout=PATIENCE)
-    handshakes = [h for h in probe.read().tls_handshakes if h.pid == os.getpid() and h.port == port]
-    assert [(h.tls_version, h.count) for h in handshakes] == [(label, 1)]
-    assert handshakes[0].sum_seconds == pytest.approx(truth, rel=CLOCK_TOLERANCE)
 
 
 @pytest.mark.bpf
