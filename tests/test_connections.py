@@ -568,6 +568,7 @@ def assert_path_quality_is_the_kernels(probe: ConnectionsProbe, port: int, conne
     return found
 
 
+@pytest.mark.kernel_facing
 def test_rtt_and_retransmits_of_accepted_connections_are_the_kernels_over_loopback() -> None:
     """Seven loopback connections, each sent 64 KiB: the listener counts the server's seven sockets
     (not the clients', on ports no one listens on), their RTTs and retransmits as `ss -ti` reads them."""
@@ -616,6 +617,7 @@ def netem_pair() -> Iterator[VethPair]:
         remove_veth_pair(pair)
 
 
+@pytest.mark.kernel_facing  # this host has no netem; the Debian kernels have
 @pytest.mark.parametrize("netem", [["delay", "50ms"], ["delay", "50ms", "loss", "10%"]], ids=["delay", "loss"])
 def test_rtt_and_retransmits_over_a_delayed_and_lossy_path_are_the_kernels(netem_pair: VethPair,
                                                                              netem: list[str]) -> None:

@@ -13,7 +13,7 @@ plain emulation otherwise.
 The emulated guests run side by side, each on one host thread (see EMULATION), after this host's run.
 
 Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [-- PYTEST ARGS]  (default: the modules of
-tests/helpers.py's KERNEL_MODULES, -m "kernels and bpf"; naming the modules spares the
+tests/helpers.py's KERNEL_MODULES, -m "kernels and (bpf or kernel_facing)"; naming the modules spares the
 guests the imports of the rest of the suite, minutes under emulation). `--repeat N` runs the
 selection N times in one boot, to find flakes before CI does; every failure names its round.
 Exit status 1 when a test failed or a kernel did not report.
@@ -50,7 +50,7 @@ from helpers import KERNEL_MODULES  # noqa: E402  (the one list of what runs on 
 
 # The rest needs no kernel of its own: make test runs it.
 DEFAULT_SELECTION = (*(f"tests/{module}.py" for module in sorted(KERNEL_MODULES)),
-                     "-m", "kernels and bpf")
+                     "-m", "kernels and (bpf or kernel_facing)")
 # Every step is bounded, so a hang is a failure with the stacks of what hung (guest.sh: hung.log),
 # never a stalled CI. Emulation is ~10x slower than the host; `aiprobe check` takes 45-150 s there.
 CHECK_SECONDS = 360
