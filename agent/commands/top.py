@@ -152,18 +152,26 @@ class TopApp(App[None]):
         self.render_status()
 
     def render_tabs(self) -> None:
-        tabs = Text()
-        for name, view in views().items():
-            label = f" {view.title} "
-            tabs.append(label, style="reverse bold" if name == self.view.name else "")
+        after = Text()
         # What the user just typed first: a narrow terminal cuts the sort order before the filter.
         if self.state.query:
-            tabs.append(f"  filter “{self.state.query}”", style="bold")
+            after.append(f"  filter “{self.state.query}”", style="bold")
         if self.paused:
-            tabs.append("  PAUSED", style="bold reverse")
+            after.append("  PAUSED", style="bold reverse")
         column = self.view.columns[self.view.column_index(self.state.sort_key)]
-        tabs.append(f"  sort {column.title} {_arrow(self.state.descending)}")
-        self.query_one("#tabs", Static).update(tabs)
+        after.append(f"  sort {column.title} {_arrow(self.state.descending)}")
+        tabs = self._tabs(titled=True)
+        if tabs.cell_len + after.cell_len > self.size.width:
+            tabs = self._tabs(titled=False)  # the other views by their keys, as many as fit
+        self.query_one("#tabs", Static).update(tabs + after)
+
+    def _tabs(self, titled: bool) -> Text:
+        """The views, the current one by its title; the others by their titles too, or by their keys."""
+        tabs = Text()
+        for name, view in views().items():
+            current = name == self.view.name
+            tabs.append(f" {view.title if titled or current else view.key} ", style="reverse bold" if current else "")
+        return tabs
 
     def render_table(self) -> None:
         view, state = self.view, self.state
