@@ -22,7 +22,7 @@ from typing import Any
 from . import __version__
 from .config import Config, RuleConfig
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
-from .deltas import Rates, Window
+from .deltas import Rates, Trend, Window
 from .kubelet import KubeletLogs
 from .loader import ProbeUnavailable
 from .model import Alert, HostInfo, ProbeStatus, ProcessRow, Readings, Snapshot
@@ -64,6 +64,7 @@ class Agent:
         self._rules = RuleEngine(rules(), config.rules)
         self._rates = Rates()
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
+        self._trends = Trend(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
         self._last_refresh: float | None = None
         self.elapsed = 0.0  # since the last refresh
@@ -150,6 +151,7 @@ class Agent:
         signals = self._collect("rules", lambda: self._signals(readings, now), readings.collectors) or []
         self._rates.end_round()
         self._windows.end_round()
+        self._trends.end_round()
         transitions = self._rules.evaluate(signals, now)
         if transitions and self._on_transitions is not None:
             self._on_transitions(transitions, now)
@@ -246,6 +248,13 @@ class Agent:
 
     def recent(self, source: tuple[Any, ...], counts: list[float], now: float) -> list[float]:
         return self._windows.recent(source, counts, now)
+
+    def trend(self, source: tuple[Any, ...], counts: list[float], now: float) -> tuple[list[float], list[float]]:
+        return self._trends.counts(source, counts, now)
+
+    def mean_trend(self, source: tuple[Any, ...], values: list[float],
+                   now: float) -> tuple[list[float] | None, list[float] | None]:
+        return self._trends.means(source, values, now)
 
     def _join(self, readings: Readings) -> None:
         """Every probe's join; the cache of pids' workloads keeps the pids some record still names."""

@@ -10,7 +10,8 @@ that vanishes (exit, eviction) is forgotten at the end of the round in which it 
 - `Totals`: those increases summed per label set, so exported counters stay monotonic while
   their sources come and go;
 - `Rates`: increases per second over the time between rounds;
-- `Window`: the increases of the last `seconds`, so alert rules judge recent behaviour.
+- `Window`: the increases of the last `seconds`, so alert rules judge recent behaviour;
+- `Trend`: the last `seconds` and the `seconds` before them, so a rule can judge a change.
 """
 
 from __future__ import annotations
@@ -120,14 +121,65 @@ class Window:
 
     def recent(self, source: Hashable, values: Values, now: float) -> list[float]:
         added = self._deltas.increase(source, values)
-        history = self._history.setdefault(source, deque())
-        if history and len(history[-1][1]) != len(added):
-            history.clear()
-        history.append((now, added))
-        while history and now - history[0][0] >= self.seconds:
-            history.popleft()
-        return [sum(column) for column in zip(*(values for _, values in history), strict=True)]
+        history = _kept(self._history.setdefault(source, deque()), now, added, self.seconds)
+        return _sums([values for _, values in history], len(added))
 
     def end_round(self) -> None:
         self._deltas.end_round()
         self._history = {k: v for k, v in self._history.items() if self._deltas.known(k)}
+
+
+History = deque[tuple[float, list[float]]]
+
+
+def _kept(history: History, now: float, added: list[float], seconds: float) -> History:
+    """`history` with this round's values, less what is `seconds` old (all of it when their layout changed)."""
+    if history and len(history[-1][1]) != len(added):
+        history.clear()
+    history.append((now, added))
+    while now - history[0][0] >= seconds:
+        history.popleft()
+    return history
+
+
+def _sums(rows: list[list[float]], width: int) -> list[float]:
+    return [sum(column) for column in zip(*rows, strict=True)] if rows else [0.0] * width
+
+
+def _means(sums: list[float]) -> list[float] | None:
+    """Sums whose last column counts the rows -> the means of the others; None without a row."""
+    return [value / sums[-1] for value in sums[:-1]] if sums[-1] else None
+
+
+class Trend:
+    """Per source, what the last `seconds` and the `seconds` before them saw, so a rule can judge a
+    change (a share that fell, gaps that grew): `counts` sums the increases of cumulative values (the
+    first values count as recent), `means` averages readings."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._deltas = Deltas()
+        self._history: dict[Hashable, History] = {}
+        self._seen: set[Hashable] = set()
+
+    def _halves(self, source: Hashable, added: list[float], now: float) -> tuple[list[float], list[float]]:
+        self._seen.add(source)
+        history = _kept(self._history.setdefault(source, deque()), now, added, 2 * self.seconds)
+        before = [values for at, values in history if now - at >= self.seconds]
+        recent = [values for at, values in history if now - at < self.seconds]
+        return _sums(before, len(added)), _sums(recent, len(added))
+
+    def counts(self, source: Hashable, values: Values, now: float) -> tuple[list[float], list[float]]:
+        """What cumulative `values` added in the window before the last and in the last."""
+        return self._halves(source, self._deltas.increase(source, values), now)
+
+    def means(self, source: Hashable, values: Values, now: float) -> tuple[list[float] | None, list[float] | None]:
+        """The mean of the readings in the window before the last and in the last (None: no reading there)."""
+        before, recent = self._halves(source, [*values, 1.0], now)
+        return _means(before), _means(recent)
+
+    def end_round(self) -> None:
+        """Forget sources not seen this round."""
+        self._deltas.end_round()
+        self._history = {k: v for k, v in self._history.items() if k in self._seen}
+        self._seen = set()

@@ -7,8 +7,8 @@ sections of the snapshot document). A hook gets its own probe's reading; where a
 probe's figures (a GPU idle while the network is busy), it finds them in `Readings.of`, by the other
 probe's record type: the probe depends on that probe, never the agent.
 
-The agent offers hooks what they share through `Refresh`: the cgroup and socket joins, the rates
-and the rules' recent window.
+The agent offers hooks what they share through `Refresh`: the cgroup and socket joins, the rates,
+the rules' recent window and, for rules that judge a change, the window before it.
 """
 
 from __future__ import annotations
@@ -55,11 +55,29 @@ class Refresh(Protocol):
     def recent(self, source: tuple[Any, ...], counts: list[float], now: float) -> list[float]:
         """What the last SIGNAL_WINDOW_SECONDS added to cumulative counts, by the source's identity."""
 
+    def trend(self, source: tuple[Any, ...], counts: list[float], now: float) -> tuple[list[float], list[float]]:
+        """What the SIGNAL_WINDOW_SECONDS before the last and the last added to cumulative counts."""
+
+    def mean_trend(self, source: tuple[Any, ...], values: list[float],
+                   now: float) -> tuple[list[float] | None, list[float] | None]:
+        """The means of a reading over the SIGNAL_WINDOW_SECONDS before the last and over the last
+        (None: no reading there)."""
+
 
 def recent_buckets(refresh: Refresh, kind: str, identity: Identity, buckets: Histogram,
                    now: float) -> list[tuple[float, float]]:
     """The cumulative buckets of what the window saw of a source's histogram."""
-    counts = refresh.recent((kind, identity), [float(count) for _, count in buckets], now)
+    return _with_bounds(buckets, refresh.recent((kind, identity), [float(count) for _, count in buckets], now))
+
+
+def trend_buckets(refresh: Refresh, kind: str, identity: Identity, buckets: Histogram,
+                  now: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The cumulative buckets of what the window before the last and the last saw of a source's histogram."""
+    before, recent = refresh.trend((kind, identity), [float(count) for _, count in buckets], now)
+    return _with_bounds(buckets, before), _with_bounds(buckets, recent)
+
+
+def _with_bounds(buckets: Histogram, counts: list[float]) -> list[tuple[float, float]]:
     return [(le, count) for (le, _), count in zip(buckets, counts, strict=True)]
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,19 @@ def tc_kind(kernel_features: dict) -> str:
 def aiprobe_cli() -> list[str]:
     """The installed console script, as users run it."""
     return [str(Path(sys.executable).parent / "aiprobe")]
+
+
+@pytest.fixture
+def named_process(tmp_path) -> Iterator[Callable[[str], subprocess.Popen]]:
+    """Starts a process whose comm is the given name (a copy of sleep), killed after the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(name: str) -> subprocess.Popen:
+        program = tmp_path / name
+        shutil.copy(shutil.which("sleep"), program)
+        started.append(subprocess.Popen([str(program), "600"]))
+        return started[-1]
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 from aiprobe.config import Config
-from aiprobe.deltas import Deltas, Rates, Totals, Window
+from aiprobe.deltas import Deltas, Rates, Totals, Trend, Window
 from aiprobe.exporters.prometheus import AgentCollector
 from aiprobe.model import Readings
 from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
@@ -60,6 +61,24 @@ def test_window_sums_only_recent_increases() -> None:
     assert window.recent("a", [1.0, 2.0], now=0.0) == [1.0, 2.0]
     assert window.recent("a", [1.0, 5.0], now=5.0) == [1.0, 5.0]
     assert window.recent("a", [1.0, 6.0], now=12.0) == [0.0, 4.0]  # the first observation left the window
+
+
+def test_trend_splits_what_the_last_window_and_the_one_before_saw() -> None:
+    trend = Trend(10.0)
+    assert trend.counts("gaps", [3.0], now=0.0) == ([0.0], [3.0])  # the first values count as recent
+    assert trend.means("share", [0.8], now=0.0) == (None, [0.8])
+    trend.end_round()
+    assert trend.counts("gaps", [5.0], now=12.0) == ([3.0], [2.0])
+    assert trend.means("share", [0.2], now=12.0) == ([0.8], [0.2])
+    trend.end_round()
+    assert trend.counts("gaps", [9.0], now=15.0) == ([3.0], [6.0])
+    assert trend.means("share", [0.5], now=15.0) == ([0.8], [0.35])
+    trend.end_round()
+    assert trend.counts("gaps", [9.0], now=21.0) == ([0.0], [6.0])  # 0 s left both windows; 12 s is 9 s old
+    assert trend.means("share", [0.5], now=21.0) == (None, [pytest.approx(0.4)])
+    trend.end_round()
+    trend.end_round()  # neither seen in this round: forgotten
+    assert trend.means("share", [0.1], now=22.0) == (None, [0.1])
 
 
 def sends(*records: ProcessSendLatency) -> Readings:

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -89,22 +88,6 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
     assert (other["pid"], other["gpu_index"], other["gpu_uuid"], other["used_memory_bytes"]) == \
         (OTHER_PID, 1, a100["uuid"], 2 * GIB)
     assert other["sm_utilization_ratio"] is other["memory_utilization_ratio"] is None
-
-
-@pytest.fixture
-def named_process(tmp_path) -> Iterator[Callable[[str], subprocess.Popen]]:
-    """Starts a process whose comm is the given name (a copy of sleep), killed after the test."""
-    started: list[subprocess.Popen] = []
-
-    def start(name: str) -> subprocess.Popen:
-        program = tmp_path / name
-        shutil.copy(shutil.which("sleep"), program)
-        started.append(subprocess.Popen([str(program), "600"]))
-        return started[-1]
-    yield start
-    for proc in started:
-        proc.kill()
-        proc.wait()
 
 
 def _samples_file(tmp_path: Path, lines: list[tuple[object, ...]]) -> Path:

@@ -24,14 +24,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.refresh import SIGNAL_WINDOW_SECONDS
 from fixtures import cuda_fake
 from fixtures.cuda_fake import Driver, FakeCuda
-from helpers import FIXTURE_BUILD, VethPair, wait_until
+from helpers import FIXTURE_BUILD, VethPair, free_port, wait_until
 from servers import Agent
 
 pytestmark = pytest.mark.bpf
@@ -431,3 +434,93 @@ def test_gpu_threads_starved_fires_while_busy_loops_share_its_cpu_and_resolves_w
     assert evidence["runqueue_delay_p99_seconds"] > STARVED and evidence["involuntary_preemptions"] >= 0
     # The kernel's schedstat agrees that the thread waited: longer in total than its p99 wait.
     assert waited_with_hogs > evidence["runqueue_delay_p99_seconds"]
+
+
+# --- gpu_contended: a real SSE server and another process share the fake NVML's GPU 0 ---
+
+SSE_SERVER = Path(__file__).parent / "fixtures" / "sse_server.py"
+FAST_MS, SLOW_MS = 20, 400  # the server's cadence between events; slow while the other process has the GPU
+SHARES = {"server": (80, 20), "other": (10, 70)}  # SM percent: before, while contended
+
+
+@contextlib.contextmanager
+def _streaming(workdir: Path) -> Iterator[tuple[subprocess.Popen, dict[str, int]]]:
+    """The SSE server (5 events a response), and a client asking it for one stream after another at the
+    cadence in the dict it yields (the server's cadence_ms parameter)."""
+    port, log = free_port(), workdir / "sse_server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([sys.executable, str(SSE_SERVER), str(port), "--events", "5"], stdout=out)
+    pace = {"cadence_ms": FAST_MS}
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/stream?cadence_ms={pace['cadence_ms']}",
+                                       timeout=30).read()
+    thread = threading.Thread(target=client)
+    try:
+        assert wait_until(lambda: "ready" in log.read_text(), timeout=30)
+        thread.start()
+        yield server, pace
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=60)
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _set_shares(path: Path, pids: dict[str, int], phase: int) -> None:
+    """The fake NVML's samples of GPU 0: each process's share in `phase` (0: before, 1: contended)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(f"0 {pids[name]} 1024 {shares[phase]} 5\n" for name, shares in SHARES.items()))
+    partial.rename(path)
+
+
+def _endpoint_seen(agent: Agent, pid: int) -> bool:
+    return any(s["pid"] == pid and s["protocol"] == "sse" for s in agent.snapshot().get("streams", []))
+
+
+@pytest.mark.realtime  # compares a wall-clock window with the one before it
+def test_gpu_contended_fires_when_another_process_takes_a_streaming_servers_gpu_and_resolves(
+    tmp_path: Path, fake_nvml: dict[str, str], named_process
+) -> None:
+    """A real SSE server holds 80% of GPU 0 and another process 10%, the server's events 20 ms apart;
+    then the other takes 70% and leaves the server 20% while the server's events come 400 ms apart: the
+    rule fires on the server with both processes' shares and its gaps as evidence; shares and pace
+    restored, it resolves."""
+    samples = tmp_path / "processes"
+    other = named_process("trainer")
+    with _streaming(tmp_path) as (server, pace):
+        pids = {"server": server.pid, "other": other.pid}
+        _set_shares(samples, pids, 0)
+        with Agent(tmp_path, 'probes = ["nvml", "sendlat"]\n', env={**fake_nvml, "FAKE_NVML_PROCESSES": str(samples)}) \
+                as agent:
+            assert wait_until(lambda: _endpoint_seen(agent, server.pid))
+            server_comm = Path(f"/proc/{server.pid}/comm").read_text().strip()
+            time.sleep(2 * SIGNAL_WINDOW_SECONDS)  # both windows see the server alone at its pace
+            assert _states_of_pid(agent, "gpu_contended", server.pid) == []
+            _set_shares(samples, pids, 1)
+            pace["cadence_ms"] = SLOW_MS
+            assert wait_until(lambda: "firing" in _states_of_pid(agent, "gpu_contended", server.pid))
+            _set_shares(samples, pids, 0)
+            pace["cadence_ms"] = FAST_MS
+            assert wait_until(lambda: "resolved" in _states_of_pid(agent, "gpu_contended", server.pid))
+    transitions = [e for e in _transitions(agent, "gpu_contended") if e["evidence"]["pid"] == server.pid]
+    assert [e["state"] for e in transitions] == ["pending", "firing", "resolved"]
+    evidence = transitions[1]["evidence"]
+    victim, rival, stream = evidence["process"], evidence["rival"], evidence["stream"]
+    assert (evidence["gpu"], evidence["uuid"]) == (0, "GPU-11111111-2222-3333-4444-555555555555")
+    assert (victim["pid"], victim["process"], rival["pid"], rival["process"]) == \
+        (server.pid, server_comm, other.pid, "trainer")
+    assert victim["container"] == rival["container"]  # both in this test's cgroup
+    # Each window's mean of the fake's samples: the server's fell from 0.8 towards 0.2, the other's rose.
+    assert 0.8 >= victim["sm_utilization_ratio_before"] > victim["sm_utilization_ratio_now"] >= 0.2
+    assert 0.1 <= rival["sm_utilization_ratio_before"] < rival["sm_utilization_ratio_now"] <= 0.7
+    # The server's own pace: its events 400 ms apart in the last window.
+    assert (stream["port"], stream["protocol"]) == (int(server.args[2]), "sse")
+    assert stream["chunk_gap_p99_seconds_now"] >= SLOW_MS / 2e3
+    growths = [stream[f"{figure}_now"] / stream[f"{figure}_before"]
+               for figure in ("chunk_gap_p99_seconds", "ttfb_p99_seconds") if stream[f"{figure}_before"]]
+    assert transitions[1]["value"] == pytest.approx(max(growths), rel=1e-3) and transitions[1]["value"] >= 1.5

@@ -1,5 +1,5 @@
-"""The nvml probe in the agent's refresh: its processes' containers, the GPUs' rules, its columns of
-the process table, and the snapshot's `gpus`."""
+"""The nvml probe in the agent's refresh: its processes' containers, the GPUs' rules (gpu_contended with the
+streams part's figures), its columns of the process table, and the snapshot's `gpus`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from ...refresh import Hooks, ProcessRows, Refresh, Section
 from ...rules import Signal
 from ..cuda.records import CudaContext
 from ..flows.records import InterfaceTotals
+from ..sendlat.records import StreamEndpoint
+from .contention import contention_signals
 from .mps import attribute_mps
 from .records import GpuInfo, GpuSnapshot
 from .signals import context_switch_signals, utilization_signals
@@ -31,7 +33,8 @@ class NvmlHooks(Hooks):
         # Traffic as the flows probe counts it at the interfaces (none without it).
         ingress = sum(side.bytes_per_second for side in readings.of(InterfaceTotals) if side.direction == "ingress")
         return utilization_signals(reading.gpus, ingress, refresh.config.traffic_floor_bytes_per_second) + \
-            context_switch_signals(reading.gpus)
+            context_switch_signals(reading.gpus) + \
+            contention_signals(reading.processes, readings.of(StreamEndpoint), refresh, now)
 
     def process_rows(self, reading: GpuSnapshot, rows: ProcessRows) -> None:
         for gpu in reading.processes:

@@ -25,7 +25,7 @@ from ...names import process_name
 from ...registry import Probe, ProbeSpec
 from .hooks import NvmlHooks
 from .records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
-from .rules import GPU_CONTEXT_SWITCH_OVERHEAD, GPU_IDLE_WITH_TRAFFIC, GPU_SATURATED
+from .rules import GPU_CONTENDED, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_IDLE_WITH_TRAFFIC, GPU_SATURATED
 from .settings import NvmlSettings
 from .view import PROCESS_COLUMNS, VIEW
 
@@ -550,5 +550,5 @@ SPEC = ProbeSpec(
     hooks=NvmlHooks(),
     process_columns=PROCESS_COLUMNS,
     views=(VIEW,),
-    rules=(GPU_SATURATED, GPU_IDLE_WITH_TRAFFIC, GPU_CONTEXT_SWITCH_OVERHEAD),
+    rules=(GPU_SATURATED, GPU_IDLE_WITH_TRAFFIC, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_CONTENDED),
 )

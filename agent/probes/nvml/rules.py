@@ -39,3 +39,46 @@ GPU_CONTEXT_SWITCH_OVERHEAD = RuleSpec(
     # fraction of time the GPU's busiest graphics engine spends switching contexts (GPM)
     default=RuleConfig(threshold=0.05, clear=0.03, for_seconds=30, severity="warning"),
 )
+
+
+
+# A smaller move of two processes' shares (of the GPU's time) is not contention.
+MIN_SHARE_SHIFT = 0.1
+_LAST, _BEFORE = "[5m]", "[5m] offset 5m"  # the rule file's windows (the agent's: 10 s each)
+
+
+def _share(window: str) -> str:
+    """Each process's mean share of its GPU (or MIG instance) over a window, in PromQL."""
+    return ("sum by (instance, gpu, GPU_I_ID, GPU_CI_ID, process, container) "
+            f"(avg_over_time(aiprobe_gpu_process_sm_utilization_ratio{window}))")
+
+
+def _shifted(fell: str, rose: str) -> str:
+    return f"{_share(rose)}\n  - {_share(fell)} > {MIN_SHARE_SHIFT}"
+
+
+def _growth(histogram: str, figure: str) -> str:
+    """How many times a histogram's p99 of the last window is the window's before, per process, labelled
+    `figure`, in PromQL."""
+    def p99(window: str) -> str:
+        return f"histogram_quantile(0.99, sum by (instance, process, container, le) (rate({histogram}_bucket{window})))"
+    return f'label_replace(\n    {p99(_LAST)}\n    / {p99(_BEFORE)},\n    "figure", "{figure}", "", "")'
+
+
+GPU_CONTENDED = RuleSpec(
+    False, "token streams of {target} slowed {value:.1f}x while another process took its share of the GPU "
+    "(the evidence names both, their shares and the stream figures)",
+    "max by (instance, process, container) (\n  " + _growth("aiprobe_stream_chunk_gap_seconds", "chunk_gap")
+    + "\n  or\n  " + _growth("aiprobe_stream_ttfb_seconds", "ttfb") + "\n)",
+    "token streams of {{ $labels.process }} slow down while another process takes its share of the GPU",
+    "On one GPU, the process's share fell while another's rose, and its token streams' gaps between writes or "
+    "time to first byte grew in the same window: the other process's work delays its responses (separate them: "
+    "another GPU, MIG, or priorities).",
+    # its share fell, and on its GPU (or MIG instance) another's rose
+    guard=f"and on (instance, process, container) (\n  {_shifted(fell=_LAST, rose=_BEFORE)}\n"
+          f"  and on (instance, gpu, GPU_I_ID, GPU_CI_ID)\n  {_shifted(fell=_BEFORE, rose=_LAST)}\n)",
+    name="gpu_contended",
+    # how many times the p99 gap between a stream's writes, or its time to first byte, grew from one window
+    # to the next while the process's GPU share fell and another's rose
+    default=RuleConfig(threshold=1.5, clear=1.2, for_seconds=0, severity="warning"),
+)
