@@ -27,7 +27,7 @@ from .formatting import Column, View
 from .loader import Loaded, Strategy
 from .model import MapUsage, ProbeStatus
 from .refresh import NO_HOOKS, Hooks
-from .rules import RuleSpec
+from .rules import FleetRule, RuleSpec
 
 if TYPE_CHECKING:
     from .config import Config
@@ -153,6 +153,8 @@ class Part:
     hooks: Hooks = NO_HOOKS
     # The bottleneck rules judging its figures (its hooks' signals).
     rules: tuple[RuleSpec, ...] = ()
+    # Rules over the whole fleet's series of its metrics (PromQL only): in the rule files alone.
+    fleet_rules: tuple[FleetRule, ...] = ()
     # What `aiprobe top` shows of it: its columns of the process table, its own views.
     process_columns: tuple[Column, ...] = ()
     views: tuple[View, ...] = ()
@@ -239,6 +241,11 @@ def catalog() -> Catalog:
 def rules() -> tuple[RuleSpec, ...]:
     """Every probe's rules, in registry order."""
     return tuple(rule for face in faces() for rule in face.rules)
+
+
+def fleet_rules() -> tuple[FleetRule, ...]:
+    """Every probe's fleet rules, in registry order."""
+    return tuple(rule for face in faces() for rule in face.fleet_rules)
 
 
 def selectable_names() -> tuple[str, ...]:

@@ -39,6 +39,22 @@ class RuleSpec:
     default: RuleConfig = field(default=RuleConfig(), kw_only=True)  # `[rules.<name>]` overrides it
 
 
+@dataclass(frozen=True, kw_only=True)
+class FleetRule:
+    """A Prometheus rule over many nodes' series (a workload's replicas run on several nodes, each
+    watched by its own agent), so PromQL only: no counterpart in the engine, no `[rules.<name>]`.
+    A recording rule when `record` names its series, else an alert named after `name` as the
+    engine's are (AiprobeXxx, label `rule`)."""
+
+    expr: str
+    record: str = ""
+    name: str = ""
+    for_seconds: float = 0
+    severity: str = "warning"
+    summary: str = ""
+    description: str = ""
+
+
 def p99(histogram: str) -> str:
     """A histogram's p99 over a minute, per process and container, in PromQL."""
     return (f"histogram_quantile(0.99,\n  sum by (instance, process, container, le) "

@@ -83,7 +83,10 @@ def test_prometheus_scrapes_the_agent(tmp_path: Path, veth: VethPair) -> None:
 
 
 def test_shipped_rules_pass_promtool() -> None:
-    result = subprocess.run(["promtool", "test", "rules", "aiprobe-rules.test.yml"], cwd=ROOT / "tests/promtool",
+    """Every unit test file of tests/promtool/: the engine's rules, the agent's, the fleet's (replica skew)."""
+    tests = sorted(path.name for path in (ROOT / "tests/promtool").glob("*.test.yml"))
+    assert "replica-skew.test.yml" in tests
+    result = subprocess.run(["promtool", "test", "rules", *tests], cwd=ROOT / "tests/promtool",
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -5,6 +5,7 @@ labels a ServiceMonitor gives it on Kubernetes."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -20,10 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from aiprobe.probes.sendlat.rules import POD_SUFFIX
 from fixtures import cuda_fake
 from helpers import FIXTURE_BUILD, FIXTURES, CBuild, free_port, make_veth_pair, remove_veth_pair, wait_until
 from servers import Agent, Prometheus
 from test_agent import STALL_RULES, blocked_sender, send_tcp, tcp_sink
+from test_containers import POD as POD_UID
+from test_containers import container_cgroup
+from test_kubelet import kubelet_tree
 from test_metrics_doc import documented
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +44,10 @@ OPERATOR_RELABELINGS = [{"source_labels": [f"__meta_kubernetes_{meta}"], "target
                         for meta, label in (("namespace", "namespace"), ("service_name", "service"),
                                             ("pod_name", "pod"), ("pod_container_name", "container"))]
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "service"}
+# A workload's namespace and pod, where the target has its own (deploy/kubernetes/README.md).
+EXPORTED_LABELS = {"exported_namespace", "exported_pod"}
+# The token-streaming server runs as a replica of a Deployment (the replica-skew row needs one).
+REPLICA = ("inference", "llm-7d9f8b6c5d-x2k4p", "server")
 GPU_METRIC = re.compile(r"\baiprobe_(gpu|cuda)_")
 
 
@@ -46,6 +55,13 @@ def load_generator():
     spec = importlib.util.spec_from_file_location("dashboards_generate", DASHBOARDS / "generate.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_row(name: str):
+    spec = importlib.util.spec_from_file_location(f"dashboards_rows_{name}", DASHBOARDS / "rows" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
@@ -72,7 +88,7 @@ def variable_query(variable: dict) -> tuple[str, str]:
 
 # --- PromQL, read the way Prometheus reads it ---
 
-KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "group_left", "group_right"}  # modifiers bare too
 
 
 def metric_names(expr: str) -> set[str]:
@@ -141,7 +157,17 @@ def test_every_panel_names_only_documented_metrics_and_labels() -> None:
             assert documented_series(metric), f"{name} / {title}: {metric} is not in docs/metrics.md"
         for metric, labels in selectors(expr):
             _, known = documented_series(metric)
-            assert labels <= known | TARGET_LABELS, f"{name} / {title}: {metric} has no label {labels - known}"
+            assert labels <= known | TARGET_LABELS | EXPORTED_LABELS, \
+                f"{name} / {title}: {metric} has no label {labels - known}"
+
+
+def test_the_skew_row_names_workloads_as_the_fleet_rules_do() -> None:
+    row = load_row("requests_skew")
+    assert row.POD_SUFFIX == POD_SUFFIX
+    workload = re.compile(f"(.+?){POD_SUFFIX}")
+    for pod, name in (("vllm-7d9f8b6c5d-x2k4p", "vllm"), ("vllm-5b8c7f9d64-h2j9k", "vllm"), ("api-v2-x2k4p", "api-v2"),
+                      ("llm-12", "llm"), ("mypod", "mypod")):
+        assert workload.fullmatch(pod).group(1) == name, pod
 
 
 # --- against a real agent and Prometheus ---
@@ -186,6 +212,20 @@ def keep_busy(stop: threading.Event, work, interval: float) -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def in_pod(logs: Path, command: list[str]) -> Iterator[subprocess.Popen]:
+    """`command` running as REPLICA: in a container cgroup that a fake kubelet log tree under `logs` names."""
+    with container_cgroup() as (leaf, container_id):
+        kubelet_tree(logs, REPLICA[0], REPLICA[1], POD_UID, REPLICA[2], container_id)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        try:
+            (leaf / "cgroup.procs").write_text(str(process.pid))
+            yield process
+        finally:
+            process.kill()
+            process.wait()
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iterator[Prometheus]:
     workdir = tmp_path_factory.mktemp("dashboards")
@@ -194,31 +234,31 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
     veth = make_veth_pair(secrets.randbelow(250))
     sink = tcp_sink(veth, 9000)
     stop = threading.Event()
-    config = f'interfaces = ["{veth.host}"]\nexclude = []\n' + STALL_RULES  # every probe: every row's panels
+    logs = workdir / "kubelet"
+    config = (f'interfaces = ["{veth.host}"]\nexclude = []\npod_logs = "{logs}/pods"\n'
+              f'container_logs = "{logs}/containers"\n' + STALL_RULES)  # every probe: every row's panels
     stream_port = free_port()  # token streams for the overview's streams row: 3 SSE events 20 ms apart
-    streamer = subprocess.Popen([sys.executable, str(SSE_SERVER), str(stream_port), "--events", "3",
-                                 "--prefill-ms", "10"], stdout=subprocess.PIPE, text=True)
     stream_url = f"http://127.0.0.1:{stream_port}/stream"
     try:
-        assert streamer.stdout.readline().strip() == "ready"
-        threading.Thread(target=streamer.stdout.read, daemon=True).start()  # its accounts: not needed here
-        with Agent(workdir, config, env=env) as agent, \
-                Prometheus(workdir, [agent.target], target_labels=POD,
-                           relabel_configs=OPERATOR_RELABELINGS + servicemonitor_relabelings()) as prom:
-            threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3),
-                       keep_busy(stop, lambda: httpx.get(stream_url, timeout=30), 0.2),
-                       keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2)]
-            sender = blocked_sender(stall=0.6)  # a network_send_stall bottleneck for "Active bottlenecks"
-            try:
-                yield prom
-            finally:
-                stop.set()
-                sender.kill()
-                for thread in threads:
-                    thread.join(timeout=30)
+        with in_pod(logs, [sys.executable, str(SSE_SERVER), str(stream_port), "--events", "3", "--prefill-ms",
+                           "10"]) as streamer:
+            assert streamer.stdout.readline().strip() == "ready"
+            threading.Thread(target=streamer.stdout.read, daemon=True).start()  # its accounts: not needed here
+            with Agent(workdir, config, env=env) as agent, \
+                    Prometheus(workdir, [agent.target], target_labels=POD,
+                               relabel_configs=OPERATOR_RELABELINGS + servicemonitor_relabelings()) as prom:
+                threads = [keep_busy(stop, lambda: send_tcp(veth.peer_ip4, 9000, 200_000), 0.3),
+                           keep_busy(stop, lambda: httpx.get(stream_url, timeout=30), 0.2),
+                           keep_busy(stop, lambda: run_cuda_driver(driver, env), 0.2)]
+                sender = blocked_sender(stall=0.6)  # a network_send_stall bottleneck for "Active bottlenecks"
+                try:
+                    yield prom
+                finally:
+                    stop.set()
+                    sender.kill()
+                    for thread in threads:
+                        thread.join(timeout=30)
     finally:
-        streamer.kill()
-        streamer.wait()
         sink.kill()
         remove_veth_pair(veth)
 

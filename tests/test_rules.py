@@ -10,7 +10,7 @@ from aiprobe.exporters.rules_file import render
 from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.records import CudaContext, CudaGpu
 from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess
-from aiprobe.registry import catalog, rules
+from aiprobe.registry import catalog, fleet_rules, rules
 from aiprobe.rules import RuleEngine, Signal, alert_name
 
 DEFAULT_RULES = catalog().rules  # as the probes declare them
@@ -79,7 +79,7 @@ def test_shipped_rule_file_is_generated_from_the_engines_rules() -> None:
 
 
 def test_rule_file_thresholds_for_and_severity_are_the_engines() -> None:
-    (group, _) = yaml.safe_load(render())["groups"]
+    group = yaml.safe_load(render())["groups"][0]
     by_rule = {rule["labels"]["rule"]: rule for rule in group["rules"]}
     assert set(by_rule) == set(RULES) == set(DEFAULT_RULES)
     for name, config in DEFAULT_RULES.items():
@@ -121,3 +121,14 @@ def test_time_sliced_evidence_carries_the_gpus_own_switching() -> None:
         "utilization_ratio": 0.9, "context_switching_ratio": 0.04, "context_switch_seconds": 3e-5}
     [without_gpm] = time_slicing_signals([gpu], contexts, [GpuInfo(0, "GPU-a", "A100")])
     assert without_gpm.evidence["context_switching_ratio"] is without_gpm.evidence["context_switch_seconds"] is None
+
+
+def test_fleet_rules_have_a_group_of_their_own_outside_the_engine() -> None:
+    """Replica skew is judged across nodes: in the rule file only, never among the engine's rules."""
+    groups = {group["name"]: group["rules"] for group in yaml.safe_load(render())["groups"]}
+    fleet = groups["aiprobe-fleet"]
+    assert [rule.get("record") or rule["labels"]["rule"] for rule in fleet] == \
+        [rule.record or rule.name for rule in fleet_rules()]
+    alerts = {rule["labels"]["rule"]: rule["alert"] for rule in fleet if "alert" in rule}
+    assert alerts == {"replica_traffic_skew": "AiprobeReplicaTrafficSkew", "replica_slow": "AiprobeReplicaSlow"}
+    assert not set(alerts) & set(RULES) and not set(alerts) & set(DEFAULT_RULES)

@@ -24,7 +24,7 @@ from ...names import comm_text
 from ...registry import Part, Probe
 from .hooks import RequestsHooks
 from .records import METHODS, PROTOCOLS, HttpRequests, RequestEndpoint, Requests, RequestsSnapshot, RpcRequests
-from .rules import HTTP_SERVER_ERRORS, HTTP_THROTTLED
+from .rules import HTTP_SERVER_ERRORS, HTTP_THROTTLED, REPLICA_SKEW
 from .streams import STRATEGIES as STREAMS_STRATEGIES
 from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
@@ -190,4 +190,5 @@ PART = Part(
     hooks=RequestsHooks(),
     views=(REQUESTS_VIEW,),
     rules=(HTTP_SERVER_ERRORS, HTTP_THROTTLED),
+    fleet_rules=REPLICA_SKEW,
 )

@@ -4,7 +4,7 @@ PromQL and its default thresholds (`[rules.<name>]` overrides them)."""
 from __future__ import annotations
 
 from ...config import RuleConfig
-from ...rules import RuleSpec, p99
+from ...rules import FleetRule, RuleSpec, p99
 
 # Blocking senders wait in the send; asynchronous servers (uvicorn, vLLM's API server) never do:
 # their sockets stay unwritable instead. The agent takes the larger of the two p99s.
@@ -60,3 +60,76 @@ HTTP_THROTTLED = _share_rule(
     "http_throttled", "429", "with 429 (throttled)",
     "Requests refused with 429 Too Many Requests: a rate limit (tokens, requests) is reached; clients retry and "
     "wait.", RuleConfig(threshold=0.01, clear=0.005, for_seconds=0, severity="warning"))
+
+
+# Replica skew across the fleet: the replicas of one workload run on several nodes, so only Prometheus sees
+# them together. A workload is the pods of one Deployment, StatefulSet or DaemonSet: its pods' common name,
+# the pod name less its ReplicaSet hash and random suffix (Deployment: <name>-<hash>-<5 chars>, DaemonSet:
+# <name>-<5 chars>; both from Kubernetes' consonants-and-digits alphabet) or its ordinal (StatefulSet:
+# <name>-<n>); other pods are workloads of one. The workload's namespace and pod are `exported_namespace` and
+# `exported_pod` where the ServiceMonitor scrapes (the agent pod's own namespace and pod keep their names:
+# deploy/kubernetes/README.md); the recorded series name them `namespace` and `pod`.
+_SAFE = "[bcdfghjklmnpqrstvwxz2456789]"
+POD_SUFFIX = f"(?:(?:-{_SAFE}{{6,10}})?-{_SAFE}{{5}}|-[0-9]+)?"
+WORKLOAD = "namespace, workload, server_port"
+SKEW_WINDOW = "5m"
+DURATION = "http_server_request_duration_seconds"
+# Peers' mean requests per replica per second below which the rules stay silent: five minutes of fewer
+# requests vary by chance (about 1/sqrt(n)) as much as the tolerance.
+SKEW_TRAFFIC_FLOOR = 0.5
+SHARE_TOLERANCE = 0.15  # a replica's requests against its fair share (the workload's mean per replica)
+SLOW_FACTOR = 2.5  # a replica's p95 against the median of its workload's replicas' p95s
+REPLICA_RATE = "namespace_workload_pod:http_server_requests:rate5m"
+FAIR_SHARE = "namespace_workload_pod:http_server_requests:fair_share_ratio"
+REPLICA_P95 = "namespace_workload_pod:http_server_request_duration_seconds:p95"
+PEER_MEDIAN = "namespace_workload_pod:http_server_request_duration_seconds_p95:peer_median_ratio"
+
+
+def _per_replica(series: str, by: str = "") -> str:
+    """The rate of `series` per replica (namespace, workload, pod, listening port), plus `by`."""
+    extra = f", {by}" if by else ""
+    inner = (f'sum by (exported_namespace, exported_pod, server_port{extra}) '
+             f'(rate({series}{{exported_pod!=""}}[{SKEW_WINDOW}]))')
+    for label, source, regex in (("namespace", "exported_namespace", "(.*)"), ("pod", "exported_pod", "(.*)"),
+                                 ("workload", "exported_pod", f"(.+?){POD_SUFFIX}")):
+        inner = f'label_replace({inner},\n  "{label}", "$1", "{source}", "{regex}")'
+    return f"sum without (exported_namespace, exported_pod) (\n{inner}\n)"
+
+
+def _against_peers(replica: str, peers: str) -> str:
+    """Each replica's `replica` over its workload's `peers` (an aggregation of `replica` by WORKLOAD)."""
+    return f"{replica}\n/ on ({WORKLOAD}) group_left\n{peers}"
+
+
+def _with_traffic(comparison: str) -> str:
+    """`comparison`, where the workload's replicas serve enough requests to judge."""
+    return f"({comparison})\nand on ({WORKLOAD}) (avg by ({WORKLOAD}) ({REPLICA_RATE}) >= {SKEW_TRAFFIC_FLOOR:g})"
+
+
+_PEERS = ("Peers: the replicas of one workload (the pods of one Deployment, StatefulSet or DaemonSet, "
+          "by name) on the same port, over 5 minutes.")
+REPLICA_SKEW = (
+    FleetRule(record=REPLICA_RATE, expr=_per_replica(DURATION + "_count")),
+    # 1 is the fair share: the workload's requests spread evenly over its replicas
+    FleetRule(record=FAIR_SHARE, expr=_against_peers(REPLICA_RATE, f"avg by ({WORKLOAD}) ({REPLICA_RATE})")),
+    # >= 0: not NaN (a replica without requests in the window)
+    FleetRule(record=REPLICA_P95, expr=f"histogram_quantile(0.95, {_per_replica(DURATION + '_bucket', 'le')}) >= 0"),
+    FleetRule(record=PEER_MEDIAN,
+              expr=_against_peers(REPLICA_P95, f"quantile by ({WORKLOAD}) (0.5, {REPLICA_P95})")),
+    FleetRule(
+        name="replica_traffic_skew", for_seconds=600,
+        expr=_with_traffic(f"{FAIR_SHARE} > {1 + SHARE_TOLERANCE:g} or {FAIR_SHARE} < {1 - SHARE_TOLERANCE:g}"),
+        summary="{{ $labels.pod }} serves {{ $value | humanizePercentage }} of its fair share of the requests of "
+                "{{ $labels.namespace }}/{{ $labels.workload }} on port {{ $labels.server_port }}",
+        description=f"A replica's share of its workload's requests departs from its peers' by more than "
+                    f"{SHARE_TOLERANCE:.0%}: the load balancer spreads connections, not requests (long-lived "
+                    f"HTTP/2 or keep-alive connections pin clients to one replica), or weights or readiness "
+                    f"differ. {_PEERS}"),
+    FleetRule(
+        name="replica_slow", for_seconds=600, expr=_with_traffic(f"{PEER_MEDIAN} > {SLOW_FACTOR:g}"),
+        summary="{{ $labels.pod }}'s p95 is {{ printf \"%.1f\" $value }} times the median of its peers' in "
+                "{{ $labels.namespace }}/{{ $labels.workload }} on port {{ $labels.server_port }}",
+        description=f"A replica's p95 request duration exceeds {SLOW_FACTOR:g} times the median of its workload's "
+                    f"replicas' p95s: a slow node, a noisy neighbour, a degraded GPU, or a longer queue. Needs three "
+                    f"replicas (of two, neither can exceed twice their median). {_PEERS}"),
+)
