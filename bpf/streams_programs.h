@@ -6,7 +6,8 @@
  * No program of its own on the send path: sendlat's programs call stream_send_begin() where a send
  * starts (they have its msghdr there) and stream_send_end() where it returns, so a send pays one
  * socket-storage lookup (sockets that are not accepted server connections have none). The receive
- * side (streams_recv) and the connection's life (streams_set_state) are the two programs added.
+ * side (streams_recv) and the connection's life (streams_set_state) are the two programs added. A socket
+ * without server state may be a client's: client_programs.h times the requests the host sends on it.
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
  * to first byte; each later write ends a gap; the next request received, or the server's side of the
