@@ -47,7 +47,8 @@ def command(duration: float | None, as_json: bool) -> None:
         stack.enter_context(StreamsProbe(host))
         probe = stack.enter_context(RequestsProbe(host))
         status = probe.status()
-        click.echo(f"Counting requests of TCP servers ({status.strategy}: {status.span}); Ctrl-C to end.", err=True)
+        click.echo(f"Counting requests of TCP servers and requests sent ({status.strategy}: {status.span}); "
+                   "Ctrl-C to end.", err=True)
         for _ in ticks(duration, 0.2):
             pass
         snapshot = probe.read()
