@@ -44,4 +44,23 @@ struct request_stats {
 	char comm[16];
 };
 
+/* The client side: requests the host sent on connections it opened (client_programs.h), per (process,
+ * cgroup, server address and port, method, status code). */
+struct client_key {
+	__u32 tgid;
+	__u16 port;		/* the server's (remote) port, host order */
+	__u16 status;		/* the response's status code (200-599); 0: not readable */
+	__u16 family;		/* AF_INET, AF_INET6 */
+	__u8 method;		/* enum http_method */
+	__u8 pad[5];
+	__u8 addr[16];		/* the server's address (AF_INET: its first 4 bytes) */
+	__u64 cgroup_id;
+};
+
+struct client_stats {
+	struct hist duration;	/* the request's first send -> its response's last read */
+	struct hist ttfb;	/* the request's first send -> its response's first read */
+	char comm[16];
+};
+
 #endif /* AIPROBE_REQUESTS_H */

@@ -95,6 +95,7 @@ enum stream_counter {
 	STREAM_COUNTER_ENDPOINTS_FULL,
 	STREAM_COUNTER_H2_UNTIMED,	/* HTTP/2 streams beyond H2_STREAMS on a connection */
 	STREAM_COUNTER_REQUEST_ENDPOINTS_FULL,	/* responses not counted: map request_stats was full */
+	STREAM_COUNTER_CLIENT_ENDPOINTS_FULL,	/* client requests not counted: map client_stats was full */
 	STREAM_COUNTER_MAX,
 };
 BTF_EXPORT_ENUM(stream_counter);

@@ -6,7 +6,8 @@
  * No program of its own on the send path: sendlat's programs call stream_send_begin() where a send
  * starts (they have its msghdr there) and stream_send_end() where it returns, so a send pays one
  * socket-storage lookup (sockets that are not accepted server connections have none). The receive
- * side (streams_recv) and the connection's life (streams_set_state) are the two programs added.
+ * side (streams_recv) and the connection's life (streams_set_state) are the two programs added. A socket
+ * without server state may be a client's: client_programs.h times the requests the host sends on it.
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
  * to first byte; each later write ends a gap; the next request received, or the server's side of the
@@ -31,6 +32,7 @@
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
+#include "client_programs.h"
 #include "cuda_sync.h"
 #include "hist.h"
 #include "hpack.h"
@@ -103,7 +105,8 @@ static __always_inline bool writes_ended(int oldstate, int newstate)
 	return (oldstate == TCP_ESTABLISHED && newstate != TCP_CLOSE_WAIT) || oldstate == TCP_CLOSE_WAIT;
 }
 
-/* Accepted connections get their state; a connection whose server is done writing ends its responses. */
+/* Accepted connections get their state; a connection whose server (or client) is done writing ends its
+ * responses (its request). */
 SEC("tp_btf/inet_sock_set_state")
 int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 {
@@ -115,8 +118,13 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
 		return 0;
 	}
-	if (!writes_ended(oldstate, newstate) || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+	if (!writes_ended(oldstate, newstate))
 		return 0;
+	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+	if (!s) {
+		client_closed(sk);
+		return 0;
+	}
 	stream_end(s);
 	for (int i = 0; i < H2_STREAMS; i++) {
 		if (s->h2[i].id) {
@@ -298,8 +306,13 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	__u32 zero = 0, n;
 	__u64 user, len;
 
-	if (!streams_enabled || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+	if (!streams_enabled)
 		return;
+	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+	if (!s) {
+		client_send_begin(sk, msg);
+		return;
+	}
 	s->write = WRITE_BODY;
 	s->frames = 0;
 	peek = bpf_map_lookup_elem(&stream_peek, &zero);
@@ -415,8 +428,10 @@ static __always_inline void stream_received(struct sock *sk, int ret, int flags)
 	if (!streams_enabled || ret <= 0 || (flags & MSG_PEEK))
 		return;
 	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
-	if (!s)
+	if (!s) {
+		client_received(sk, ret);
 		return;
+	}
 	now = bpf_ktime_get_ns();
 	if (!s->first_read_ns)
 		s->first_read_ns = now;

@@ -58,7 +58,7 @@ def check_series(name: str, buckets: list[tuple[float, float]], total: float) ->
     assert counts == sorted(counts), f"{name}: counts fall as le grows: {buckets}"
     lower = [0.0, *(le for le, _ in buckets[:-1])]
     # A duration above the last bound is at most the machine's uptime; a size has no such bound.
-    beyond = time.monotonic() if name.endswith("_seconds") else math.inf
+    beyond = math.inf if name.endswith("_bytes") else time.monotonic()
     upper = [*(le for le, _ in buckets[:-1]), beyond]
     in_bucket = [count - below for below, count in zip([0.0, *counts], counts, strict=False)]
     least = sum(n * edge for n, edge in zip(in_bucket, lower, strict=True))

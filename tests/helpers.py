@@ -32,7 +32,8 @@ IS_ROOT = os.geteuid() == 0
 # output, exporter bookkeeping) or `realtime` (held to wall-clock time that emulation stretches) run
 # on this host alone.
 KERNEL_MODULES = {"test_sendlat", "test_flows", "test_cuda", "test_connections", "test_loader", "test_check",
-                  "test_least_privilege", "test_strategies", "test_requests", "test_tls_handshakes"}
+                  "test_least_privilege", "test_strategies", "test_requests", "test_tls_handshakes",
+                  "test_client_requests"}
 
 
 # How far a kernel-measured time may stand from a user-space clock's view of the same thing: wider

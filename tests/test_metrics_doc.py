@@ -107,6 +107,6 @@ def test_names_follow_prometheus_conventions() -> None:
         if name.startswith("DCGM_"):
             continue
         # Request-shaped things carry OpenTelemetry's names, as Beyla/OBI export them (docs/requests.md).
-        assert name.startswith(("aiprobe_", "http_server_", "rpc_server_")), name
+        assert name.startswith(("aiprobe_", "http_server_", "rpc_server_", "http_client_")), name
         assert name.endswith("_total") == (kind == "counter"), name
         assert not re.search(r"_(ms|milliseconds|kb|mb|percent)(_|$)", name), name

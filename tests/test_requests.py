@@ -25,7 +25,7 @@ import httpx
 import pytest
 from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
-from aiprobe.probes.sendlat.records import HttpRequests, RequestEndpoint, RequestsSnapshot, RpcRequests
+from aiprobe.probes.sendlat.records import ClientRequests, HttpRequests, RequestEndpoint, RequestsSnapshot, RpcRequests
 from aiprobe.probes.sendlat.requests import RequestsProbe
 from exported_histograms import assert_histograms_consistent, rendered
 from helpers import CLOCK_TOLERANCE, PATIENCE, free_port, wait_until
@@ -46,7 +46,8 @@ def sample_reading() -> RequestsSnapshot:
     http = HttpRequests(1, "x", 0, 8000, "http", "GET", 200, 3, 0.3, timed, 0.1, 0.1, 0, 300, 900)
     rpc = RpcRequests(1, "x", 0, 50051, "grpc", "POST", 200, 1, 0.1, timed, 0.1, 0.1, 0, 20, 30)
     endpoint = RequestEndpoint(1, "x", 0, 8000, "http", 3, 0, 0, 0, 0, 0.1, 0.1, {"200": 3})
-    return RequestsSnapshot("tracepoint", "", [http], [rpc], [endpoint])
+    client = ClientRequests(1, "x", 0, "10.0.0.2", 8000, "POST", 200, 3, 0.3, timed, 0.1, timed, 0.1, 0.1, 0.05)
+    return RequestsSnapshot("tracepoint", "", [http], [rpc], [endpoint], clients=[client])
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from ...refresh import SIGNAL_WINDOW_SECONDS, Hooks, ProcessRows, Refresh, Secti
 from ...rules import Signal
 from .records import (
     CAUSES,
+    ClientRequests,
     ProcessSendLatency,
     RequestEndpoint,
     Requests,
@@ -111,10 +112,11 @@ class StreamsHooks(Hooks):
 
 
 class RequestsHooks(Hooks):
-    sections = {"requests": Section(RequestEndpoint)}
+    sections = {"requests": Section(RequestEndpoint), "client_requests": Section(ClientRequests)}
 
     def join(self, reading: RequestsSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
-        records: list[RequestEndpoint | Requests] = [*reading.endpoints, *reading.http, *reading.rpc]
+        records: list[RequestEndpoint | Requests | ClientRequests] = [
+            *reading.endpoints, *reading.http, *reading.rpc, *reading.clients]
         for record in records:
             refresh.workload(record.cgroup_id, record.pid).label(record)
         return {record.pid for record in records}
@@ -147,4 +149,6 @@ class RequestsHooks(Hooks):
         return signals
 
     def snapshot(self, reading: RequestsSnapshot) -> dict[str, Any]:
-        return {"requests": sorted(reading.endpoints, key=lambda e: e.requests_per_second, reverse=True)}
+        return {"requests": sorted(reading.endpoints, key=lambda e: e.requests_per_second, reverse=True),
+                "client_requests": sorted(reading.clients, key=lambda r: (r.server_address, r.server_port, r.pid,
+                                                                          r.method, r.status_code))}

@@ -1,4 +1,5 @@
-"""The send path's records: send latency per process and flow, slow sends, token streams, requests."""
+"""The send path's records: send latency per process and flow, slow sends, token streams, requests (served
+and sent)."""
 
 from __future__ import annotations
 
@@ -217,8 +218,12 @@ class Requests(Placed):
 
     @property
     def status_label(self) -> str:
-        """The status code as a label value; empty (no label) where it was not readable."""
-        return str(self.status_code) if self.status_code else ""
+        return status_label(self.status_code)
+
+
+def status_label(status_code: int) -> str:
+    """A status code as a label value; empty (no label) where it was not readable."""
+    return str(status_code) if status_code else ""
 
 
 class HttpRequests(Requests):
@@ -256,6 +261,38 @@ class RequestEndpoint(ServerEndpoint, Placed):
 
 
 @dataclass
+class ClientRequests(Placed):
+    """HTTP/1.x requests one process (in one cgroup) sent to one server (address, port) on connections it
+    opened, by method and status code, since the probe started: those whose response was read and that
+    ended (the next request on the connection, or its close; docs/requests.md)."""
+
+    pid: int
+    comm: str  # empty until the sender itself ends one of them (a close may end them in softirq)
+    cgroup_id: int
+    server_address: str
+    server_port: int
+    method: str  # "GET", "POST", ...
+    status_code: int  # the response's status line; 0: not readable
+    count: int
+    duration_sum_seconds: float
+    duration_histogram: Histogram = field(metadata=HISTOGRAM)  # the request's first send -> the response's last read
+    ttfb_sum_seconds: float
+    ttfb_histogram: Histogram = field(metadata=HISTOGRAM)  # the request's first send -> the response's first read
+    p50_seconds: float | None = None
+    p99_seconds: float | None = None
+    ttfb_p50_seconds: float | None = None
+    start_ticks: int = 0
+
+    def identity(self) -> Identity:
+        return (self.pid, self.start_ticks, self.cgroup_id, self.server_address, self.server_port, self.method,
+                self.status_code)
+
+    @property
+    def status_label(self) -> str:
+        return status_label(self.status_code)
+
+
+@dataclass
 class RequestsSnapshot(Record):
     """A read of the requests part: every (process, port, protocol, method, status) entry since start, HTTP's
     and gRPC's apart (their metric families differ), and their sums per server."""
@@ -266,3 +303,5 @@ class RequestsSnapshot(Record):
     rpc: list[RpcRequests] = field(default_factory=list)
     endpoints: list[RequestEndpoint] = field(default_factory=list)
     uncounted_requests: int = 0  # responses beyond the request table's capacity, since start
+    clients: list[ClientRequests] = field(default_factory=list)  # requests the host sent
+    uncounted_client_requests: int = 0  # beyond the client table's capacity, since start

@@ -1,6 +1,8 @@
 """Requests and errors from the wire (RED metrics): each response the streams logic times, counted when
 it ends per (process, cgroup, listening port, protocol, method, status code) in the kernel
-(bpf/requests.h), exported with OpenTelemetry's names as Beyla/OBI export them to Prometheus.
+(bpf/requests.h), exported with OpenTelemetry's names as Beyla/OBI export them to Prometheus. The client
+side: HTTP/1.x requests the host sends on connections it opened, per (process, cgroup, server address and
+port, method, status code) (bpf/client_programs.h).
 
 It rides on the streams part's logic inside sendlat's programs (no program of its own): `RequestsProbe`
 switches it on in the host's object and reads map `request_stats`. docs/requests.md has the rules.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -20,21 +23,33 @@ from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quanti
 from ...loader import enum_labels
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
-from ...names import comm_text
+from ...names import comm_text, ip_text
 from ...registry import Part, Probe
 from .hooks import RequestsHooks
-from .records import METHODS, PROTOCOLS, HttpRequests, RequestEndpoint, Requests, RequestsSnapshot, RpcRequests
+from .records import (
+    METHODS,
+    PROTOCOLS,
+    ClientRequests,
+    HttpRequests,
+    RequestEndpoint,
+    Requests,
+    RequestsSnapshot,
+    RpcRequests,
+)
 from .rules import HTTP_SERVER_ERRORS, HTTP_THROTTLED, REPLICA_SKEW
 from .streams import STRATEGIES as STREAMS_STRATEGIES
 from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
 
 COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
+# The counter of requests each aggregate map had no room for.
+FULL_COUNTERS = {"request_stats": "request_endpoints_full", "client_stats": "client_endpoints_full"}
 NO_RESPONSES = "; counts nothing: the syscall strategy reads no response's bytes (no protocol, no status)"
 SPAN = ("each response of an accepted connection (as streams time it), counted when it ends: its status from "
         "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table or a literal spells "
         "it), its method from its request's first read, its duration from the request's last read to the "
-        "response's last write")
+        "response's last write; requests sent on connections the host opened (HTTP/1.x), from their first send "
+        "to their response's last read, counted at the next request or the close")
 # The streams part's strategies (the same programs), with what this part sees under each.
 STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name == "syscall" else ""))
                    for s in STREAMS_STRATEGIES)
@@ -54,6 +69,20 @@ def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
         duration_histogram=exported_buckets(fine), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
         durations_unknown=value.durations_unknown, request_bytes=value.request_bytes,
         response_bytes=value.response_bytes, start_ticks=started,
+    )
+
+
+def _client_requests(key: dict[str, Any], value: Any, started: int) -> ClientRequests:
+    """One entry of `client_stats`."""
+    fine, ttfb = kernel_buckets(value.duration.slots[:]), kernel_buckets(value.ttfb.slots[:])
+    return ClientRequests(
+        pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"],
+        server_address=ip_text(bytes(key["addr"]), key["family"] == socket.AF_INET6), server_port=key["port"],
+        method=METHODS[key["method"]] if key["method"] < len(METHODS) else "_OTHER", status_code=key["status"],
+        count=value.duration.count, duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND,
+        duration_histogram=exported_buckets(fine), ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND,
+        ttfb_histogram=exported_buckets(ttfb), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
+        ttfb_p50_seconds=quantile(ttfb, 0.5), start_ticks=started,
     )
 
 
@@ -95,6 +124,7 @@ class RequestsProbe(InStreamLogic):
     def __init__(self, host: Probe | None) -> None:
         super().__init__(host)
         self._started = False
+        self._counted: dict[str, int] = {}  # entries by map, at the last read
 
     def start(self) -> None:
         self._runnable_host()
@@ -110,35 +140,42 @@ class RequestsProbe(InStreamLogic):
 
     def read(self) -> RequestsSnapshot:
         """Everything counted since start; entries of exited processes are reported once more, then deleted."""
-        obj = self._obj()
-        stats = obj.maps["request_stats"]
-        entries = []
-        for raw, value in stats.items():
-            key = btf.decode(raw)
-            entries.append((raw, key, _requests(key, value, self._starts.of(key["tgid"])), value.duration.slots[:]))
-        self._entries = len(entries)
-        self._starts.keep_only({key["tgid"] for _, key, _, _ in entries})
-        stats.delete_keys(raw for raw, key, _, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
-        records = [record for _, _, record, _ in entries]
+        served, sent = self._entries_of("request_stats"), self._entries_of("client_stats")
+        self._counted = {"request_stats": len(served), "client_stats": len(sent)}
+        entries = [(_requests(key, value, self._starts.of(key["tgid"])), value.duration.slots[:])
+                   for key, value in served]
+        clients = [_client_requests(key, value, self._starts.of(key["tgid"])) for key, value in sent]
+        self._starts.keep_only({key["tgid"] for key, _ in [*served, *sent]})
+        records = [record for record, _ in entries]
         return RequestsSnapshot(
             strategy=self.strategy or "", span=SPAN,
             http=[r for r in records if isinstance(r, HttpRequests)],
             rpc=[r for r in records if isinstance(r, RpcRequests)],
-            endpoints=_endpoints((record, slots) for _, _, record, slots in entries),
-            uncounted_requests=self._uncounted(),
+            endpoints=_endpoints(entries),
+            uncounted_requests=self._uncounted("request_stats"),
+            clients=clients, uncounted_client_requests=self._uncounted("client_stats"),
         )
 
-    def _uncounted(self) -> int:
-        """Responses that found the request table full, since start."""
-        counted: int = self._obj().maps["stream_counters"].lookup(COUNTERS.index("request_endpoints_full")).value
+    def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
+        """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it."""
+        stats = self._obj().maps[name]
+        entries = [(raw, btf.decode(raw), value) for raw, value in stats.items()]
+        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
+        return [(key, value) for _, key, value in entries]
+
+    def _uncounted(self, name: str) -> int:
+        """Requests that found map `name` full, since start."""
+        counted: int = self._obj().maps["stream_counters"].lookup(COUNTERS.index(FULL_COUNTERS[name])).value
         return counted
 
     def map_usage(self) -> list[MapUsage]:
         try:
-            capacity = self._obj().maps["request_stats"].max_entries
+            maps = self._obj().maps
+            capacities = {name: maps[name].max_entries for name in FULL_COUNTERS}
         except RuntimeError:
             return []
-        return [MapUsage("request_stats", self._entries, capacity, self._uncounted())]
+        return [MapUsage(name, self._counted.get(name, 0), capacity, self._uncounted(name))
+                for name, capacity in capacities.items()]
 
     def close(self) -> None:
         """Switch the requests logic off in the host's object (it stays loaded with sendlat)."""
@@ -160,14 +197,17 @@ def _constant(value: str) -> Getter:
 HTTP_LABELS: tuple[tuple[str, Getter], ...] = (
     ("http_request_method", "method"), ("http_response_status_code", lambda r: r.status_label), ("server_port", "port"),
     ("url_scheme", _constant("http")), *PROCESS_LABELS)
+CLIENT_LABELS: tuple[tuple[str, Getter], ...] = (
+    ("http_request_method", "method"), ("http_response_status_code", lambda r: r.status_label),
+    ("server_address", "server_address"), ("server_port", "server_port"), *PROCESS_LABELS)
 RPC_LABELS: tuple[tuple[str, Getter], ...] = (
     ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", _constant("")), ("server_port", "port"),
     *PROCESS_LABELS)
 
 PART = Part(
     name="requests",
-    description="requests and errors of TCP servers from the wire: status codes, methods, durations "
-                "(OpenTelemetry's HTTP and RPC server metrics)",
+    description="requests and errors of TCP servers, and HTTP/1.x requests the host sends, from the wire: "
+                "status codes, methods, durations (OpenTelemetry's HTTP and RPC server and HTTP client metrics)",
     strategies=STRATEGIES,
     order=26,
     command="aiprobe.probes.sendlat.requests_command:command",
@@ -186,6 +226,15 @@ PART = Part(
                "Duration of gRPC calls served: the request's last frame to the response's last write.",
                RpcRequests, "duration_histogram", RPC_LABELS, sum_field="duration_sum_seconds", per_identity=True,
                doc_note="rpc_grpc_status_code is empty: the trailers' grpc-status is not read (docs/requests.md)."),
+        Family("http_client_request_duration_seconds", "histogram",
+               "Duration of HTTP/1.x requests sent on connections the host opened: the request's first send to "
+               "the response's last read.", ClientRequests, "duration_histogram", CLIENT_LABELS,
+               sum_field="duration_sum_seconds", per_identity=True),
+        Family("aiprobe_http_client_time_to_first_byte_seconds", "histogram",
+               "Time to first byte of HTTP/1.x requests sent: the request's first send to the response's first "
+               "read.", ClientRequests, "ttfb_histogram", CLIENT_LABELS, sum_field="ttfb_sum_seconds",
+               per_identity=True,
+               doc_note="OpenTelemetry has no client time to first byte: aiprobe's own name (docs/requests.md)."),
     ),
     hooks=RequestsHooks(),
     views=(REQUESTS_VIEW,),
