@@ -21,7 +21,12 @@ Per case and configuration: aiprobe's share of the server's own CPU, (server CPU
 per request / the server's CPU per request without the agent, the median over the rounds of the
 share within each round's pair (the target is 0.03). Then, in a pass of its own (the kernel's BPF
 run-time statistics add two clock reads to every program run), the whole agent's programs: runs per
-request, ns per run, and run time per request, each from the programs' own counters.
+request, ns per run, and run time per request, each from the programs' own counters. Those count
+every run on the host: the load generator's sends and receives run the same programs (wrk's request
+is one of the two sends per request of nginx's small body), and so does any other process's.
+
+GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (3 rounds
+of 2 s loads, 20 events per streamed response): about 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -353,7 +358,7 @@ def _run_times(case: str, served: Served, workdir: str, server_ns: float) -> lis
     total = sum(run_time for run_time, _ in ran.values()) / requests
     results.append(Result("gateway", f"{case}, BPF, every program of the whole agent: run time per request", total,
                           "ns", f"{len(ran)} of {len(after)} programs ran; {total / server_ns:.4f} of the server's "
-                          "CPU per request without the agent"))
+                          "CPU per request without the agent (runs host-wide: the load generator's too)"))
     return results
 
 
