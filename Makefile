@@ -13,7 +13,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Build and test dependencies from Debian/Ubuntu. Nodes that only run aiprobe need libbpf1 alone.
 APT_PACKAGES := clang llvm libbpf-dev iproute2 make gcc libc6-dev python3-venv python3-pip \
-                tmux prometheus prometheus-alertmanager ruby wrk ethtool iperf3 nginx-light
+                tmux prometheus prometheus-alertmanager ruby wrk ethtool iperf3 nginx
 # bpftool is its own package on Debian (and recent Ubuntu); older Ubuntu ships it in linux-tools
 # (the deps recipe falls back to those).
 

@@ -10,11 +10,12 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from aiprobe import libbpf
 
 BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,10 +46,10 @@ def attached(case: Case) -> Iterator[None]:
         case.detach()
 
 
-def alternate(cases: Sequence[Case], rounds: int, measure: Callable[[], float]) -> dict[str, list[float]]:
+def alternate(cases: Sequence[Case], rounds: int, measure: Callable[[], T]) -> dict[str, list[T]]:
     """`measure()` under each case in turn, `rounds` times, the order reversed every other round so
     a drift in machine load favours no case; the values by case name."""
-    runs: dict[str, list[float]] = {case.name: [] for case in cases}
+    runs: dict[str, list[T]] = {case.name: [] for case in cases}
     for round_ in range(rounds):
         for case in cases if round_ % 2 == 0 else cases[::-1]:
             with attached(case):
@@ -71,8 +72,26 @@ def bpf_stats() -> Iterator[None]:
         os.close(fd)
 
 
+def _fdinfo(path: str) -> dict[str, str]:
+    with open(path) as fdinfo:
+        return dict(line.split(":", 1) for line in fdinfo.read().splitlines() if ":" in line)
+
+
 def bpf_run_stats(program_fd: int) -> tuple[int, int]:
     """(run_time_ns, run_cnt) of a program so far, counted while bpf_stats() is on (its fdinfo)."""
-    with open(f"/proc/self/fdinfo/{program_fd}") as fdinfo:
-        fields = dict(line.split(":", 1) for line in fdinfo.read().splitlines() if ":" in line)
+    fields = _fdinfo(f"/proc/self/fdinfo/{program_fd}")
     return int(fields["run_time_ns"]), int(fields["run_cnt"])
+
+
+def programs_of(pid: int) -> dict[int, tuple[int, int]]:
+    """(run_time_ns, run_cnt) so far of every BPF program another process holds open, by program id
+    (its fds' fdinfo: a link's names a program too, but only a program's own fd carries the counts)."""
+    programs = {}
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            fields = _fdinfo(f"/proc/{pid}/fdinfo/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if "run_cnt" in fields:
+            programs[int(fields["prog_id"])] = (int(fields["run_time_ns"]), int(fields["run_cnt"]))
+    return programs

@@ -1,0 +1,375 @@
+"""What the agent costs a busy server, per request (issue 26): CPU accounting, not throughput (which
+swings by a third from round to round on these machines).
+
+Four servers, each pinned to one CPU with its load generator pinned to another:
+- nginx answering a small JSON body (wrk -t1 -c50);
+- nginx proxying an SSE stream from an upstream (tests/fixtures/sse_server.py, on the server's CPU
+  too), unbuffered (wrk);
+- uvicorn streaming SSE (the same server, loaded directly by wrk);
+- a gRPC server-streaming service (tests/fixtures/grpc_server.py), loaded by a grpcio client.
+A streamed request is one response of EVENTS events, sent as fast as the server can.
+
+Configurations alternate round by round (the order reversed every other round): no agent, the
+whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), and each probe
+alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every process of
+the serving side: nginx's master and worker, the upstream) and the agent's, over the load, each
+divided by the requests the load generator completed. CPU time is each thread's sum_exec_runtime
+(/proc/PID/task/TID/schedstat): the accounting /proc/PID/stat's utime+stime are scaled from, in ns
+rather than 10 ms ticks, which an agent's few ms per round need.
+
+Per case and configuration: aiprobe's share of the server's own CPU, (server CPU added + agent CPU)
+per request / the server's CPU per request without the agent, the median over the rounds of the
+share within each round's pair (the target is 0.03). Then, in a pass of its own (the kernel's BPF
+run-time statistics add two clock reads to every program run), the whole agent's programs: runs per
+request, ns per run, and run time per request, each from the programs' own counters. Those count
+every run on the host: the load generator's sends and receives run the same programs (wrk's request
+is one of the two sends per request of nginx's small body), and so does any other process's.
+
+GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (3 rounds
+of 2 s loads, 20 events per streamed response): about 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from benchmarks import Result, alternate, attached, bpf_stats, programs_of, spread
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from aiprobe.registry import selectable_names  # noqa: E402
+from helpers import bpftool_json, free_port, wait_until  # noqa: E402
+
+from benchmarks.bench_agent import _start_agent, _stop  # noqa: E402
+
+ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "3"))
+SECONDS = int(os.environ.get("GATEWAY_BENCH_SECONDS", "2"))  # of load per round (wrk takes whole seconds)
+EVENTS = int(os.environ.get("GATEWAY_BENCH_EVENTS", "20"))  # per streamed response
+CONNECTIONS = 50  # wrk's, as issue 26 measured
+GRPC_STREAMS = 4  # the gRPC server's thread pool: more would only queue
+SETTLE_SECONDS = 0.5  # after the agent answers /healthz: its start-up over before the load
+TARGET = 0.03
+FIXTURES = ROOT / "tests" / "fixtures"
+NO_AGENT = "no agent"
+WHOLE = "whole agent"
+
+# A grpcio client: GRPC_STREAMS connections, opened once; per line on stdin (seconds), each calls the
+# streaming method again and again for that long; then it prints the responses read to the end.
+GRPC_CLIENT = """
+import sys, threading, time, grpc
+port, streams, events = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(streams)]
+def call(channel, deadline, done):
+    stream = channel.unary_stream("/tokens.Tokens/Stream")
+    while time.monotonic() < deadline:
+        for _ in stream(events):
+            pass
+        done.append(1)
+for line in sys.stdin:
+    deadline, done = time.monotonic() + float(line), []
+    threads = [threading.Thread(target=call, args=(channel, deadline, done)) for channel in channels]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(len(done), flush=True)
+"""
+
+
+def _cpus() -> tuple[int, int]:
+    """(the server's CPU, the load generator's)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[0], cpus[-1]
+
+
+def pinned(cpu: int, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", str(cpu), *cmd]
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of a process's live threads so far (schedstat's first field): a thread that exits
+    within a round is missed, but the servers' threads and the agent's live as long as they do."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as schedstat:
+                total += int(schedstat.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread exited meanwhile
+            pass
+    return total
+
+
+@dataclass
+class Served:
+    """A running server (its processes and their descendants) and its load: `load()` runs it for
+    SECONDS and returns the requests it completed."""
+
+    processes: list[subprocess.Popen[str]]
+    load: Callable[[], int]
+
+    def cpu_ns(self) -> int:
+        pids = [p.pid for p in self.processes]
+        pids += [child.pid for p in self.processes for child in psutil.Process(p.pid).children(recursive=True)]
+        return sum(cpu_ns(pid) for pid in pids)
+
+
+@dataclass
+class Sample:
+    requests: int
+    server_ns: int
+    agent_ns: int
+
+    @property
+    def server(self) -> float:
+        return self.server_ns / self.requests
+
+    @property
+    def agent(self) -> float:
+        return self.agent_ns / self.requests
+
+
+@dataclass
+class Configuration:
+    """The agent with `probes` (None: the whole default config), running only while attached; the
+    no-agent configuration runs nothing."""
+
+    name: str
+    workdir: str
+    probes: list[str] | None = None
+    agent: subprocess.Popen[str] | None = field(default=None, repr=False)
+
+    def attach(self) -> None:
+        if self.name == NO_AGENT:
+            return
+        probes = f"probes = {json.dumps(self.probes)}\n" if self.probes else ""
+        self.agent = _start_agent(self.workdir, probes)
+        time.sleep(SETTLE_SECONDS)
+
+    def detach(self) -> None:
+        if self.agent is not None:
+            _stop(self.agent)
+            self.agent = None
+
+    def cpu_ns(self) -> int:
+        return cpu_ns(self.agent.pid) if self.agent is not None else 0
+
+
+def _configurations(workdir: str) -> list[Configuration]:
+    return ([Configuration(NO_AGENT, workdir), Configuration(WHOLE, workdir)]
+            + [Configuration(f"{name} alone", workdir, [name]) for name in selectable_names()])
+
+
+def _sample(served: Served, configurations: list[Configuration]) -> Sample:
+    """One round's load under whichever configuration is attached."""
+    server, agent = served.cpu_ns(), sum(c.cpu_ns() for c in configurations)
+    requests = served.load()
+    return Sample(requests, served.cpu_ns() - server, sum(c.cpu_ns() for c in configurations) - agent)
+
+
+# --- the servers and their loads ---
+
+def _drained(process: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """A fixture server once it printed "ready"; its accounts of each response, not needed here, read
+    and dropped so it never blocks on a full pipe."""
+    if process.stdout is None or process.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"{process.args!r} did not start")
+    threading.Thread(target=process.stdout.read, daemon=True).start()
+    return process
+
+
+def _python_server(script: str, port: int, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(FIXTURES / script), str(port), "--events", str(EVENTS), "--cadence-ms", "0",
+           "--prefill-ms", "0", *args]
+    return _drained(subprocess.Popen(pinned(_cpus()[0], cmd), stdout=subprocess.PIPE, text=True))
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _nginx(workdir: str, port: int, http: str) -> subprocess.Popen[str]:
+    """nginx, one worker pinned to the server's CPU, with `http` inside its http block."""
+    conf = Path(workdir) / "nginx.conf"
+    conf.write_text(f"""
+daemon off;
+worker_processes 1;
+worker_cpu_affinity {1 << _cpus()[0]:b};
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {workdir}/client_body;
+    proxy_temp_path {workdir}/proxy;
+    {http}
+}}
+""")
+    nginx = subprocess.Popen(pinned(_cpus()[0], ["nginx", "-p", workdir, "-c", str(conf)]), text=True)
+    if not wait_until(lambda: _listening(port), timeout=30):
+        nginx.kill()
+        raise RuntimeError(f"nginx did not listen: {(Path(workdir) / 'nginx-error.log').read_text()}")
+    return nginx
+
+
+def _wrk(url: str) -> Callable[[], int]:
+    def load() -> int:
+        out = subprocess.run(pinned(_cpus()[1], ["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{SECONDS}s", url]),
+                             capture_output=True, text=True, check=True).stdout
+        if "Non-2xx" in out or "Socket errors" in out:
+            raise RuntimeError(f"wrk {url}: {out}")
+        return int(next(line.split()[0] for line in out.splitlines() if " requests in " in line))
+    return load
+
+
+class GrpcClient:
+    """The grpcio client, started once (its start-up outside the rounds), loading for SECONDS when called."""
+
+    def __init__(self, port: int) -> None:
+        cmd = [sys.executable, "-c", GRPC_CLIENT, str(port), str(GRPC_STREAMS), str(EVENTS)]
+        self.process = subprocess.Popen(pinned(_cpus()[1], cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+
+    def __call__(self) -> int:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(f"{SECONDS}\n")
+        self.process.stdin.flush()
+        return int(self.process.stdout.readline())
+
+
+@contextmanager
+def _stopping(processes: list[subprocess.Popen[str]]) -> Iterator[list[subprocess.Popen[str]]]:
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            _stop(process)
+
+
+@contextmanager
+def nginx_small_body(workdir: str) -> Iterator[Served]:
+    port = free_port()
+    http = f"""server {{ listen 127.0.0.1:{port};
+        location / {{ default_type application/json; return 200 '{{"ok":true}}'; }} }}"""
+    with _stopping([_nginx(workdir, port, http)]) as processes:
+        yield Served(processes, _wrk(f"http://127.0.0.1:{port}/"))
+
+
+@contextmanager
+def nginx_proxying_sse(workdir: str) -> Iterator[Served]:
+    port, upstream = free_port(), free_port()
+    http = f"""upstream sse {{ server 127.0.0.1:{upstream}; keepalive 16; }}
+    server {{ listen 127.0.0.1:{port};
+        location /stream {{ proxy_pass http://sse; proxy_http_version 1.1; proxy_set_header Connection "";
+                           proxy_buffering off; }} }}"""
+    with _stopping([_python_server("sse_server.py", upstream)]) as processes:
+        processes.append(_nginx(workdir, port, http))
+        yield Served(processes, _wrk(f"http://127.0.0.1:{port}/stream"))
+
+
+@contextmanager
+def uvicorn_sse(_workdir: str) -> Iterator[Served]:
+    port = free_port()
+    with _stopping([_python_server("sse_server.py", port)]) as processes:
+        yield Served(processes, _wrk(f"http://127.0.0.1:{port}/stream"))
+
+
+@contextmanager
+def grpc_streaming(_workdir: str) -> Iterator[Served]:
+    port = free_port()
+    with _stopping([_python_server("grpc_server.py", port)]) as processes:
+        client = GrpcClient(port)
+        with _stopping([client.process]):
+            yield Served(processes, client)
+
+
+CASES: dict[str, Callable[[str], AbstractContextManager[Served]]] = {
+    "nginx, small body": nginx_small_body,
+    f"nginx proxying SSE ({EVENTS} events)": nginx_proxying_sse,
+    f"uvicorn SSE ({EVENTS} events)": uvicorn_sse,
+    f"gRPC streaming ({EVENTS} messages)": grpc_streaming,
+}
+
+
+# --- the figures ---
+
+def _shares(case: str, runs: dict[str, list[Sample]]) -> tuple[list[Result], float]:
+    """Each configuration's share of the server's CPU against the no-agent rounds; and the server's
+    CPU per request without the agent."""
+    bare = runs.pop(NO_AGENT)
+    base = [s.server for s in bare]
+    rates = [s.requests / SECONDS for s in bare]
+    results = [Result("gateway", f"{case}, {NO_AGENT}: server CPU per request", statistics.median(base), "ns",
+                      f"{spread(base)}; {statistics.median(rates):.0f} req/s")]
+    for name, samples in runs.items():
+        added = [s.server - b for s, b in zip(samples, base, strict=True)]
+        agent = [s.agent for s in samples]
+        share = [(a + g) / b for a, g, b in zip(added, agent, base, strict=True)]
+        results.append(Result(
+            "gateway", f"{case}, {name}: aiprobe's share of the server's CPU", statistics.median(share), "ratio",
+            f"server {statistics.median(s.server for s in samples):.0f} ns/req, added {statistics.median(added):+.0f}, "
+            f"agent {statistics.median(agent):.0f} ns/req (medians of {len(samples)} rounds); "
+            f"target <= {TARGET} (issue 26)"))
+    return results, statistics.median(base)
+
+
+def _run_times(case: str, served: Served, workdir: str, server_ns: float) -> list[Result]:
+    """The whole agent's programs under one load with bpf_stats on: the run time per request of each
+    one that ran, with its runs per request and ns per run; and their total against the server's
+    CPU per request without the agent."""
+    whole = Configuration(WHOLE, workdir)
+    with bpf_stats(), attached(whole):
+        assert whole.agent is not None
+        before = programs_of(whole.agent.pid)
+        requests = served.load()
+        after = programs_of(whole.agent.pid)
+        # bpftool names a program in full, from its BTF (the kernel keeps 15 characters)
+        names = {p["id"]: p["name"] for p in bpftool_json("prog", "show") if p["id"] in after}
+    ran = {names.get(prog_id, str(prog_id)): (run_time - before.get(prog_id, (0, 0))[0],
+                                              runs - before.get(prog_id, (0, 0))[1])
+           for prog_id, (run_time, runs) in after.items()}
+    ran = {name: counts for name, counts in ran.items() if counts[1] > 0}
+    results = [Result("gateway", f"{case}, BPF {name}: run time per request", run_time / requests, "ns",
+                      f"{runs / requests:.2f} runs per request, {run_time / runs:.0f} ns per run")
+               for name, (run_time, runs) in sorted(ran.items(), key=lambda item: -item[1][0])]
+    total = sum(run_time for run_time, _ in ran.values()) / requests
+    results.append(Result("gateway", f"{case}, BPF, every program of the whole agent: run time per request", total,
+                          "ns", f"{len(ran)} of {len(after)} programs ran; {total / server_ns:.4f} of the server's "
+                          "CPU per request without the agent (runs host-wide: the load generator's too)"))
+    return results
+
+
+def measure(case: str, serve: Callable[[str], AbstractContextManager[Served]]) -> list[Result]:
+    with tempfile.TemporaryDirectory() as workdir, serve(workdir) as served:
+        configurations = _configurations(workdir)
+        served.load()  # warm-up: connections, caches, the CPU's frequency
+        runs = alternate(configurations, ROUNDS, lambda: _sample(served, configurations))
+        results, server_ns = _shares(case, runs)
+        return results + _run_times(case, served, workdir, server_ns)
+
+
+def run() -> list[Result]:
+    return [result for case, serve in CASES.items() for result in measure(case, serve)]
