@@ -275,6 +275,10 @@ static long h2_frame(__u32 index, struct h2_walk *walk)
 	if (header[3] == H2_RST_STREAM)
 		carries = H2_CARRIES_END;
 	if (carries && stream && n < H2_FRAMES) {
+		/* The bound again, on the register the stores use: 6.1's verifier loses it when n is
+		 * spilled and refilled (invalid access to map value). */
+		barrier_var(n);
+		n &= H2_FRAMES - 1;
 		s->frame_stream[n] = stream;
 		s->frame_carries[n] = carries;
 		s->frames = n + 1;
