@@ -29,7 +29,9 @@ struct flow_key {
 	__u8 remote_addr[16];
 };
 
-/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse).
+/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse):
+ * first_seen the flow's first frame, last_seen no earlier than the start of the table read before its
+ * latest frame (flows_clock), nor than its first_seen.
  * Counts are what crosses the wire: a GSO/GRO skb (one skb, many segments) counts as its gso_segs
  * packets, and each segment carries its own copy of the headers the parser read (Ethernet, VLAN,
  * IP, TCP/UDP), so bytes = skb->len + (segments - 1) * header length. Without the FCS, preamble and

@@ -400,7 +400,7 @@ class _Ledger:
     """What read() remembers besides the flows: when the last two reads began, and counts of what
     left the table and the unattributed table."""
 
-    # CLOCK_MONOTONIC_COARSE (the programs' clock for last_seen) as the last two reads began
+    # CLOCK_MONOTONIC_COARSE as the last two reads began (each wrote it for the programs to stamp as last_seen)
     started: deque[int] = field(default_factory=lambda: deque(maxlen=2))
     retired_failures: int = 0
     retired_malformed: int = 0
@@ -606,10 +606,11 @@ class FlowsProbe(Probe):
             attachments = [a.state for a in self._attached.values()]
         table, ledger = self._table, self._ledger
         baseline = table.begin(now_ns, MIN_RATE_WINDOW_NS)
-        # A flow counted after the previous read copied it has a last_seen past that read's start
-        # (bpf/flows.bpf.c stamps it after its adds): the read before that gives a margin for a
-        # program that stamped an earlier time last.
+        # A flow counted after the previous read copied it has a last_seen no earlier than that read's
+        # start (bpf/flows.bpf.c stamps, after its adds, the flows_clock each read writes first): the
+        # read before that gives a margin for a frame whose adds and stamp another CPU saw out of order.
         since = ledger.started[0] if len(ledger.started) == ledger.started.maxlen else 0
+        obj.set_data(".data.clock", flows_clock=started)  # what frames from now on stamp as last_seen
         gone = self._scan(obj.maps["flows"], names, since, started - int(self.idle_timeout * 1e9))
         self._delete(obj.maps["flows"], gone)
         ledger.started.append(started)

@@ -21,8 +21,8 @@ class FlowRecord(Placed):
     bytes_per_second: float
     packets_per_second: float
     cgroup_id: int  # egress: the sending socket's cgroup v2 id; 0 when unknown
-    first_seen: float  # Unix time
-    last_seen: float
+    first_seen: float  # Unix time of the flow's first frame
+    last_seen: float  # its latest frame came at or after this: the start of the table read before it
     tcp_syn: int = 0
     tcp_fin: int = 0
     tcp_rst: int = 0
