@@ -25,7 +25,8 @@ FEATURE_OBJECT = "features"
 
 # Order is the order `aiprobe check` prints.
 FEATURES = (
-    "btf", "fentry", "kprobe", "tp_btf", "tcp_send_tp", "sock_length_tp", "raw_tp", "tracepoint", "uprobe",
+    "btf", "fentry", "syn_recv_fexit", "kprobe", "tp_btf", "tcp_send_tp", "sock_length_tp", "raw_tp", "tracepoint",
+    "uprobe",
     "xdp", "xdp_native", "xdp_generic", "xdp_link", "tc", "tcx", "tc_clsact", "ringbuf", "map_batch",
 )
 
@@ -49,6 +50,8 @@ def _attempt(action: Callable[[], str | None]) -> Feature:
 # What a failure of these usually means; libbpf's own hints (e.g. "raise ulimit -l") mislead here.
 _HINTS = {
     "probe_fentry": "the kernel refuses BPF trampolines (built without function tracer / direct calls)",
+    "probe_syn_recv_fexit": "no trampoline on tcp_v4_syn_recv_sock (none at all, or more arguments than this "
+                            "kernel's trampolines take)",
     "probe_kprobe": "no kprobe PMU and no kprobe_events (kernel built without CONFIG_KPROBES)",
     "probe_tcp_send_tp": "no tcp:tcp_sendmsg_locked tracepoint",
     "probe_sock_length_tp": "no sock:sock_send_length / sock_recv_length tracepoints (6.3+)",
@@ -166,6 +169,7 @@ def probe_features() -> dict[str, Feature]:
     found = {
         "btf": _attempt(_btf),
         "fentry": _program("probe_fentry"),
+        "syn_recv_fexit": _program("probe_syn_recv_fexit"),
         "kprobe": _program("probe_kprobe"),
         "tp_btf": _program("probe_tp_btf"),
         "tcp_send_tp": _program("probe_tcp_send_tp"),

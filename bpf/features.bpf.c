@@ -39,6 +39,11 @@ static __always_inline __u64 hit(void)
 SEC("fentry/tcp_sendmsg")
 int BPF_PROG(probe_fentry) { hit(); return 0; }
 
+/* A trampoline on the connections probe's function: Debian's kernels give tcp_v4_syn_recv_sock a
+ * seventh argument, more than x86 trampolines took before 6.6. */
+SEC("fexit/tcp_v4_syn_recv_sock")
+int BPF_PROG(probe_syn_recv_fexit) { hit(); return 0; }
+
 SEC("kprobe/tcp_sendmsg")
 int BPF_KPROBE(probe_kprobe) { hit(); return 0; }
 

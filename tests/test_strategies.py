@@ -34,9 +34,13 @@ from helpers import PATIENCE, VethPair
 ALWAYS = {"cuda": "uprobe", "sched": "tp_btf", "netstat": "procfs"}
 EXPECTED = {
     # no TCX before 6.6
-    (6, 1): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "clsact", **ALWAYS},
-    (6, 12): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "tcx", **ALWAYS},
-    (6, 18): {"sendlat": "tracepoint", "streams": "tracepoint", "requests": "tracepoint", "flows": "tcx", **ALWAYS},
+    # connections on 6.1: Debian's seven-argument tcp_v4_syn_recv_sock takes no trampoline
+    (6, 1): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "clsact",
+             "connections": "kprobe", **ALWAYS},
+    (6, 12): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "tcx",
+              "connections": "fentry", **ALWAYS},
+    (6, 18): {"sendlat": "tracepoint", "streams": "tracepoint", "requests": "tracepoint", "flows": "tcx",
+              "connections": "tracepoint", **ALWAYS},
 }
 FORCEABLE = [(name, strategy.name) for name in ("flows", "sendlat", "sched") for strategy in face(name).strategies]
 SSE_EVENTS = 20
@@ -68,8 +72,8 @@ def running_probes(config: Config) -> Iterator[dict[str, Face]]:
             probe.close()
 
 
-def probes_config(veth: VethPair, **strategies: str) -> Config:
-    return Config(probes=("flows", "sendlat", "cuda"), strategies=strategies).with_settings(
+def probes_config(veth: VethPair, probes: tuple[str, ...] = ("flows", "sendlat", "cuda"), **strategies: str) -> Config:
+    return Config(probes=probes, strategies=strategies).with_settings(
         FlowsSettings(interfaces=(veth.host,), exclude=()))
 
 
@@ -111,7 +115,7 @@ def test_each_probe_picks_the_strategy_expected_on_this_kernel(veth: VethPair, k
         pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to EXPECTED")
     # What `aiprobe check` offers, then what the agent's probes and their parts run.
     assert {name: plan(face(name), kernel_features).strategy for name in expected} == expected
-    with running_probes(probes_config(veth)) as running:
+    with running_probes(probes_config(veth, ("flows", "sendlat", "cuda", "connections"))) as running:
         assert {name: running[name].status().strategy for name in expected} == \
             expected
 

@@ -53,7 +53,7 @@ STRATEGIES = (
         "fentry",
         programs=("cn_syn_fentry", "cn_ack4_fentry", "cn_ack6_fentry", "cn_ready4_fexit", "cn_ready6_fexit",
                   "cn_accept_fexit"),
-        features=("fentry",),
+        features=("fentry", "syn_recv_fexit"),
         span="overflows at tcp_conn_request and tcp_v{4,6}_syn_recv_sock entry (the kernel's own test); handshake "
              "from the first SYN-ACK to tcp_v{4,6}_syn_recv_sock's return, accept wait from there to "
              "inet_csk_accept's (fentry/fexit)",
