@@ -13,7 +13,8 @@ only while a process drives the GPU (`SchedulerLinks`): they are loaded, verifie
 at start (which chooses the strategy), then detached until cuda's rescan (about every second) finds
 a process mapping a probed CUDA library, or a GPU-driving thread in map `threads`. A thread that
 starts driving the GPU in a process the rescan has not seen yet is timed from the next rescan on:
-its first second or so of wakeups and preemptions is not counted.
+its first second or so of wakeups and preemptions is not counted. Once none does, they stay
+attached LINGER_SECONDS more. The status says which it is now.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class SchedProbe:
         if self._links is not None and self._links.attached:
             return "attached: a process drives the GPU"
         why = f" (attach failed: {self._links.error})" if self._links is not None and self._links.error else ""
-        return f"detached while no process drives the GPU{why}; attaches within a rescan of one"
+        return (f"detached while no process drives the GPU{why}: attached at the rescan (about every second) "
+                "that finds one")
 
     def map_usage(self) -> list[MapUsage]:
         return []
