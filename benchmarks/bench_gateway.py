@@ -25,8 +25,14 @@ request, ns per run, and run time per request, each from the programs' own count
 every run on the host: the load generator's sends and receives run the same programs (wrk's request
 is one of the two sends per request of nginx's small body), and so does any other process's.
 
+Every agent watches loopback only (`interfaces = ["lo"]`, `exclude = []`): the loads run there, so
+its flows are the ones a gateway's NIC would carry, and an agent attached to every interface of a
+shared machine would touch other people's interfaces (and their tests' "nothing left attached").
+
 GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (3 rounds
-of 2 s loads, 20 events per streamed response): about 5 minutes on 2 cores.
+of 2 s loads, 20 events per streamed response): about 5 minutes on 2 cores. GATEWAY_BENCH_CASES
+(comma-separated, e.g. "grpc" or "nginx,uvicorn") runs only the cases whose names contain one of
+its words, case-insensitively.
 """
 
 from __future__ import annotations
@@ -60,11 +66,13 @@ from benchmarks.bench_agent import _start_agent, _stop  # noqa: E402
 ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "3"))
 SECONDS = int(os.environ.get("GATEWAY_BENCH_SECONDS", "2"))  # of load per round (wrk takes whole seconds)
 EVENTS = int(os.environ.get("GATEWAY_BENCH_EVENTS", "20"))  # per streamed response
+SELECTED = [word.strip().lower() for word in os.environ.get("GATEWAY_BENCH_CASES", "").split(",") if word.strip()]
 CONNECTIONS = 50  # wrk's, as issue 26 measured
 GRPC_STREAMS = 4  # the gRPC server's thread pool: more would only queue
 SETTLE_SECONDS = 0.5  # after the agent answers /healthz: its start-up over before the load
 TARGET = 0.03
 FIXTURES = ROOT / "tests" / "fixtures"
+LOOPBACK_ONLY = 'interfaces = ["lo"]\nexclude = []\n'
 NO_AGENT = "no agent"
 WHOLE = "whole agent"
 
@@ -162,7 +170,7 @@ class Configuration:
         if self.name == NO_AGENT:
             return
         probes = f"probes = {json.dumps(self.probes)}\n" if self.probes else ""
-        self.agent = _start_agent(self.workdir, probes)
+        self.agent = _start_agent(self.workdir, LOOPBACK_ONLY + probes)
         time.sleep(SETTLE_SECONDS)
 
     def detach(self) -> None:
@@ -371,5 +379,9 @@ def measure(case: str, serve: Callable[[str], AbstractContextManager[Served]]) -
         return results + _run_times(case, served, workdir, server_ns)
 
 
+def _selected(case: str) -> bool:
+    return not SELECTED or any(word in case.lower() for word in SELECTED)
+
+
 def run() -> list[Result]:
-    return [result for case, serve in CASES.items() for result in measure(case, serve)]
+    return [result for case, serve in CASES.items() if _selected(case) for result in measure(case, serve)]

@@ -589,10 +589,17 @@ int uprobe_empty(void *ctx)
 
 /* ---- scheduler side: run-queue delay and involuntary preemptions of GPU-driving threads ---- */
 
+/* These run on every wakeup and context switch of the host: the thread lookup comes first, and
+ * the clock is read only for a GPU-driving thread. */
+static __always_inline struct gpu_thread *gpu_thread_of(__u32 pid)
+{
+	return pid ? bpf_map_lookup_elem(&threads, &pid) : NULL;
+}
+
 /* Runnable -> waiting on a run queue from now. */
 static __always_inline void on_wakeup(__u32 pid)
 {
-	struct gpu_thread *t = bpf_map_lookup_elem(&threads, &pid);
+	struct gpu_thread *t = gpu_thread_of(pid);
 
 	if (t)
 		t->enqueued_ns = bpf_ktime_get_ns();
@@ -603,23 +610,27 @@ static __always_inline struct gpu_process *process_of(struct gpu_thread *t)
 	return bpf_map_lookup_elem(&processes, &t->tgid);
 }
 
-static __always_inline void on_switch(__u32 prev_pid, bool prev_runnable, __u32 next_pid)
+/* A GPU-driving thread switched out while runnable: preempted (or yielded); it waits on the run
+ * queue again. */
+static __always_inline void on_preempted(struct gpu_thread *t)
 {
-	__u64 now = bpf_ktime_get_ns();
-	struct gpu_process *p;
-	struct gpu_thread *t;
+	struct gpu_process *p = process_of(t);
 
-	/* Switched out while runnable: preempted (or yielded); it waits on the run queue again. */
-	if (prev_runnable && prev_pid && (t = bpf_map_lookup_elem(&threads, &prev_pid))) {
-		if ((p = process_of(t)))
-			__sync_fetch_and_add(&p->involuntary_preemptions, 1);
-		t->enqueued_ns = now;
-	}
-	if (next_pid && (t = bpf_map_lookup_elem(&threads, &next_pid)) && t->enqueued_ns) {
-		if ((p = process_of(t)))
-			hist_add(&p->runqueue, now - t->enqueued_ns);
-		t->enqueued_ns = 0;
-	}
+	if (p)
+		__sync_fetch_and_add(&p->involuntary_preemptions, 1);
+	t->enqueued_ns = bpf_ktime_get_ns();
+}
+
+static __always_inline void on_switched_in(__u32 pid)
+{
+	struct gpu_thread *t = gpu_thread_of(pid);
+	struct gpu_process *p;
+
+	if (!t || !t->enqueued_ns)
+		return;
+	if ((p = process_of(t)))
+		hist_add(&p->runqueue, bpf_ktime_get_ns() - t->enqueued_ns);
+	t->enqueued_ns = 0;
 }
 
 /* sched_process_exit fires in every exiting task: a GPU-driving thread's state goes with it (its
@@ -650,7 +661,11 @@ static __always_inline bool task_runnable(struct task_struct *task)
 
 static __always_inline void switch_tasks(struct task_struct *prev, struct task_struct *next)
 {
-	on_switch(BPF_CORE_READ(prev, pid), task_runnable(prev), BPF_CORE_READ(next, pid));
+	struct gpu_thread *t = gpu_thread_of(BPF_CORE_READ(prev, pid));
+
+	if (t && task_runnable(prev))
+		on_preempted(t);
+	on_switched_in(BPF_CORE_READ(next, pid));
 }
 
 SEC("tp_btf/sched_wakeup")
@@ -716,6 +731,10 @@ int tracepoint_sched_wakeup(struct trace_event_raw_sched_wakeup_template *ctx)
 SEC("tracepoint/sched/sched_switch")
 int tracepoint_sched_switch(struct trace_event_raw_sched_switch *ctx)
 {
-	on_switch(ctx->prev_pid, (ctx->prev_state & TP_SLEEP_STATES) == 0, ctx->next_pid);
+	struct gpu_thread *t = gpu_thread_of(ctx->prev_pid);
+
+	if (t && (ctx->prev_state & TP_SLEEP_STATES) == 0)
+		on_preempted(t);
+	on_switched_in(ctx->next_pid);
 	return 0;
 }

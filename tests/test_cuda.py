@@ -250,6 +250,51 @@ def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> Non
     driver.go()
 
 
+def _sched_links(probe: CudaProbe, sched: Strategy) -> int:
+    """Links of the strategy's scheduler programs, as the kernel lists them."""
+    ids = {fd_id(probe.loaded.obj.programs[name].fd, "prog_id") for name in sched.programs}
+    return sum(1 for link in bpftool_json("link", "show") if link.get("prog_id") in ids)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("sched", SCHED_STRATEGIES, ids=lambda s: s.name)
+def test_scheduler_programs_are_attached_only_while_a_process_drives_the_gpu(cuda_libs, drivers, sched) -> None:
+    [strategy] = [s for s in CUDA_STRATEGIES if s.part == sched]
+    with CudaProbe(rescan_interval=0.2, strategies=[strategy], sched_linger=0) as probe:
+        assert probe.sched_strategy == sched.name  # chosen at start, attached to be sure it can be
+        assert _sched_links(probe, sched) == 0
+        assert "detached" in probe.parts()["sched"].status().span
+        driver = Driver(cuda_libs.libdir, 0, 0, 3, sync_us=500)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        assert _sched_links(probe, sched) == len(sched.programs)
+        assert "attached:" in probe.parts()["sched"].status().span
+        driver.go()
+        assert wait_until(lambda: _sched_links(probe, sched) == 0), "still attached after the GPU process exited"
+        assert _thread_entries(probe, driver.pid) == 0  # sched_process_exit removed them while attached
+
+
+@pytest.mark.bpf
+def test_threads_that_exit_while_the_scheduler_side_is_detached_are_forgotten_when_it_attaches(
+        cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=3600, sched_linger=0) as probe:  # scans only when the test asks
+        [sched] = [s for s in SCHED_STRATEGIES if s.name == probe.sched_strategy]
+        first = Driver(cuda_libs.libdir, 0, 0, 1)
+        drivers.append(first)
+        probe.rescan()  # probes its library
+        first.go()
+        probe.rescan()
+        assert _sched_links(probe, sched) == 0
+        unseen = Driver(cuda_libs.libdir, 0, 0, 1)  # probed (same file), never scanned
+        drivers.append(unseen)
+        unseen.go()
+        assert _thread_entries(probe, unseen.pid) == 1  # no sched_process_exit ran: detached
+        probe.rescan()  # a GPU-driving thread is in the map: attach, and forget the exited one
+        assert _thread_entries(probe, unseen.pid) == 0
+        probe.rescan()
+        assert _sched_links(probe, sched) == 0
+
+
 # ---- every path, exact against the fake driver's own counts ----
 
 

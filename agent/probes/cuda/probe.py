@@ -726,20 +726,14 @@ class _LaunchRates:
 # ---- the probe ----
 
 
-def _attach_scheduler(obj: BpfObject, strategy: Strategy) -> None:
-    """Attach the strategy's scheduler programs; uprobes attach per library as they are found."""
-    for name in strategy.programs:
-        if name not in UPROBE_PROGRAMS:
-            obj.programs[name].attach()
-
-
 class CudaProbe(Probe):
     """CUDA uprobes on every libcuda and libcudart file in use, plus the scheduler side. Libraries are
     rescanned by a background thread (stopped by `close()`); `on_attach` hears of each new one.
     `strategies` defaults to tp_btf → raw_tp → tracepoint for the scheduler side, then none.
     `max_threads` overrides the capacity of map `threads` (live GPU-driving threads).
     `cpu_budget` (a fraction of one CPU) duty-cycles the kernel-launch probes past it, in periods
-    of `duty_period` seconds (LaunchProbes)."""
+    of `duty_period` seconds (LaunchProbes). `sched_linger`: seconds the scheduler side stays
+    attached once no process drives the GPU (sched.SchedulerLinks)."""
 
     spec = SPEC
 
@@ -753,8 +747,11 @@ class CudaProbe(Probe):
         max_threads: int | None = None,
         cpu_budget: float | None = None,
         duty_period: float = DUTY_PERIOD,
+        sched_linger: float = sched.LINGER_SECONDS,
     ) -> None:
         super().__init__()
+        self._sched_linger = sched_linger
+        self._sched_links: sched.SchedulerLinks | None = None
         self._cpu_budget = cpu_budget
         self._duty_period = duty_period
         self._launch_probes: LaunchProbes | None = None
@@ -788,12 +785,12 @@ class CudaProbe(Probe):
         return part.name if part is not None else None
 
     def parts(self) -> dict[str, Face]:
-        return {sched.PART.name: sched.SchedProbe(self)} if self.loaded is not None else {}
+        return {sched.PART.name: sched.SchedProbe(self, self._sched_links)} if self.loaded is not None else {}
 
     def start(self) -> None:
         self._started_ns = time.monotonic_ns()
         self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
-                                 attach=_attach_scheduler)
+                                 attach=self._attach_scheduler)
         self._launch_probes = LaunchProbes(self.loaded.obj, self._cpu_budget, self._duty_period)
         # Shared with streams (bpf/cuda_sync.h), the map may outlive an earlier cuda probe, whose open
         # synchronizations would never close: counts start anew.
@@ -816,6 +813,35 @@ class CudaProbe(Probe):
                 return {}
             return {key.value: value.kernel_launches for key, value in self.loaded.obj.maps["processes"].items()}
 
+    def _attach_scheduler(self, obj: BpfObject, strategy: Strategy) -> None:
+        """Attach the strategy's scheduler programs, so a strategy that cannot attach gives way to the
+        next; the first rescan detaches them while no process drives the GPU. Uprobes attach per
+        library as they are found."""
+        programs = [name for name in strategy.programs if name not in UPROBE_PROGRAMS]
+        self._sched_links = sched.SchedulerLinks(obj, programs, self._sched_linger)
+        self._sched_links.attach()
+
+    def _gate_scheduler(self) -> None:
+        """The scheduler side attached while a process drives the GPU (or lingering after), detached
+        otherwise. Threads that exited while it was detached had no sched_process_exit to delete
+        their entries: those go when it attaches again."""
+        assert self.loaded is not None and self._sched_links is not None  # callers hold the lock and checked
+        now = time.monotonic()
+        if not self._drives_gpu():
+            self._sched_links.unwanted(now)
+        elif self._sched_links.want(now):
+            threads = self.loaded.obj.maps["threads"]
+            threads.delete_keys(key for key, thread in threads.items()
+                                if not os.path.exists(f"{self._proc}/{thread.tgid}/task/{key.value}"))
+
+    def _drives_gpu(self) -> bool:
+        """A GPU-driving thread is in map `threads`, or a live process maps a probed CUDA library."""
+        assert self.loaded is not None
+        if next(iter(self.loaded.obj.maps["threads"].keys()), None) is not None:
+            return True
+        pids = self._process_library.keys() | self._process_runtime.keys()
+        return any(os.path.exists(f"{self._proc}/{pid}") for pid in pids)
+
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
         if self._max_threads is not None:
             obj.maps["threads"].max_entries = self._max_threads
@@ -826,7 +852,8 @@ class CudaProbe(Probe):
 
     def rescan(self) -> list[AttachedLibrary]:
         """Probe the CUDA libraries mapped since the last scan, and again those that failed once their
-        back-off is over; returns the newly probed ones."""
+        back-off is over; returns the newly probed ones. The scheduler side is attached before a
+        process's library shows in `libraries`, and detached when no process drives the GPU."""
         with self._scan_lock:
             found = self._scanner.scan() + self._due_retries()
         new: list[AttachedLibrary] = []
@@ -836,10 +863,14 @@ class CudaProbe(Probe):
                     return new
                 library, is_new = self._library(mapped)
                 self._note_process_library(mapped, library)
+                self._gate_scheduler()
             if is_new and library is not None:
                 new.append(library)
                 if self._on_attach is not None:
                     self._on_attach(library)
+        with self._lock:
+            if self.loaded is not None:
+                self._gate_scheduler()
         return new
 
     def _library(self, mapped: MappedLibrary) -> tuple[AttachedLibrary | None, bool]:
