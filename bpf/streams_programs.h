@@ -105,8 +105,8 @@ static __always_inline bool writes_ended(int oldstate, int newstate)
 	return (oldstate == TCP_ESTABLISHED && newstate != TCP_CLOSE_WAIT) || oldstate == TCP_CLOSE_WAIT;
 }
 
-/* Accepted connections get their state; a connection whose server (or client) is done writing ends its
- * responses (its request). */
+/* Accepted connections get their state, connecting ones their client mark; a connection whose server
+ * (or client) is done writing ends its responses (its request). */
 SEC("tp_btf/inet_sock_set_state")
 int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 {
@@ -116,6 +116,10 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 		return 0;
 	if (oldstate == TCP_SYN_RECV && newstate == TCP_ESTABLISHED) {
 		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+		return 0;
+	}
+	if (newstate == TCP_SYN_SENT) {
+		client_connecting(sk);
 		return 0;
 	}
 	if (!writes_ended(oldstate, newstate))
