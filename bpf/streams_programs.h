@@ -159,6 +159,10 @@ static __always_inline __u64 opaque(__u64 value)
 	return value;
 }
 
+/* What a later write of a classified HTTP/1.x connection needs read: its status line's code (12
+ * bytes), or the last chunk (5); the connection's first write is read further (an SSE header). */
+#define HTTP1_WRITE_PEEK_BYTES 16
+
 /* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
  * first write may be the headers alone (it starts with the status line and ends with the blank line). */
 static __always_inline __u8 http_write(struct stream_socket *s, const char *first, __u64 user, __u64 len,
@@ -312,7 +316,7 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	struct stream_socket *s;
 	struct stream_peek *peek;
 	__u32 zero = 0, n;
-	__u64 user, len;
+	__u64 user, len, limit;
 
 	if (!streams_enabled)
 		return;
@@ -341,7 +345,8 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	len = peek->cursor.left;
 	if (!user || !len)
 		return;
-	n = opaque(len < HTTP1_PEEK_BYTES ? len : HTTP1_PEEK_BYTES);
+	limit = s->classified ? HTTP1_WRITE_PEEK_BYTES : HTTP1_PEEK_BYTES;
+	n = opaque(len < limit ? len : limit);
 	if (n > HTTP1_PEEK_BYTES || bpf_probe_read_user(peek->bytes, n, (void *)user))
 		return;
 	if (!s->classified) {
