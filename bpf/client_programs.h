@@ -2,8 +2,11 @@
 /* The client side of requests: HTTP/1.x requests the host sends on connections it opened (a gateway
  * calling its inference service), timed on the programs streams already runs (streams_programs.h calls
  * these where a socket has no server state). A socket gets its state at its first send, when that is a
- * request line (an accepted connection's first send is a response: it is not one); its later sends
- * each pay one socket-storage lookup, other sockets' sends that and one read of tcp_sock.bytes_sent.
+ * request line (an accepted connection's first send is a response: it is not one). A connection is
+ * marked when it connects (client_connecting()) and decided at its first send: one that is not a
+ * request line is marked as none; from then on its sends and reads, like those of sockets that were
+ * never marked (connected before the agent started), stop at the socket-storage lookup, before any
+ * read of user memory or of the clock.
  *
  * A request starts at its first send (its method from the request line's first 8 bytes); its
  * response's first read ends the time to first byte (its status from the status line, read in the read
@@ -24,7 +27,8 @@
 #include "streams_maps.h"
 #include "syscalls.h"
 
-enum client_phase { CLIENT_IDLE, CLIENT_REQUEST, CLIENT_RESPONSE };
+/* CLIENT_NEW: connected, nothing sent yet; CLIENT_NONE: its first send was not a request line. */
+enum client_phase { CLIENT_NEW, CLIENT_NONE, CLIENT_IDLE, CLIENT_REQUEST, CLIENT_RESPONSE };
 
 /* Per connection the host opened that sent a request line. */
 struct client_socket {
@@ -88,6 +92,13 @@ static __always_inline __u8 sent_method(struct msghdr *msg)
 	return http1_method(peek->bytes);
 }
 
+/* `sk` is connecting: marked, its first send will tell whether it carries requests. */
+static __always_inline void client_connecting(struct sock *sk)
+{
+	if (requests_enabled)
+		bpf_sk_storage_get(&client_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+}
+
 /* A send on `sk`, which has no server state: a request's first send starts it (and ends the one
  * before); the rest of a request's sends change nothing. A send that is not a request line ends the
  * request before (an upgraded connection's traffic is not requests). */
@@ -97,15 +108,15 @@ static __always_inline void client_send_begin(struct sock *sk, struct msghdr *ms
 	__u64 pid_tgid;
 	__u8 method;
 
-	if (c && c->phase == CLIENT_REQUEST)
-		return;
-	/* Only a connection's first send makes it a client's. */
-	if (!c && (!requests_enabled || BPF_CORE_READ((struct tcp_sock *)sk, bytes_sent)))
+	if (!c || c->phase == CLIENT_NONE || c->phase == CLIENT_REQUEST)
 		return;
 	method = sent_method(msg);
-	if (!c && (method == HTTP_METHOD_OTHER ||
-		   !(c = bpf_sk_storage_get(&client_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE))))
-		return;
+	/* Only a connection's first send makes it a client's. */
+	if (c->phase == CLIENT_NEW) {
+		c->phase = method == HTTP_METHOD_OTHER ? CLIENT_NONE : CLIENT_IDLE;
+		if (c->phase == CLIENT_NONE)
+			return;
+	}
 	client_end(sk, c);
 	if (method == HTTP_METHOD_OTHER)
 		return;
@@ -126,7 +137,7 @@ static __always_inline void client_received(struct sock *sk, int ret)
 	char line[12];
 	__u64 user, now;
 
-	if (!c || c->phase == CLIENT_IDLE)
+	if (!c || c->phase < CLIENT_REQUEST)
 		return;
 	now = bpf_ktime_get_ns();
 	c->last_read_ns = now;

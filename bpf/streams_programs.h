@@ -105,8 +105,8 @@ static __always_inline bool writes_ended(int oldstate, int newstate)
 	return (oldstate == TCP_ESTABLISHED && newstate != TCP_CLOSE_WAIT) || oldstate == TCP_CLOSE_WAIT;
 }
 
-/* Accepted connections get their state; a connection whose server (or client) is done writing ends its
- * responses (its request). */
+/* Accepted connections get their state, connecting ones their client mark; a connection whose server
+ * (or client) is done writing ends its responses (its request). */
 SEC("tp_btf/inet_sock_set_state")
 int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 {
@@ -116,6 +116,10 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 		return 0;
 	if (oldstate == TCP_SYN_RECV && newstate == TCP_ESTABLISHED) {
 		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+		return 0;
+	}
+	if (newstate == TCP_SYN_SENT) {
+		client_connecting(sk);
 		return 0;
 	}
 	if (!writes_ended(oldstate, newstate))
@@ -154,6 +158,10 @@ static __always_inline __u64 opaque(__u64 value)
 	asm volatile("" : "+r"(value));
 	return value;
 }
+
+/* What a later write of a classified HTTP/1.x connection needs read: its status line's code (12
+ * bytes), or the last chunk (5); the connection's first write is read further (an SSE header). */
+#define HTTP1_WRITE_PEEK_BYTES 16
 
 /* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
  * first write may be the headers alone (it starts with the status line and ends with the blank line). */
@@ -308,7 +316,7 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	struct stream_socket *s;
 	struct stream_peek *peek;
 	__u32 zero = 0, n;
-	__u64 user, len;
+	__u64 user, len, limit;
 
 	if (!streams_enabled)
 		return;
@@ -337,7 +345,8 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	len = peek->cursor.left;
 	if (!user || !len)
 		return;
-	n = opaque(len < HTTP1_PEEK_BYTES ? len : HTTP1_PEEK_BYTES);
+	limit = s->classified ? HTTP1_WRITE_PEEK_BYTES : HTTP1_PEEK_BYTES;
+	n = opaque(len < limit ? len : limit);
 	if (n > HTTP1_PEEK_BYTES || bpf_probe_read_user(peek->bytes, n, (void *)user))
 		return;
 	if (!s->classified) {
