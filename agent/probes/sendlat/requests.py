@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import socket
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from ...loader import enum_labels
 from ...metrics import PROCESS_LABELS, Family, Getter
@@ -155,13 +153,6 @@ class RequestsProbe(InStreamLogic):
             uncounted_requests=self._uncounted("request_stats"),
             clients=clients, uncounted_client_requests=self._uncounted("client_stats"),
         )
-
-    def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
-        """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it."""
-        stats = self._obj().maps[name]
-        entries = [(raw, btf.decode(raw), value) for raw, value in stats.items()]
-        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
-        return [(key, value) for _, key, value in entries]
 
     def _uncounted(self, name: str) -> int:
         """Requests that found map `name` full, since start."""

@@ -124,6 +124,14 @@ class InStreamLogic(Probe):
             raise ProbeUnavailable(self.part, {host.strategy.name: "needs socket storage (BTF programs)"})
         return host
 
+    def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
+        """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it
+        (reported this once more)."""
+        stats = self._obj().maps[name]
+        entries = [(raw, btf.decode(raw), value) for raw, value in stats.items()]
+        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
+        return [(key, value) for _, key, value in entries]
+
     def _set(self, **values: int) -> None:
         """Write variables of the object's `.data.streams` section (stream settings only live there)."""
         self._obj().set_data(".data.streams", **values)
@@ -179,15 +187,13 @@ class StreamsProbe(InStreamLogic):
         deleted."""
         obj = self._obj()
         stalls = self._stall_records().take()
-        stats = obj.maps["stream_stats"]
-        entries = [(raw, btf.decode(raw), btf.decode(value)) for raw, value in stats.items()]
+        entries = [(key, btf.decode(value)) for key, value in self._entries_of("stream_stats")]
         self._entries = len(entries)
-        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for _, key, value in entries
+        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for key, value in entries
                      if not key["tls_version"]]
-        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"])) for _, key, value in entries
+        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"])) for key, value in entries
                       if 0 < key["tls_version"] < len(TLS_VERSIONS)]
-        self._starts.keep_only({key["tgid"] for _, key, _ in entries})
-        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
+        self._starts.keep_only({key["tgid"] for key, _ in entries})
         counters = obj.maps["stream_counters"]
         return StreamsSnapshot(
             strategy=self.strategy or "", span=self.status().span,
