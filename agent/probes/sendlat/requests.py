@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import enum_labels
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -39,7 +38,6 @@ from .streams import STRATEGIES as STREAMS_STRATEGIES
 from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
 
-COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
 # The counter of requests each aggregate map had no room for.
 FULL_COUNTERS = {"request_stats": "request_endpoints_full", "client_stats": "client_endpoints_full"}
 NO_RESPONSES = "; counts nothing: the syscall strategy reads no response's bytes (no protocol, no status)"
@@ -156,8 +154,7 @@ class RequestsProbe(InStreamLogic):
 
     def _uncounted(self, name: str) -> int:
         """Requests that found map `name` full, since start."""
-        counted: int = self._obj().maps["stream_counters"].lookup(COUNTERS.index(FULL_COUNTERS[name])).value
-        return counted
+        return self._counter(FULL_COUNTERS[name])
 
     def map_usage(self) -> list[MapUsage]:
         try:
