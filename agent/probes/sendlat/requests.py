@@ -51,6 +51,11 @@ STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name ==
                    for s in STREAMS_STRATEGIES)
 
 
+def _method(code: int) -> str:
+    """enum http_method's label of `code`; "_OTHER" for a value this agent does not know."""
+    return METHODS[code] if code < len(METHODS) else "_OTHER"
+
+
 def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
     """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many)."""
     protocol = PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp"
@@ -59,7 +64,7 @@ def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
     fine = kernel_buckets(duration.slots[:])
     return kind(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
-        protocol=protocol, method=METHODS[key["method"]] if key["method"] < len(METHODS) else "_OTHER",
+        protocol=protocol, method=_method(key["method"]),
         status_code=key["status"], count=duration.count + value.durations_unknown,
         duration_sum_seconds=duration.sum_ns / NS_PER_SECOND,
         duration_histogram=exported_buckets(fine), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
@@ -74,7 +79,7 @@ def _client_requests(key: dict[str, Any], value: Any, started: int) -> ClientReq
     return ClientRequests(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"],
         server_address=ip_text(bytes(key["addr"]), key["family"] == socket.AF_INET6), server_port=key["port"],
-        method=METHODS[key["method"]] if key["method"] < len(METHODS) else "_OTHER", status_code=key["status"],
+        method=_method(key["method"]), status_code=key["status"],
         count=value.duration.count, duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND,
         duration_histogram=exported_buckets(fine), ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND,
         ttfb_histogram=exported_buckets(ttfb), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
