@@ -11,6 +11,7 @@ switches it on in the host's object and reads map `request_stats`. docs/requests
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import socket
 from collections import defaultdict
@@ -42,9 +43,10 @@ from .view import REQUESTS_VIEW
 FULL_COUNTERS = {"request_stats": "request_endpoints_full", "client_stats": "client_endpoints_full"}
 NO_RESPONSES = "; counts nothing: the syscall strategy reads no response's bytes (no protocol, no status)"
 SPAN = ("each response of an accepted connection (as streams time it), counted when it ends: its status from "
-        "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table or a literal spells "
-        "it), its method from its request's first read, its duration from the request's last read to the "
-        "response's last write; requests sent on connections the host opened (HTTP/1.x), from their first send "
+        "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table, a literal or a "
+        "dynamic-table entry seen inserted spells it; gRPC: the trailers' grpc-status likewise), its method "
+        "from its request's first read, its duration from the request's last read to the response's last write; "
+        "requests sent on connections the host opened (HTTP/1.x), from their first send "
         "to their response's last read, counted at the next request or the close")
 # The streams part's strategies (the same programs), with what this part sees under each.
 STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name == "syscall" else ""))
@@ -59,9 +61,9 @@ def _method(code: int) -> str:
 def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
     """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many)."""
     protocol = PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp"
-    kind = RpcRequests if protocol == "grpc" else HttpRequests
     duration = value.duration
     fine = kernel_buckets(duration.slots[:])
+    kind = functools.partial(RpcRequests, grpc_status=key["rpc_status"] - 1) if protocol == "grpc" else HttpRequests
     return kind(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         protocol=protocol, method=_method(key["method"]),
@@ -194,7 +196,7 @@ CLIENT_LABELS: tuple[tuple[str, Getter], ...] = (
     ("http_request_method", "method"), ("http_response_status_code", lambda r: r.status_label),
     ("server_address", "server_address"), ("server_port", "server_port"), *PROCESS_LABELS)
 RPC_LABELS: tuple[tuple[str, Getter], ...] = (
-    ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", _constant("")), ("server_port", "port"),
+    ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", "grpc_status_label"), ("server_port", "port"),
     *PROCESS_LABELS)
 
 PART = Part(
@@ -218,7 +220,8 @@ PART = Part(
         Family("rpc_server_duration_seconds", "histogram",
                "Duration of gRPC calls served: the request's last frame to the response's last write.",
                RpcRequests, "duration_histogram", RPC_LABELS, sum_field="duration_sum_seconds", per_identity=True,
-               doc_note="rpc_grpc_status_code is empty: the trailers' grpc-status is not read (docs/requests.md)."),
+               doc_note="rpc_grpc_status_code is empty where the trailers' grpc-status was not readable "
+                        "(docs/requests.md)."),
         Family("http_client_request_duration_seconds", "histogram",
                "Duration of HTTP/1.x requests sent on connections the host opened: the request's first send to "
                "the response's last read.", ClientRequests, "duration_histogram", CLIENT_LABELS,
