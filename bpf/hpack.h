@@ -321,12 +321,14 @@ static long hpack_field(__u32 turn, struct hpack_walk *w)
 }
 
 /* Walk the header block of `length` bytes at cursor `c` (which it moves) into `b`: its :status and
- * grpc-status, and its insertions into `t` (lost where the walk stops before the block's end). */
-static __always_inline void hpack_walk_block(struct hpack_table *t, struct msg_cursor *c, __u64 length,
-					     struct hpack_block *b)
+ * grpc-status, and its insertions into `t` (lost where the walk stops before the block's end). A global
+ * function: the verifier checks it once, not once per state of the frame walk that calls it. */
+__noinline int hpack_walk_block(struct hpack_table *t, struct msg_cursor *c, __u64 length, struct hpack_block *b)
 {
 	struct hpack_walk w = { .c = c, .table = t, .b = b };
 
+	if (!t || !c || !b)	/* a global function's arguments may be NULL to the verifier */
+		return 0;
 	b->left = length;
 	b->status = 0;
 	b->rpc_status = 0;
@@ -334,6 +336,7 @@ static __always_inline void hpack_walk_block(struct hpack_table *t, struct msg_c
 	bpf_loop(HPACK_FIELDS, hpack_field, &w, 0);
 	if (b->left)
 		t->lost = 1;
+	return 0;
 }
 
 /* The block's first field, past a one-byte dynamic table size update: `word` holds the block's first

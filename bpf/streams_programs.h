@@ -185,7 +185,7 @@ struct h2_walk {
 	struct msg_cursor *block;	/* the server's: the header block walk's cursor, its findings */
 	struct hpack_block *fields;
 	struct stream_socket *s;
-	__u64 received_ns;	/* reading the client's frames (received then); 0: the server's */
+	__u64 received_ns;	/* reading the client's frames: received then */
 };
 
 /* The slot of HTTP/2 stream `id`, or a free one for it (its request: the last read) when `create`. */
@@ -284,7 +284,7 @@ static __always_inline void h2_response_headers(struct stream_socket *s, struct 
 
 /* One frame header of a write (which stream it carries DATA for or ends), or of a read (which stream
  * a request is for); the cursor moves to the next frame. */
-static long h2_frame(__u32 index, struct h2_walk *walk)
+static __always_inline long h2_frame(struct h2_walk *walk, bool received)
 {
 	struct stream_socket *s = walk->s;
 	struct msg_cursor *c = walk->c;
@@ -296,7 +296,7 @@ static long h2_frame(__u32 index, struct h2_walk *walk)
 		return 1;
 	length = h2_length(header);
 	stream = h2_stream_id(header);
-	if (walk->received_ns) {
+	if (received) {
 		if ((header[3] == H2_HEADERS || header[3] == H2_DATA) && stream)
 			h2_request(s, c, header, stream, walk->received_ns);
 		return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
@@ -326,6 +326,17 @@ static long h2_frame(__u32 index, struct h2_walk *walk)
 	return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
 }
 
+/* bpf_loop's callbacks, one per direction: each verified without the other's branch. */
+static long h2_frame_sent(__u32 index, struct h2_walk *walk)
+{
+	return h2_frame(walk, false);
+}
+
+static long h2_frame_received(__u32 index, struct h2_walk *walk)
+{
+	return h2_frame(walk, true);
+}
+
 /* Which streams the write carries DATA for, and which it ends (HEADERS or DATA with END_STREAM,
  * RST_STREAM), from its first H2_FRAMES frame headers (each read where its 9 bytes lie in one
  * iovec segment); its header blocks. A write not walked to its end (more than H2_WALK frames, a frame
@@ -340,7 +351,7 @@ static __always_inline void h2_frames(struct stream_socket *s, struct msghdr *ms
 	s->sending = msg->msg_iter.count;
 	s->walked = 0;
 	if (cursor_start(walk.c, msg))
-		bpf_loop(H2_WALK, h2_frame, &walk, 0);
+		bpf_loop(H2_WALK, h2_frame_sent, &walk, 0);
 	if (s->walked != s->sending)
 		s->hpack.lost = 1;
 }
@@ -415,8 +426,6 @@ static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 
 	if (!scratch || !user)
 		return;
 	walk.c = &scratch->cursor;
-	walk.block = &scratch->block;	/* unused: the verifier walks the server's branch too */
-	walk.fields = &scratch->fields;
 	walk.c->iov = 0;
 	walk.c->segment = 0;
 	walk.c->segments = 1;
@@ -429,7 +438,7 @@ static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 
 		s->key.protocol = STREAM_PROTOCOL_HTTP2;
 		s->classified = 1;
 	}
-	bpf_loop(H2_WALK, h2_frame, &walk, 0);
+	bpf_loop(H2_WALK, h2_frame_received, &walk, 0);
 }
 
 /* TLS: the read after the server's ServerHello is the client's Finished (with what came before it in
