@@ -26,7 +26,8 @@
 /* What a table entry (or a field) holds: a kind and its value (0: the value is not readable). */
 #define HPACK_STATUS 0x8000	/* ":status", value the status code */
 #define HPACK_GRPC_STATUS 0x4000	/* "grpc-status", value the code + 1 */
-#define HPACK_UNKNOWN 0x2000	/* not known (a dynamic entry of a lost table, or named by one) */
+#define HPACK_UNKNOWN 0x2000	/* not known: a dynamic entry of a lost table, one named by such an
+				 * entry, a name string across segments */
 #define HPACK_VALUE 0x03ff
 #define HPACK_OTHER 0		/* any other field */
 #define HPACK_STOP 0xffff	/* not a field: the walk cannot go on */

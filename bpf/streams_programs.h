@@ -338,10 +338,10 @@ static long h2_frame_received(__u32 index, struct h2_walk *walk)
 }
 
 /* Which streams the write carries DATA for, and which it ends (HEADERS or DATA with END_STREAM,
- * RST_STREAM), from its first H2_FRAMES frame headers (each read where its 9 bytes lie in one
- * iovec segment); its header blocks. A write not walked to its end (more than H2_WALK frames, a frame
- * header across segments, a frame ending in a later write) may hold header blocks not walked: the
- * dynamic table is lost. */
+ * RST_STREAM), from its first H2_FRAMES frame headers (each within one iovec segment or across two);
+ * its header blocks. A write not walked to its end (more than H2_WALK frames, a frame header across
+ * three segments, a frame ending in a later write) may hold header blocks not walked: the dynamic
+ * table is lost. */
 static __always_inline void h2_frames(struct stream_socket *s, struct msghdr *msg, struct stream_peek *scratch)
 {
 	struct h2_walk walk = { .c = &scratch->cursor, .block = &scratch->block, .fields = &scratch->fields, .s = s };
