@@ -168,6 +168,19 @@ def test_http2_status_from_hpack(probe: RequestsProbe) -> None:
     assert_delayed(records, accounts, "_OTHER")  # PUT is a literal: not read
 
 
+def test_http2_lost_table_reads_unknown(probe: RequestsProbe) -> None:
+    """A header block the walk cannot finish (more fields than its 24) loses the connection's dynamic
+    table: from then on dynamic indexes count as status unknown, never as a wrong status, while static
+    indexes and literals stay readable (docs/requests.md)."""
+    paths = ["/answer/429", "/answer/200?fillers=30", "/answer/429", "/answer/429", "/answer/503", "/answer/503",
+             "/answer/200"]
+    with app("hypercorn") as process, httpx.Client(http1=False, http2=True, timeout=PATIENCE,
+                                                   base_url=f"http://127.0.0.1:{process.port}") as client:
+        assert [client.get(path).status_code for path in paths] == [429, 200, 429, 429, 503, 503, 200]
+    # 429 and 503 as literals the first time (read); as dynamic indexes after the lost block (unknown).
+    assert by_status(served(probe, process, len(paths)).http) == Counter({200: 2, 429: 1, 503: 1, 0: 3})
+
+
 def test_endpoint_summary(probe: RequestsProbe) -> None:
     """One endpoint per server: its counts by status class, against the app's."""
     with app("uvicorn") as process:
