@@ -7,7 +7,7 @@ bodies the client received.
 HTTP/2: hypercorn's encoder (hpack) writes a `:status` it has no static entry for (429, 503) as a literal
 with incremental indexing the first time on a connection and as a dynamic-table index after that: read
 through the connection's record of the encoder's insertions (docs/requests.md). gRPC: grpcio's trailers
-carry grpc-status as a literal, or (OK, after the first) as a dynamic-table index."""
+carry grpc-status likewise, a literal the first time a code is sent on a connection, an index after."""
 
 from __future__ import annotations
 
@@ -246,8 +246,8 @@ GRPC_ANSWERS = {grpc.StatusCode.OK: 5, grpc.StatusCode.RESOURCE_EXHAUSTED: 4, gr
 def test_grpc_status_codes(probe: RequestsProbe) -> None:
     """A grpcio service answering OK, RESOURCE_EXHAUSTED and UNAVAILABLE (the errors as Trailers-Only
     responses), interleaved on one connection: counts per rpc_grpc_status_code exact, against the
-    server's own account (grpc-core writes grpc-status as a literal; OK, after its first, as a
-    dynamic-table index)."""
+    server's own account (grpc-core writes each code as a literal with incremental indexing the first
+    time on the connection, as a dynamic-table index after)."""
     order = [code for _ in range(max(GRPC_ANSWERS.values())) for code, n in GRPC_ANSWERS.items() if n > _]
     with grpc_server() as process, grpc.insecure_channel(f"127.0.0.1:{process.port}") as channel:
         answer = channel.unary_unary("/tokens.Tokens/Answer")
