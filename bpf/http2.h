@@ -6,6 +6,7 @@
 
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
 #include "common.h"
 #include "msg.h"
 
@@ -13,7 +14,10 @@
 #define H2_HEADERS 1
 #define H2_RST_STREAM 3
 #define H2_SETTINGS 4
+#define H2_PUSH_PROMISE 5
+#define H2_CONTINUATION 9
 #define H2_END_STREAM 1		/* flag of DATA and HEADERS */
+#define H2_END_HEADERS 0x4	/* flag of HEADERS: no CONTINUATION follows */
 #define H2_PADDED 0x8		/* flag of DATA and HEADERS: a padding length byte first */
 #define H2_PRIORITY 0x20	/* flag of HEADERS: 5 bytes of priority before the block */
 #define H2_FRAME_HEADER 9	/* bytes */
@@ -27,12 +31,43 @@ static __always_inline bool is_h2_server_preface(const char *bytes, __u32 len)
 	return len >= H2_FRAME_HEADER && bytes[3] == H2_SETTINGS && !bytes[5] && !bytes[6] && !bytes[7] && !bytes[8];
 }
 
+/* Up to 8 bytes at user address `from`, big-endian at the top of the result (zeros after). */
+static __always_inline __u64 h2_read_top(__u64 from, __u64 n)
+{
+	__u64 word = 0;
+
+	barrier_var(n);
+	if (n && n <= 8 && !bpf_probe_read_user(&word, n, (void *)from))
+		return bpf_be64_to_cpu(word);
+	return 0;
+}
+
+/* A frame header whose first `first` bytes (1-8) end the cursor's segment and whose rest begins the
+ * next (writev of slices that are not frames: grpc-core's), into `header`. */
+static __always_inline bool h2_read_split_header(struct msg_cursor *c, __u8 header[14])
+{
+	__u64 first = c->left, head, tail;
+	struct iovec next;
+
+	if (!first || first >= H2_FRAME_HEADER || !c->iov || c->segment + 1 >= c->segments ||
+	    bpf_probe_read_kernel(&next, sizeof(next), (void *)(c->iov + (c->segment + 1) * sizeof(next))) ||
+	    next.iov_len < H2_FRAME_HEADER - first)
+		return false;
+	head = h2_read_top(c->base, first);
+	tail = h2_read_top((__u64)next.iov_base, H2_FRAME_HEADER - first);
+	head |= tail >> (8 * first);
+	for (int i = 0; i < 8; i++)
+		header[i] = head >> (56 - 8 * i);
+	header[8] = tail >> (8 * (first - 1));
+	return true;
+}
+
 /* The frame header at the cursor into `header`, with a DATA frame's first 5 bytes (a gRPC message's
  * prefix) when the buffer holds them; false when it holds less than a frame header. */
 static __always_inline bool h2_read_header(struct msg_cursor *c, __u8 header[14])
 {
 	if (c->left < H2_FRAME_HEADER)
-		return false;
+		return h2_read_split_header(c, header);
 	/* 14 bytes: the header and a DATA frame's first 5; only 9 where the buffer may end there. */
 	return !bpf_probe_read_user(header, 14, (void *)c->base) ||
 	       !bpf_probe_read_user(header, H2_FRAME_HEADER, (void *)c->base);

@@ -32,7 +32,8 @@ struct request_key {
 	__u16 status;		/* the response's status code (200-599: a final one); 0: not readable */
 	__u8 protocol;		/* enum stream_protocol */
 	__u8 method;		/* enum http_method */
-	__u8 pad[6];
+	__u8 rpc_status;	/* gRPC: the trailers' grpc-status + 1; 0: not readable (or not gRPC) */
+	__u8 pad[5];
 	__u64 cgroup_id;
 };
 

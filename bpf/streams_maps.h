@@ -8,6 +8,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_core_read.h>
 #include "common.h"
+#include "hpack.h"
 #include "http1.h"
 #include "msg.h"
 #include "requests.h"
@@ -35,6 +36,7 @@ struct stream_timing {
 	__u64 response_bytes;	/* of its body writes */
 	__u16 status;		/* read from its first write (HTTP/2: its HEADERS); 0: none yet, or not readable */
 	__u8 method;		/* enum http_method, read from its request's first bytes */
+	__u8 rpc_status;	/* grpc-status + 1, from its trailers (HEADERS ending the stream); 0: not readable */
 };
 
 struct h2_stream {
@@ -59,6 +61,9 @@ struct stream_socket {
 	__u32 frame_stream[H2_FRAMES];
 	__u8 frame_carries[H2_FRAMES];	/* enum h2_carries */
 	struct h2_stream h2[H2_STREAMS];
+	struct hpack_table hpack;	/* HTTP/2: the server's encoder's dynamic table */
+	__u64 sending;		/* HTTP/2: bytes of the send in progress */
+	__u64 walked;		/* HTTP/2: bytes of its frames walked */
 };
 
 /* Set by user space while running (its own section: sendlat's `.data` stays sendlat's). */
@@ -92,10 +97,13 @@ struct {
 	__uint(max_entries, 64 * 1024);
 } stream_stalls SEC(".maps");
 
-/* Per-CPU scratch: the first bytes of a response (too large for the stack), the frame walk's cursor. */
+/* Per-CPU scratch: the first bytes of a response (too large for the stack), the frame walk's cursor
+ * and the header block walk's. */
 struct stream_peek {
 	char bytes[HTTP1_PEEK_BYTES];
 	struct msg_cursor cursor;
+	struct msg_cursor block;
+	struct hpack_block fields;
 };
 
 struct {

@@ -64,6 +64,7 @@ static __always_inline void request_end(struct stream_socket *s, struct stream_t
 	struct request_key key = {
 		.tgid = s->key.tgid, .port = s->key.port, .status = t->status, .protocol = s->key.protocol,
 		.method = t->method, .cgroup_id = s->key.cgroup_id,
+		.rpc_status = s->key.protocol == STREAM_PROTOCOL_GRPC ? t->rpc_status : 0,
 	};
 	struct request_stats *stats;
 
@@ -86,6 +87,7 @@ static __always_inline void timing_end(struct stream_socket *s, struct stream_ti
 		__sync_fetch_and_add(&stats->durations_unknown, 1);
 	t->chunks = 0;
 	t->status = 0;
+	t->rpc_status = 0;
 	t->response_bytes = 0;
 }
 
@@ -188,8 +190,10 @@ static __always_inline __u8 http_write(struct stream_socket *s, const char *firs
 /* The frame walk's state, through bpf_loop (one frame per turn: the verifier sees one turn). */
 struct h2_walk {
 	struct msg_cursor *c;
+	struct msg_cursor *block;	/* the server's: the header block walk's cursor, its findings */
+	struct hpack_block *fields;
 	struct stream_socket *s;
-	__u64 received_ns;	/* reading the client's frames (received then); 0: the server's */
+	__u64 received_ns;	/* reading the client's frames: received then */
 };
 
 /* The slot of HTTP/2 stream `id`, or a free one for it (its request: the last read) when `create`. */
@@ -244,19 +248,51 @@ static __always_inline void h2_request(struct stream_socket *s, struct msg_curso
 		stream->t.method = hpack_method(h2_header_block(c, header[4]));
 }
 
-/* The server's HEADERS on a stream: the response's status, from the first (trailers come later). */
-static __always_inline void h2_response_headers(struct stream_socket *s, struct msg_cursor *c, const __u8 *header,
+/* A header block the server wrote, walked for its dynamic table insertions (a HEADERS frame's; those
+ * of PUSH_PROMISE and CONTINUATION frames are not walked: the table is lost). On a stream: its response's
+ * status (the first HEADERS'), its grpc-status (the HEADERS ending it); grpc-status makes it gRPC. */
+static __always_inline void h2_response_headers(struct stream_socket *s, struct h2_walk *walk, const __u8 *header,
 						 __u32 id)
 {
-	struct h2_stream *stream = h2_stream(s, id, false);
+	__u64 length = h2_length(header), offset = H2_FRAME_HEADER;
+	struct hpack_block *fields = walk->fields;
+	struct h2_stream *stream;
+	__u8 padding = 0;
 
-	if (stream && !stream->t.status)
-		stream->t.status = hpack_status(h2_header_block(c, header[4]));
+	if (header[3] != H2_HEADERS || !(header[4] & H2_END_HEADERS) || !requests_enabled) {
+		s->hpack.lost = 1;
+		return;
+	}
+	if ((header[4] & H2_PADDED) &&
+	    (walk->c->left <= offset || bpf_probe_read_user(&padding, 1, (void *)(walk->c->base + offset)))) {
+		s->hpack.lost = 1;
+		return;
+	}
+	offset += (header[4] & H2_PADDED ? 1 : 0) + (header[4] & H2_PRIORITY ? 5 : 0);
+	if (offset + padding >= H2_FRAME_HEADER + length)
+		return;	/* an empty block */
+	*walk->block = *walk->c;
+	if (!cursor_skip(walk->block, offset)) {
+		s->hpack.lost = 1;
+		return;
+	}
+	hpack_walk_block(&s->hpack, walk->block, H2_FRAME_HEADER + length - offset - padding, fields);
+	if (fields->grpc && s->key.protocol == STREAM_PROTOCOL_HTTP2)
+		s->key.protocol = STREAM_PROTOCOL_GRPC;
+	/* A stream whose request was not seen (a read whose buffer this does not see) is made here, as
+	 * its first DATA would make it. */
+	stream = id ? h2_stream(s, id, true) : NULL;
+	if (!stream)
+		return;
+	if (!stream->t.status)
+		stream->t.status = fields->status;
+	if (header[4] & H2_END_STREAM)
+		stream->t.rpc_status = fields->rpc_status;
 }
 
 /* One frame header of a write (which stream it carries DATA for or ends), or of a read (which stream
  * a request is for); the cursor moves to the next frame. */
-static long h2_frame(__u32 index, struct h2_walk *walk)
+static __always_inline long h2_frame(struct h2_walk *walk, bool received)
 {
 	struct stream_socket *s = walk->s;
 	struct msg_cursor *c = walk->c;
@@ -268,13 +304,14 @@ static long h2_frame(__u32 index, struct h2_walk *walk)
 		return 1;
 	length = h2_length(header);
 	stream = h2_stream_id(header);
-	if (walk->received_ns) {
+	if (received) {
 		if ((header[3] == H2_HEADERS || header[3] == H2_DATA) && stream)
 			h2_request(s, c, header, stream, walk->received_ns);
 		return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
 	}
-	if (header[3] == H2_HEADERS && stream && requests_enabled)
-		h2_response_headers(s, c, header, stream);
+	s->walked += H2_FRAME_HEADER + (__u64)length;
+	if (header[3] == H2_HEADERS || header[3] == H2_PUSH_PROMISE || header[3] == H2_CONTINUATION)
+		h2_response_headers(s, walk, header, stream);
 	carries = 0;
 	if (header[3] == H2_DATA && length)
 		carries = H2_CARRIES_DATA;
@@ -297,16 +334,34 @@ static long h2_frame(__u32 index, struct h2_walk *walk)
 	return cursor_skip(c, H2_FRAME_HEADER + (__u64)length) ? 0 : 1;
 }
 
+/* bpf_loop's callbacks, one per direction: each verified without the other's branch. */
+static long h2_frame_sent(__u32 index, struct h2_walk *walk)
+{
+	return h2_frame(walk, false);
+}
+
+static long h2_frame_received(__u32 index, struct h2_walk *walk)
+{
+	return h2_frame(walk, true);
+}
+
 /* Which streams the write carries DATA for, and which it ends (HEADERS or DATA with END_STREAM,
- * RST_STREAM), from its first H2_FRAMES frame headers (each read where its 9 bytes lie in one
- * iovec segment). */
+ * RST_STREAM), from its first H2_FRAMES frame headers (each within one iovec segment or across two);
+ * its header blocks. A write not walked to its end (more than H2_WALK frames, a frame header across
+ * three segments, a frame ending in a later write) may hold header blocks not walked: the dynamic
+ * table is lost. */
 static __always_inline void h2_frames(struct stream_socket *s, struct msghdr *msg, struct stream_peek *scratch)
 {
-	struct h2_walk walk = { .c = &scratch->cursor, .s = s };
+	struct h2_walk walk = { .c = &scratch->cursor, .block = &scratch->block, .fields = &scratch->fields, .s = s };
 
 	s->frames = 0;
+	hpack_send_end(&s->hpack, false);	/* a send whose end was not seen */
+	s->sending = msg->msg_iter.count;
+	s->walked = 0;
 	if (cursor_start(walk.c, msg))
-		bpf_loop(H2_WALK, h2_frame, &walk, 0);
+		bpf_loop(H2_WALK, h2_frame_sent, &walk, 0);
+	if (s->walked != s->sending)
+		s->hpack.lost = 1;
 }
 
 /* A send on `sk` starts (`msg` not yet copied): read what it holds when that matters — the
@@ -392,7 +447,7 @@ static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 
 		s->key.protocol = STREAM_PROTOCOL_HTTP2;
 		s->classified = 1;
 	}
-	bpf_loop(H2_WALK, h2_frame, &walk, 0);
+	bpf_loop(H2_WALK, h2_frame_received, &walk, 0);
 }
 
 /* TLS: the read after the server's ServerHello is the client's Finished (with what came before it in
@@ -632,6 +687,7 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 		return;
 	write = s->write;
 	s->write = WRITE_BODY;
+	hpack_send_end(&s->hpack, ret == s->sending);
 	now = bpf_ktime_get_ns();
 	if (ret <= 0) {
 		if (ret == -EAGAIN && !s->full_since_ns)

@@ -230,9 +230,20 @@ class HttpRequests(Requests):
     """HTTP requests (HTTP/1.x, Server-Sent Events, cleartext HTTP/2)."""
 
 
+@dataclass
 class RpcRequests(Requests):
-    """gRPC calls (HTTP/2 whose DATA frames hold gRPC messages); `status_code` is the HTTP :status (the
-    grpc-status of the trailers is not read)."""
+    """gRPC calls (HTTP/2 whose DATA frames hold gRPC messages, or whose trailers a grpc-status);
+    `status_code` is the HTTP :status."""
+
+    grpc_status: int = -1  # the trailers' grpc-status (0: OK); -1: not readable (docs/requests.md)
+
+    def identity(self) -> Identity:
+        return (*super().identity(), self.grpc_status)
+
+    @property
+    def grpc_status_label(self) -> str:
+        """The grpc-status as a label value; empty where it was not readable."""
+        return str(self.grpc_status) if self.grpc_status >= 0 else ""
 
 
 @dataclass

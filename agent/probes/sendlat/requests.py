@@ -11,16 +11,14 @@ switches it on in the host's object and reads map `request_stats`. docs/requests
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import os
 import socket
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import enum_labels
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -41,29 +39,34 @@ from .streams import STRATEGIES as STREAMS_STRATEGIES
 from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
 
-COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
 # The counter of requests each aggregate map had no room for.
 FULL_COUNTERS = {"request_stats": "request_endpoints_full", "client_stats": "client_endpoints_full"}
 NO_RESPONSES = "; counts nothing: the syscall strategy reads no response's bytes (no protocol, no status)"
 SPAN = ("each response of an accepted connection (as streams time it), counted when it ends: its status from "
-        "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table or a literal spells "
-        "it), its method from its request's first read, its duration from the request's last read to the "
-        "response's last write; requests sent on connections the host opened (HTTP/1.x), from their first send "
+        "its first write (HTTP/1.x status line; HTTP/2 :status where HPACK's static table, a literal or a "
+        "dynamic-table entry seen inserted spells it; gRPC: the trailers' grpc-status likewise), its method "
+        "from its request's first read, its duration from the request's last read to the response's last write; "
+        "requests sent on connections the host opened (HTTP/1.x), from their first send "
         "to their response's last read, counted at the next request or the close")
 # The streams part's strategies (the same programs), with what this part sees under each.
 STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name == "syscall" else ""))
                    for s in STREAMS_STRATEGIES)
 
 
+def _method(code: int) -> str:
+    """enum http_method's label of `code`; "_OTHER" for a value this agent does not know."""
+    return METHODS[code] if code < len(METHODS) else "_OTHER"
+
+
 def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
     """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many)."""
     protocol = PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp"
-    kind = RpcRequests if protocol == "grpc" else HttpRequests
     duration = value.duration
     fine = kernel_buckets(duration.slots[:])
+    kind = functools.partial(RpcRequests, grpc_status=key["rpc_status"] - 1) if protocol == "grpc" else HttpRequests
     return kind(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
-        protocol=protocol, method=METHODS[key["method"]] if key["method"] < len(METHODS) else "_OTHER",
+        protocol=protocol, method=_method(key["method"]),
         status_code=key["status"], count=duration.count + value.durations_unknown,
         duration_sum_seconds=duration.sum_ns / NS_PER_SECOND,
         duration_histogram=exported_buckets(fine), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
@@ -78,7 +81,7 @@ def _client_requests(key: dict[str, Any], value: Any, started: int) -> ClientReq
     return ClientRequests(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"],
         server_address=ip_text(bytes(key["addr"]), key["family"] == socket.AF_INET6), server_port=key["port"],
-        method=METHODS[key["method"]] if key["method"] < len(METHODS) else "_OTHER", status_code=key["status"],
+        method=_method(key["method"]), status_code=key["status"],
         count=value.duration.count, duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND,
         duration_histogram=exported_buckets(fine), ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND,
         ttfb_histogram=exported_buckets(ttfb), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
@@ -156,17 +159,9 @@ class RequestsProbe(InStreamLogic):
             clients=clients, uncounted_client_requests=self._uncounted("client_stats"),
         )
 
-    def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
-        """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it."""
-        stats = self._obj().maps[name]
-        entries = [(raw, btf.decode(raw), value) for raw, value in stats.items()]
-        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
-        return [(key, value) for _, key, value in entries]
-
     def _uncounted(self, name: str) -> int:
         """Requests that found map `name` full, since start."""
-        counted: int = self._obj().maps["stream_counters"].lookup(COUNTERS.index(FULL_COUNTERS[name])).value
-        return counted
+        return self._counter(FULL_COUNTERS[name])
 
     def map_usage(self) -> list[MapUsage]:
         try:
@@ -201,7 +196,7 @@ CLIENT_LABELS: tuple[tuple[str, Getter], ...] = (
     ("http_request_method", "method"), ("http_response_status_code", lambda r: r.status_label),
     ("server_address", "server_address"), ("server_port", "server_port"), *PROCESS_LABELS)
 RPC_LABELS: tuple[tuple[str, Getter], ...] = (
-    ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", _constant("")), ("server_port", "port"),
+    ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", "grpc_status_label"), ("server_port", "port"),
     *PROCESS_LABELS)
 
 PART = Part(
@@ -225,7 +220,8 @@ PART = Part(
         Family("rpc_server_duration_seconds", "histogram",
                "Duration of gRPC calls served: the request's last frame to the response's last write.",
                RpcRequests, "duration_histogram", RPC_LABELS, sum_field="duration_sum_seconds", per_identity=True,
-               doc_note="rpc_grpc_status_code is empty: the trailers' grpc-status is not read (docs/requests.md)."),
+               doc_note="rpc_grpc_status_code is empty where the trailers' grpc-status was not readable "
+                        "(docs/requests.md)."),
         Family("http_client_request_duration_seconds", "histogram",
                "Duration of HTTP/1.x requests sent on connections the host opened: the request's first send to "
                "the response's last read.", ClientRequests, "duration_histogram", CLIENT_LABELS,

@@ -11,7 +11,7 @@ from ...cli import duration_option, emit_json, friendly_errors, json_option, req
 from ...formatting import record_table
 from ...names import endpoint
 from .probe import SendLatencyProbe
-from .records import ClientRequests, Requests
+from .records import ClientRequests, Requests, RpcRequests
 from .requests import RequestsProbe
 from .streams import StreamsProbe
 
@@ -21,10 +21,18 @@ CLIENT_FIELDS = ("server", "pid", "comm", "method", "status", "count", "ttfb_p50
                  "p99_seconds")
 
 
+def _status(record: Requests) -> str:
+    """The status column: HTTP's (`?`: not readable); a gRPC call's grpc-status after it."""
+    status = record.status_label or "?"
+    if isinstance(record, RpcRequests):
+        status += f" grpc {record.grpc_status_label or '?'}"
+    return status
+
+
 def rows(records: list[Requests]) -> list[dict[str, object]]:
     """One row per (process, port, protocol, method, status); a port is a name, not a count."""
-    ordered = sorted(records, key=lambda r: (r.port, r.protocol, r.pid, r.method, r.status_code))
-    return [{**r.to_dict(), "port": str(r.port), "status": r.status_label or "?"} for r in ordered]
+    ordered = sorted(records, key=lambda r: (r.port, r.protocol, r.pid, r.method, r.status_code, _status(r)))
+    return [{**r.to_dict(), "port": str(r.port), "status": _status(r)} for r in ordered]
 
 
 def client_rows(records: list[ClientRequests]) -> list[dict[str, object]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ... import btf
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy
+from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy, enum_labels
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -27,6 +27,7 @@ from .settings import StreamsSettings
 from .view import STREAMS_VIEW
 
 MAX_PENDING_STALLS = 65536
+COUNTERS = enum_labels("sendlat", "stream_counter", "STREAM_COUNTER_")
 GPU_CAUSE = "gpu cause: CUDA synchronizations, from the cuda probe"
 NO_GPU_CAUSE = "no gpu cause: the cuda probe is not running"
 _SPAN = ("request: the server's last read before it writes (HTTP/2: the client's last frame on the stream); "
@@ -124,6 +125,19 @@ class InStreamLogic(Probe):
             raise ProbeUnavailable(self.part, {host.strategy.name: "needs socket storage (BTF programs)"})
         return host
 
+    def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
+        """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it
+        (reported this once more)."""
+        stats = self._obj().maps[name]
+        entries = [(raw, btf.decode(raw), value) for raw, value in stats.items()]
+        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
+        return [(key, value) for _, key, value in entries]
+
+    def _counter(self, name: str) -> int:
+        """Counter `name` of map `stream_counters` (enum stream_counter's name in lower case, no prefix)."""
+        counted: int = self._obj().maps["stream_counters"].lookup(COUNTERS.index(name)).value
+        return counted
+
     def _set(self, **values: int) -> None:
         """Write variables of the object's `.data.streams` section (stream settings only live there)."""
         self._obj().set_data(".data.streams", **values)
@@ -177,29 +191,25 @@ class StreamsProbe(InStreamLogic):
     def read(self) -> StreamsSnapshot:
         """Everything counted since start; endpoints of exited processes are reported once more, then
         deleted."""
-        obj = self._obj()
         stalls = self._stall_records().take()
-        stats = obj.maps["stream_stats"]
-        entries = [(raw, btf.decode(raw), btf.decode(value)) for raw, value in stats.items()]
+        entries = [(key, btf.decode(value)) for key, value in self._entries_of("stream_stats")]
         self._entries = len(entries)
-        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for _, key, value in entries
+        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for key, value in entries
                      if not key["tls_version"]]
-        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"])) for _, key, value in entries
+        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"])) for key, value in entries
                       if 0 < key["tls_version"] < len(TLS_VERSIONS)]
-        self._starts.keep_only({key["tgid"] for _, key, _ in entries})
-        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
-        counters = obj.maps["stream_counters"]
+        self._starts.keep_only({key["tgid"] for key, _ in entries})
         return StreamsSnapshot(
             strategy=self.strategy or "", span=self.status().span,
             stall_threshold_seconds=self.stall_threshold_ms / 1e3,
             endpoints=endpoints, stalls=stalls, lost_stalls=self.events_lost(),
-            uncounted_streams=counters.lookup(1).value, untimed_h2_streams=counters.lookup(2).value,
+            uncounted_streams=self._counter("endpoints_full"), untimed_h2_streams=self._counter("h2_untimed"),
             cuda_syncs_seen=self.cuda_syncs_seen(), tls_handshakes=handshakes,
         )
 
     def events_lost(self) -> int:
         try:
-            lost: int = self._obj().maps["stream_counters"].lookup(0).value
+            lost = self._counter("lost_stalls")
         except RuntimeError:
             lost = 0
         return lost + (self._stalls.dropped if self._stalls is not None else 0)
