@@ -10,7 +10,8 @@ Four servers, each pinned to one CPU with its load generator pinned to another:
 A streamed request is one response of EVENTS events, sent as fast as the server can.
 
 Configurations alternate round by round (the order reversed every other round): no agent, the
-whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), and each probe
+whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), the whole agent
+without the requests part (`count_requests = false`: what counting requests adds), and each probe
 alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every process of
 the serving side: nginx's master and worker, the upstream) and the agent's, over the load, each
 divided by the requests the load generator completed. CPU time is each thread's sum_exec_runtime
@@ -19,11 +20,12 @@ rather than 10 ms ticks, which an agent's few ms per round need.
 
 Per case and configuration: aiprobe's share of the server's own CPU, (server CPU added + agent CPU)
 per request / the server's CPU per request without the agent, the median over the rounds of the
-share within each round's pair (the target is 0.03). Then, in a pass of its own (the kernel's BPF
-run-time statistics add two clock reads to every program run), the whole agent's programs: runs per
-request, ns per run, and run time per request, each from the programs' own counters. Those count
-every run on the host: the load generator's sends and receives run the same programs (wrk's request
-is one of the two sends per request of nginx's small body), and so does any other process's.
+share within each round's pair (the target is 0.03). Then, in a pass of its own each (the kernel's
+BPF run-time statistics add two clock reads to every program run), the programs of the whole agent
+and of it without requests: runs per request, ns per run, and run time per request, each from the
+programs' own counters. Those count every run on the host: the load generator's sends and receives
+run the same programs (wrk's request is one of the two sends per request of nginx's small body), and
+so does any other process's.
 
 Every agent watches loopback only (`interfaces = ["lo"]`, `exclude = []`): the loads run there, so
 its flows are the ones a gateway's NIC would carry, and an agent attached to every interface of a
@@ -164,13 +166,14 @@ class Configuration:
     name: str
     workdir: str
     probes: list[str] | None = None
+    settings: str = ""  # more lines of its config file
     agent: subprocess.Popen[str] | None = field(default=None, repr=False)
 
     def attach(self) -> None:
         if self.name == NO_AGENT:
             return
         probes = f"probes = {json.dumps(self.probes)}\n" if self.probes else ""
-        self.agent = _start_agent(self.workdir, LOOPBACK_ONLY + probes)
+        self.agent = _start_agent(self.workdir, LOOPBACK_ONLY + probes + self.settings)
         time.sleep(SETTLE_SECONDS)
 
     def detach(self) -> None:
@@ -183,8 +186,13 @@ class Configuration:
 
 
 def _configurations(workdir: str) -> list[Configuration]:
-    return ([Configuration(NO_AGENT, workdir), Configuration(WHOLE, workdir)]
+    return ([Configuration(NO_AGENT, workdir), Configuration(WHOLE, workdir), _without_requests(workdir)]
             + [Configuration(f"{name} alone", workdir, [name]) for name in selectable_names()])
+
+
+def _without_requests(workdir: str) -> Configuration:
+    """The whole agent but the requests part: what counting requests adds (issue 24's before and after)."""
+    return Configuration(f"{WHOLE}, no requests", workdir, settings="count_requests = false\n")
 
 
 def _sample(served: Served, configurations: list[Configuration]) -> Sample:
@@ -344,11 +352,11 @@ def _shares(case: str, runs: dict[str, list[Sample]]) -> tuple[list[Result], flo
     return results, statistics.median(base)
 
 
-def _run_times(case: str, served: Served, workdir: str, server_ns: float) -> list[Result]:
-    """The whole agent's programs under one load with bpf_stats on: the run time per request of each
-    one that ran, with its runs per request and ns per run; and their total against the server's
-    CPU per request without the agent."""
-    whole = Configuration(WHOLE, workdir)
+def _run_times(case: str, served: Served, whole: Configuration, server_ns: float) -> list[Result]:
+    """The programs of an agent (the whole one, or it without requests) under one load with bpf_stats
+    on: the run time per request of each one that ran, with its runs per request and ns per run; and
+    their total against the server's CPU per request without the agent."""
+    case = f"{case}, {whole.name}"
     with bpf_stats(), attached(whole):
         assert whole.agent is not None
         before = programs_of(whole.agent.pid)
@@ -364,7 +372,7 @@ def _run_times(case: str, served: Served, workdir: str, server_ns: float) -> lis
                       f"{runs / requests:.2f} runs per request, {run_time / runs:.0f} ns per run")
                for name, (run_time, runs) in sorted(ran.items(), key=lambda item: -item[1][0])]
     total = sum(run_time for run_time, _ in ran.values()) / requests
-    results.append(Result("gateway", f"{case}, BPF, every program of the whole agent: run time per request", total,
+    results.append(Result("gateway", f"{case}, BPF, every program: run time per request", total,
                           "ns", f"{len(ran)} of {len(after)} programs ran; {total / server_ns:.4f} of the server's "
                           "CPU per request without the agent (runs host-wide: the load generator's too)"))
     return results
@@ -376,7 +384,9 @@ def measure(case: str, serve: Callable[[str], AbstractContextManager[Served]]) -
         served.load()  # warm-up: connections, caches, the CPU's frequency
         runs = alternate(configurations, ROUNDS, lambda: _sample(served, configurations))
         results, server_ns = _shares(case, runs)
-        return results + _run_times(case, served, workdir, server_ns)
+        for agent in (Configuration(WHOLE, workdir), _without_requests(workdir)):
+            results += _run_times(case, served, agent, server_ns)
+        return results
 
 
 def _selected(case: str) -> bool:

@@ -138,6 +138,13 @@ def exported_counts(records: list[HttpRequests]) -> dict[tuple[str, str], float]
     return counts
 
 
+def test_count_requests_off_leaves_the_part_out_and_streams_on() -> None:
+    with SendLatencyProbe(per_flow=False, stall_threshold_ms=250.0, count_requests=False) as host:
+        parts = host.parts()
+        assert parts["streams"].status().up
+        assert parts["requests"].status().reason == "off in the config (count_requests = false)"
+
+
 def test_http1_statuses_methods_durations(probe: RequestsProbe) -> None:
     with app("uvicorn") as process:
         accounts, bodies = drive(process, http2=False)

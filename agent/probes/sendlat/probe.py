@@ -31,7 +31,7 @@ from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, Slo
 from .requests import PART as REQUESTS
 from .requests import RequestsProbe  # counted by the stream logic when responses end (bpf/requests.h)
 from .rules import NETWORK_SEND_STALL
-from .settings import SendLatencySettings, StreamsSettings
+from .settings import RequestsSettings, SendLatencySettings, StreamsSettings
 from .streams import PART as STREAMS
 from .streams import RECEIVE_SIDE, StreamsProbe  # the stream logic shares sendlat's programs (bpf/streams.h)
 from .view import PROCESS_COLUMNS
@@ -69,7 +69,8 @@ def _from_config(config: Config) -> SendLatencyProbe:
     return SendLatencyProbe(threshold_ms=settings.slow_send_threshold_ms, per_flow=False,
                             cpu_budget=settings.sendlat_cpu_budget or None,
                             strategies=strategies_named(SPEC, config.strategies.get("sendlat")),
-                            stall_threshold_ms=config.settings(StreamsSettings).stream_stall_threshold_ms)
+                            stall_threshold_ms=config.settings(StreamsSettings).stream_stall_threshold_ms,
+                            count_requests=config.settings(RequestsSettings).count_requests)
 
 
 SPEC = ProbeSpec(
@@ -232,11 +233,13 @@ class SendLatencyProbe(Probe):
     def __init__(
         self, threshold_ms: float = 10.0, pid: int | None = None, strategies: Sequence[Strategy] | None = None,
         per_flow: bool = True, cpu_budget: float | None = None, stall_threshold_ms: float | None = None,
+        count_requests: bool = True,
     ) -> None:
         """`per_flow=False` skips the per-flow counters (in the kernel too): the agent takes flows
         from the flows probe, and reading thousands of connections each second is not free.
         `cpu_budget` (a fraction of one CPU) makes each read() adapt timing to the send rate.
-        `stall_threshold_ms` runs the streams part too (`parts()`), with that stall threshold."""
+        `stall_threshold_ms` runs the streams part too (`parts()`), with that stall threshold, and
+        with it the requests part unless `count_requests` is False."""
         super().__init__()
         if threshold_ms < 0:
             raise ValueError("threshold_ms must not be negative")
@@ -250,6 +253,7 @@ class SendLatencyProbe(Probe):
         self.sample_every = 1
         self._budget = TimingBudget(cpu_budget) if cpu_budget is not None else None
         self._stall_threshold_ms = stall_threshold_ms
+        self._count_requests = count_requests
         self._streams: Face | None = None
         self._requests: Face | None = None
 
@@ -263,8 +267,11 @@ class SendLatencyProbe(Probe):
             if self._stall_threshold_ms is not None:
                 self._streams = self._start_part(StreamsProbe(self, self._stall_threshold_ms))
                 # Requests are counted by the stream logic: without it, none (and the same reason).
-                self._requests = self._start_part(RequestsProbe(self)) if isinstance(self._streams, StreamsProbe) \
-                    else self._streams
+                if not isinstance(self._streams, StreamsProbe):
+                    self._requests = self._streams
+                else:
+                    self._requests = self._start_part(RequestsProbe(self)) if self._count_requests \
+                        else Unavailable("off in the config (count_requests = false)")
         except BaseException:
             self.close()
             raise

@@ -35,6 +35,7 @@ from .records import (
     RpcRequests,
 )
 from .rules import HTTP_SERVER_ERRORS, HTTP_THROTTLED, REPLICA_SKEW
+from .settings import RequestsSettings
 from .streams import STRATEGIES as STREAMS_STRATEGIES
 from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
@@ -196,7 +197,7 @@ CLIENT_LABELS: tuple[tuple[str, Getter], ...] = (
     ("http_request_method", "method"), ("http_response_status_code", lambda r: r.status_label),
     ("server_address", "server_address"), ("server_port", "server_port"), *PROCESS_LABELS)
 RPC_LABELS: tuple[tuple[str, Getter], ...] = (
-    ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", "grpc_status_label"), ("server_port", "port"),
+    ("rpc_system", _constant("grpc")), ("rpc_grpc_status_code", lambda r: r.grpc_status_label), ("server_port", "port"),
     *PROCESS_LABELS)
 
 PART = Part(
@@ -205,6 +206,7 @@ PART = Part(
                 "status codes, methods, durations (OpenTelemetry's HTTP and RPC server and HTTP client metrics)",
     strategies=STRATEGIES,
     order=26,
+    settings=RequestsSettings,
     command="aiprobe.probes.sendlat.requests_command:command",
     metrics=(
         Family("http_server_request_duration_seconds", "histogram",

@@ -1,4 +1,5 @@
-"""The send path's keys of the config file (docs/config.md): send latency's and the streams part's."""
+"""The send path's keys of the config file (docs/config.md): send latency's, the streams part's and the
+requests part's."""
 
 from __future__ import annotations
 
@@ -17,3 +18,9 @@ class SendLatencySettings(Settings):
 @dataclass(frozen=True)
 class StreamsSettings(Settings):
     stream_stall_threshold_ms: float = field(default=250.0, metadata=limits(1.0, 600_000.0))
+
+
+@dataclass(frozen=True)
+class RequestsSettings(Settings):
+    # Off: no requests part, and none of its work on each send and receive (its cost, `make bench`).
+    count_requests: bool = True
