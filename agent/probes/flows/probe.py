@@ -167,7 +167,7 @@ SCRAPE_WAIT_SECONDS = 0.25
 # again only the flows of the latest records (as a scrape does): a table of 100k flows that all change
 # each second costs what the budget allows, not a core's tenth.
 READ_BUDGET = 0.01
-MAX_READ_SECONDS = 10.0
+MAX_READ_SECONDS = 30.0  # flow_idle_seconds' default: expiry lags one idle time at most
 # Above EVICT_ABOVE of capacity, the stalest flows are evicted down to EVICT_TO, so new flows
 # find room in the kernel instead of failing to insert.
 EVICT_ABOVE = 0.9
