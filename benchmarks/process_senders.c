@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -36,6 +37,10 @@ int main(int argc, char **argv) {
     sigaddset(&term, SIGTERM);
     sigprocmask(SIG_BLOCK, &term, NULL);
     setpgid(0, 0);  /* a group of its own: ended as one below */
+    struct rlimit files;  /* one descriptor per sender: more than the usual soft limit of 1024 */
+    getrlimit(RLIMIT_NOFILE, &files);
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
     for (long i = 0; i < count; i++) {
         pid_t pid = fork();
         if (pid == 0) {
