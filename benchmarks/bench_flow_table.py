@@ -1,65 +1,73 @@
 """The agent's own cost as the flow table grows: CPU (user+sys seconds per wall second), RSS and the
-time one /metrics scrape takes, with 0, 1k, 10k and 100k live UDP flows through a watched veth, each
-flow sent one datagram a second (as a gateway's connections keep their flows live).
+time one /metrics scrape takes, with 0, 1k, 10k, 100k live UDP flows and the table full at its
+default size (up to where the agent starts evicting) through a watched veth, each flow sent one
+datagram a second (as a gateway's connections keep their flows live) by flow_sender.c, built here
+with cc; it says how many datagrams a second it managed. The windows span several of the agent's
+paced reads of the whole table (MAX_READ_SECONDS apart at most).
 
 One agent (flows probe only, default settings but the interface) runs through every level in
 ascending order: each level's flows include the previous level's, so none sits idle waiting to
 expire. The traffic comes from a namespace of this benchmark's own, into the host side of its veth.
+Then a second agent (sendlat only) with 1k and 10k processes, each sending a byte a second on a TCP
+connection over loopback (process_senders.c). Not measured yet: 1k stream endpoints (streams).
 """
 
 from __future__ import annotations
 
+import http.client
+import math
+import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
+from aiprobe.probes.flows.probe import EVICT_ABOVE, MAX_READ_SECONDS
+from aiprobe.probes.flows.settings import FlowsSettings
 
 from benchmarks import Result
 from benchmarks.bench_agent import _free_port, _start_agent, _stop
 from benchmarks.bench_flows import HOST_IP, _veth_into_namespace
 
-LEVELS = (0, 1_000, 10_000, 100_000)
-SETTLE_SECONDS = 4.0  # the new flows' first reads (and any eviction) over before measuring
-WINDOW_SECONDS = 6.0
+FULL = int(EVICT_ABOVE * FlowsSettings.max_flows) - 1_000  # room left for the ICMP errors' flows
+FLOW_LEVELS = (0, 1_000, 10_000, 100_000, FULL)
+PROCESS_LEVELS = (1_000, 10_000)
+SETTLE_SECONDS = MAX_READ_SECONDS + 2  # the new flows' first reads over before measuring
+WINDOW_SECONDS = 2 * MAX_READ_SECONDS
 SCRAPES = 5
 
-# Each second, one datagram per flow: flows differ by destination port (up to PORTS of them) and by
-# source socket beyond that. Prints how many datagrams it sent per second, once stopped.
-SENDER = """
-import signal, socket, sys, time
-host, flows, ports = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(-(-flows // ports))]
-targets = [(sockets[i // ports], (host, 1024 + i % ports)) for i in range(flows)]
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-start = time.monotonic()
-rounds = 0
-try:
-    while True:
-        for sock, address in targets:
-            sock.sendto(b"x", address)
-        rounds += 1
-        time.sleep(max(0.0, start + rounds - time.monotonic()))
-finally:
-    print(rounds * flows / (time.monotonic() - start), flush=True)
-"""
+FLOW_SENDER = Path(__file__).with_name("flow_sender.c")  # each second, one datagram per flow
+PROCESS_SENDERS = Path(__file__).with_name("process_senders.c")  # processes sending a byte a second
 PORTS = 50_000
 
 
 def _scrape_seconds(port: int) -> float:
+    """How long one scrape took; NaN where the agent answered none (said in the table, not raised)."""
     started = time.perf_counter()
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        response.read()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            response.read()
+    except (OSError, http.client.HTTPException):
+        return math.nan
     return time.perf_counter() - started
 
 
-def _level(agent: psutil.Process, port: int, ns: str, flows: int) -> list[Result]:
-    sender = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", SENDER, HOST_IP, str(flows),
-                               str(PORTS)], stdout=subprocess.PIPE, text=True) if flows else None
+def _build(workdir: str, source: Path) -> str:
+    built = str(Path(workdir) / source.stem)
+    subprocess.run([shutil.which("cc") or "gcc", "-O2", "-Wall", "-o", built, str(source)], check=True)
+    return built
+
+
+def _level(agent: psutil.Process, port: int, label: str, sender: list[str] | None) -> list[Result]:
+    """The agent's cost while `sender` runs (a program that prints "ready" once it is sending, and
+    may print its datagrams per second once stopped)."""
+    process = subprocess.Popen(sender, stdout=subprocess.PIPE, text=True) if sender else None
     try:
+        if process is not None and process.stdout is not None:
+            process.stdout.readline()
         time.sleep(SETTLE_SECONDS)
         before, started = agent.cpu_times(), time.monotonic()
         time.sleep(WINDOW_SECONDS)
@@ -68,27 +76,49 @@ def _level(agent: psutil.Process, port: int, ns: str, flows: int) -> list[Result
         rss = agent.memory_info().rss
     finally:
         sent = ""
-        if sender is not None:
-            sender.terminate()
-            sent = f"; sender {float(sender.communicate()[0] or 0):.0f} datagrams/s"
+        if process is not None:
+            process.terminate()
+            if rate := process.communicate()[0].split():
+                sent = f"; sender {float(rate[-1]):.0f} datagrams/s"
     cpu = (after.user + after.system - before.user - before.system) / elapsed
-    label = f"{flows} live flows"
+    answered = [seconds for seconds in scrapes if not math.isnan(seconds)]
     return [
         Result("flow table", f"{label}: agent CPU", cpu * 100, "% of one core", f"over {WINDOW_SECONDS:.0f} s{sent}"),
         Result("flow table", f"{label}: agent RSS", rss / 2**20, "MiB"),
-        Result("flow table", f"{label}: scrape", statistics.median(scrapes) * 1e3, "ms",
-               f"median of {SCRAPES}, max {max(scrapes) * 1e3:.0f} ms"),
+        Result("flow table", f"{label}: scrape", statistics.median(answered or [math.nan]) * 1e3, "ms",
+               f"median of {len(answered)}, max {max(answered or [math.nan]) * 1e3:.0f} ms"
+               + (f"; {SCRAPES - len(answered)} of {SCRAPES} unanswered" if len(answered) < SCRAPES else "")),
     ]
 
 
-def run() -> list[Result]:
+def _flow_levels(workdir: str) -> list[Result]:
     results = []
-    with _veth_into_namespace() as (host, ns), tempfile.TemporaryDirectory() as workdir:
-        port = _free_port()
+    with _veth_into_namespace() as (host, ns):
+        port, sender = _free_port(), _build(workdir, FLOW_SENDER)
         agent = _start_agent(workdir, f'interfaces = ["{host}"]\nexclude = []\nprobes = ["flows"]\n', port)
         try:
-            for flows in LEVELS:
-                results += _level(psutil.Process(agent.pid), port, ns, flows)
+            for flows in FLOW_LEVELS:
+                label = f"{flows} live flows" + (" (table full)" if flows == FULL else "")
+                command = ["ip", "netns", "exec", ns, sender, HOST_IP, str(flows), str(PORTS)] if flows else None
+                results += _level(psutil.Process(agent.pid), port, label, command)
         finally:
             _stop(agent)
     return results
+
+
+def _process_levels(workdir: str) -> list[Result]:
+    results = []
+    port, senders = _free_port(), _build(workdir, PROCESS_SENDERS)
+    agent = _start_agent(workdir, 'probes = ["sendlat"]\n', port)
+    try:
+        for processes in PROCESS_LEVELS:
+            results += _level(psutil.Process(agent.pid), port, f"{processes} processes sending (sendlat)",
+                              [senders, str(processes)])
+    finally:
+        _stop(agent)
+    return results
+
+
+def run() -> list[Result]:
+    with tempfile.TemporaryDirectory() as workdir:
+        return _flow_levels(workdir) + _process_levels(workdir)

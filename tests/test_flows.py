@@ -33,6 +33,7 @@ from aiprobe.btf import decode
 from aiprobe.containers import cgroup2_root
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
+from aiprobe.probes.flows import probe as flows_probe
 from aiprobe.probes.flows.hooks import SNAPSHOT_FLOWS
 from aiprobe.probes.flows.probe import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot
@@ -424,6 +425,35 @@ def test_an_idle_flow_keeps_its_record_at_rate_0_among_the_agents_top_flows(veth
     for snapshot in reads:
         flow = _flow(snapshot, "egress", "udp", port, 9)
         assert (flow.packets, flow.bytes, flow.bytes_per_second) == (COUNT, COUNT * frame, 0.0)
+
+
+def test_reads_between_paced_whole_reads_move_the_recorded_flows_and_their_interface_on(
+        veth: VethPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a read_budget, a read before the whole table is due again reads the recorded flows only:
+    the recorded flow's counts and its interface's totals move on by exactly what it sent, the other
+    flow waits for the next whole read, and the rates stay those of the whole read."""
+    monkeypatch.setattr(flows_probe, "MAX_READ_SECONDS", 3600.0)  # the next whole read: not in this test
+    frame = 42 + UDP_PAYLOAD
+    with FlowsProbe([veth.host], top=1, read_budget=1e-9) as probe, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as fast, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as slow:
+        def send() -> None:
+            for _ in range(COUNT):
+                fast.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+                fast.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+                slow.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        send()
+        port = fast.getsockname()[1]
+        time.sleep(MIN_RATE_WINDOW_NS / 1e9)
+        whole = probe.read()
+        send()
+        paced = probe.read()
+    (before,), (after,) = whole.flows, paced.flows
+    assert (before.local_port, before.packets) == (port, 2 * COUNT)
+    assert (after.local_port, after.packets, after.bytes) == (port, 4 * COUNT, 4 * COUNT * frame)
+    assert after.bytes_per_second == before.bytes_per_second > 0
+    bytes_before, packets_before = _totals(whole, veth.host, "egress")
+    assert _totals(paced, veth.host, "egress") == (bytes_before + 2 * COUNT * frame, packets_before + 2 * COUNT)
 
 
 # --- detaching: SIGTERM, SIGKILL, foreign programs ---

@@ -1,4 +1,4 @@
-"""The flows probe in the agent's refresh: each flow's owner, interface rates, and the snapshot's
+"""The flows probe in the agent's refresh: each flow's owner and the snapshot's
 `flows` (the busiest) and `interfaces`."""
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ class FlowsHooks(Hooks):
             flow.comm = refresh.comm(flow.pid) if flow.pid is not None else None
             refresh.workload(flow.cgroup_id, flow.pid).label(flow)
         return {flow.pid for flow in reading.flows if flow.pid is not None}
-
-    def rates(self, reading: FlowsSnapshot, refresh: Refresh, now: float) -> None:
-        for side in reading.interfaces:
-            side.bytes_per_second, side.packets_per_second = \
-                refresh.rate(("interface", side.identity()), [side.bytes, side.packets], now)
 
     def snapshot(self, reading: FlowsSnapshot) -> dict[str, Any]:
         flows = sorted(reading.flows, key=lambda f: f.bytes_per_second, reverse=True)

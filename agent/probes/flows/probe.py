@@ -90,7 +90,7 @@ def _from_config(config: Config) -> Probe:
     return FlowsProbe(interfaces=list(settings.interfaces), exclude=list(settings.exclude),
                       idle_timeout=settings.flow_idle_seconds, max_flows=settings.max_flows,
                       strategy=config.strategies.get("flows"), xdp_interfaces=list(settings.xdp_interfaces),
-                      top=max(settings.top_flows, SNAPSHOT_FLOWS))
+                      top=max(settings.top_flows, SNAPSHOT_FLOWS), read_budget=READ_BUDGET)
 
 
 FLOW_LABEL_NAMES = ("interface", "direction", "protocol", "local_address", "local_port", "remote_address",
@@ -162,6 +162,12 @@ TC_PRIORITY = 0xA1B0
 DEFAULT_MAX_FLOWS = 16384  # FlowsProbe's own (the CLI's, tests'); the agent's is FlowsSettings.max_flows
 # How long a scrape waits for a read under way (seconds a large table's read can take on a busy node).
 SCRAPE_WAIT_SECONDS = 0.25
+# The agent's reads of the whole flow table pace themselves: the next is due once READ_BUDGET of one core
+# has paid for the CPU time the last one took, MAX_READ_SECONDS apart at most. Reads in between read
+# again only the flows of the latest records (as a scrape does): a table of 100k flows that all change
+# each second costs what the budget allows, not a core's tenth.
+READ_BUDGET = 0.01
+MAX_READ_SECONDS = 30.0  # flow_idle_seconds' default: expiry lags one idle time at most
 # Above EVICT_ABOVE of capacity, the stalest flows are evicted down to EVICT_TO, so new flows
 # find room in the kernel instead of failing to insert.
 EVICT_ABOVE = 0.9
@@ -421,13 +427,17 @@ class FlowsProbe(Probe):
         strategy: str | None = None,
         xdp_interfaces: list[str] | None = None,
         top: int | None = None,
+        read_budget: float | None = None,
     ) -> None:
-        """`top`: how many flows each read makes records of (the fastest, then idle ones); None: every flow."""
+        """`top`: how many flows each read makes records of (the fastest, then idle ones); None: every flow.
+        `read_budget`: the share of one core the reads of the whole table may take (READ_BUDGET); None:
+        every read() reads the whole table."""
         super().__init__()
         self.filter = InterfaceFilter(list(interfaces or []), list(exclude or []), list(xdp_interfaces or []))
         self.idle_timeout = idle_timeout
         self.max_flows = max_flows
         self.top = top
+        self.read_budget = read_budget
         self._strategies = tuple(s for s in SPEC.strategies if strategy in (None, s.name))
         if not self._strategies:
             raise ValueError(f"unknown flows strategy {strategy!r}; one of {', '.join(TC_MODES)}")
@@ -440,6 +450,9 @@ class FlowsProbe(Probe):
         self._last_snapshot: FlowsSnapshot | None = None
         self._served: FlowsSnapshot | None = None  # the latest read() or read_for_scrape() result
         self._recorded: list[tuple[bytes, int, FlowRecord]] = []  # the last snapshot's flows: key, first_seen_ns
+        self._next_read_ns = 0  # CLOCK_MONOTONIC: when the whole table is read again (read_budget)
+        # (interface, direction) -> its rates' baseline (CLOCK_MONOTONIC, bytes, packets) and latest rates
+        self._rated: dict[Identity, tuple[int, int, int, tuple[float, float]]] = {}
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
 
     # --- life cycle ---
@@ -559,12 +572,20 @@ class FlowsProbe(Probe):
 
     def read(self) -> FlowsSnapshot:
         """The flow table now. Safe from several threads (the agent's refresh, the CLI): one read at
-        a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old."""
+        a time, each taking rates against the latest read at least MIN_RATE_WINDOW_NS old. With a
+        read_budget, a read before the whole table is due again reads only the recorded flows (`_reread`)."""
         if self.loaded is None:
             raise RuntimeError("FlowsProbe.read() before start()")
         with self._read_lock:
             self._retry_failed()
-            return self._read(self.loaded.obj)
+            started, cpu = time.monotonic_ns(), time.thread_time_ns()
+            if started < self._next_read_ns:
+                return self._reread()
+            snapshot = self._read(self.loaded.obj)
+            if self.read_budget is not None:
+                pause = min((time.thread_time_ns() - cpu) / self.read_budget, MAX_READ_SECONDS * 1e9)
+                self._next_read_ns = started + int(pause)
+            return snapshot
 
     def read_for_scrape(self) -> FlowsSnapshot:
         """The latest read with its recorded flows' counters read again, one lookup each, and the
@@ -577,18 +598,24 @@ class FlowsProbe(Probe):
         if not self._read_lock.acquire(timeout=SCRAPE_WAIT_SECONDS):
             return self._served
         try:
-            last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
-            totals = {(t.interface, t.direction): dataclasses.replace(t) for t in last.interfaces}
-            records = [self._reread(flows_map, key, first_seen_ns, record, totals)
-                       for key, first_seen_ns, record in self._recorded]
-            self._served = dataclasses.replace(last, timestamp=time.time(), flows=records,
-                                               interfaces=list(totals.values()))
-            return self._served
+            return self._reread()
         finally:
             self._read_lock.release()
 
-    def _reread(self, flows_map: Map, key: bytes, first_seen_ns: int, record: FlowRecord,
-                totals: dict[tuple[str, str], InterfaceTotals]) -> FlowRecord:
+    def _reread(self) -> FlowsSnapshot:
+        """The latest read with its recorded flows read again and the interface totals moved on by
+        their increase (read_for_scrape). Rates stay those of the latest read."""
+        assert self.loaded is not None and self._last_snapshot is not None
+        last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
+        totals = {t.identity(): dataclasses.replace(t) for t in last.interfaces}
+        records = [self._reread_flow(flows_map, key, first_seen_ns, record, totals)
+                   for key, first_seen_ns, record in self._recorded]
+        self._served = dataclasses.replace(last, timestamp=time.time(), flows=records,
+                                           interfaces=list(totals.values()))
+        return self._served
+
+    def _reread_flow(self, flows_map: Map, key: bytes, first_seen_ns: int, record: FlowRecord,
+                     totals: dict[Identity, InterfaceTotals]) -> FlowRecord:
         now = flows_map.lookup(key)
         if now is None or now.first_seen_ns != first_seen_ns:
             return record  # deleted (or deleted and made again) since: the next read() says so
@@ -623,7 +650,7 @@ class FlowsProbe(Probe):
             timestamp=time.time(),
             interval_seconds=interval,
             flows=[record for _key, _first_seen, record in self._recorded],
-            interfaces=self._interface_totals(unattributed, names),
+            interfaces=self._rate_interfaces(self._interface_totals(unattributed, names), now_ns),
             evictions=ledger.evictions,
             insert_failures=ledger.retired_failures + sum(v.insert_failures for v in unattributed.values()),
             malformed_frames=ledger.retired_malformed + sum(v.malformed for v in unattributed.values()),
@@ -744,6 +771,23 @@ class FlowsProbe(Probe):
                     side.bytes += extra.bytes
                     side.packets += extra.packets
                 totals.append(side)
+        return totals
+
+    def _rate_interfaces(self, totals: list[InterfaceTotals], now_ns: int) -> list[InterfaceTotals]:
+        """Each side's rates since the latest read at least MIN_RATE_WINDOW_NS before (0 at its first),
+        taken here and not by the agent's refresh: reads of the whole table may be seconds apart
+        (read_budget), and the totals in between move with the recorded flows only."""
+        rated = {}
+        for side in totals:
+            first = (now_ns, side.bytes, side.packets, (0.0, 0.0))
+            at, nbytes, packets, rates = self._rated.get(side.identity(), first)
+            if now_ns - at >= MIN_RATE_WINDOW_NS:
+                seconds = (now_ns - at) / 1e9
+                rates = (max(side.bytes - nbytes, 0) / seconds, max(side.packets - packets, 0) / seconds)
+                at, nbytes, packets = now_ns, side.bytes, side.packets
+            side.bytes_per_second, side.packets_per_second = rates
+            rated[side.identity()] = (at, nbytes, packets, rates)
+        self._rated = rated
         return totals
 
     def map_usage(self) -> list[MapUsage]:

@@ -47,8 +47,8 @@ class InterfaceTotals(Record):
     tcp_syn: int = 0  # TCP segments with SYN, FIN, RST: of its flows, those deleted included
     tcp_fin: int = 0
     tcp_rst: int = 0
-    bytes_per_second: float = field(default=0.0, metadata=JOINED)
-    packets_per_second: float = field(default=0.0, metadata=JOINED)
+    bytes_per_second: float = 0.0  # since the probe's latest read of the whole table before this one
+    packets_per_second: float = 0.0
 
     def identity(self) -> Identity:
         return self.interface, self.direction
