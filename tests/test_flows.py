@@ -408,6 +408,20 @@ def test_idle_flows_expire_and_interface_totals_keep_them(veth: VethPair) -> Non
     assert _totals(later, veth.host, "egress")[1] >= 5
 
 
+def test_a_flow_sending_between_reads_further_apart_than_its_idle_timeout_does_not_expire(veth: VethPair) -> None:
+    """A frame stamps the clock the latest read wrote, not its own time (bpf/flows.bpf.c): reads paced
+    further apart than the idle timeout must still not take that stamp for idleness."""
+    with FlowsProbe([veth.host], idle_timeout=0.3) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        port = s.getsockname()[1]
+        first = _flow(probe.read(), "egress", "udp", port, 9)
+        for _ in range(20):  # a second of frames, 50 ms apart, then the next read at once
+            time.sleep(0.05)
+            s.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        later = _flow(probe.read(), "egress", "udp", port, 9)
+    assert (later.first_seen, later.packets) == (first.first_seen, 21)
+
+
 def test_an_idle_flow_keeps_its_record_at_rate_0_among_the_agents_top_flows(veth: VethPair) -> None:
     """The agent's probe records its `top` flows, the fastest then idle ones: a flow that stopped
     sending (a long-lived connection between its requests) keeps its record read after read, and in

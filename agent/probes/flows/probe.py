@@ -403,14 +403,30 @@ class _Gone:
 
 @dataclass
 class _Ledger:
-    """What read() remembers besides the flows: when the last two reads began, and counts of what
-    left the table and the unattributed table."""
+    """What read() remembers besides the flows: when reads began, and counts of what left the table
+    and the unattributed table."""
 
-    # CLOCK_MONOTONIC_COARSE as the last two reads began (each wrote it for the programs to stamp as last_seen)
-    started: deque[int] = field(default_factory=lambda: deque(maxlen=2))
+    # CLOCK_MONOTONIC_COARSE as each read began, oldest first, back to the latest one an idle timeout
+    # old: each read writes it as the programs' flows_clock, what a frame stamps as last_seen.
+    started: deque[int] = field(default_factory=deque)
     retired_failures: int = 0
     retired_malformed: int = 0
     evictions: int = 0
+
+    def since(self) -> int:
+        """The last_seen from which a flow changed since the previous read copied it: a frame counted
+        after that stamps that read's start or later; the read before it gives a margin for a frame
+        whose adds and stamp another CPU saw out of order."""
+        return self.started[-2] if len(self.started) >= 2 else 0
+
+    def idle_cutoff(self, idle_since: int) -> int:
+        """The last_seen below which a flow has had no frame since `idle_since`. A frame stamps the latest
+        clock written before it, so a stamp before a read's start that is no later than `idle_since`
+        means no frame since: never expiring a flow whose frames came after its stamp, however far
+        apart reads are. 0 (nothing expires) until the reads reach back that far."""
+        while len(self.started) > 2 and self.started[1] <= idle_since:
+            self.started.popleft()
+        return self.started[0] if self.started and self.started[0] <= idle_since else 0
 
 
 class FlowsProbe(Probe):
@@ -627,18 +643,17 @@ class FlowsProbe(Probe):
 
     def _read(self, obj: BpfObject) -> FlowsSnapshot:
         now_ns = time.monotonic_ns()
-        started = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE)
+        # One past the coarse tick: a flow made in this tick before the write has that tick as its
+        # first_seen (and last_seen), which must read as earlier than any frame stamped after the write.
+        started = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE) + 1
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
             attachments = [a.state for a in self._attached.values()]
         table, ledger = self._table, self._ledger
         baseline = table.begin(now_ns, MIN_RATE_WINDOW_NS)
-        # A flow counted after the previous read copied it has a last_seen no earlier than that read's
-        # start (bpf/flows.bpf.c stamps, after its adds, the flows_clock each read writes first): the
-        # read before that gives a margin for a frame whose adds and stamp another CPU saw out of order.
-        since = ledger.started[0] if len(ledger.started) == ledger.started.maxlen else 0
+        since, idle_before = ledger.since(), ledger.idle_cutoff(started - int(self.idle_timeout * 1e9))
         obj.set_data(".data.clock", flows_clock=started)  # what frames from now on stamp as last_seen
-        gone = self._scan(obj.maps["flows"], names, since, started - int(self.idle_timeout * 1e9))
+        gone = self._scan(obj.maps["flows"], names, since, idle_before)
         self._delete(obj.maps["flows"], gone)
         ledger.started.append(started)
         table.end(now_ns)
