@@ -27,37 +27,37 @@ struct iov_iter___pre_6_4 {
 
 /* The cursor at a send's first byte: a user buffer (ITER_UBUF, 6.0+) or the first of an iovec
  * array's segments; false for anything else. `msg` is a BTF pointer (the fentry and tp_btf programs'
- * argument): its fields, and the first iovec's, are plain loads (a probe-read helper each cost
- * ~30 ns, five of them on every send looked at). Every layout detail through CO-RE (the iter_type
- * values and the array's name changed between kernels). */
+ * argument): its scalar fields are plain loads (a probe-read helper each cost ~30 ns on every send
+ * looked at). Its pointers are probe-read: 6.1's verifier refuses arithmetic on a BTF pointer, and
+ * 6.12's loses the type of one loaded at a CO-RE-relocated offset. Every layout detail through CO-RE
+ * (the iter_type values and the array's name changed between kernels). */
 static __always_inline bool cursor_start(struct msg_cursor *c, struct msghdr *msg)
 {
 	struct iov_iter *iter = &msg->msg_iter;
 	__u64 offset = iter->iov_offset;
 	__u8 type = iter->iter_type;
-	const struct iovec *first;
+	struct iovec first;
 
 	c->segment = 0;
 	c->iov = 0;
 	c->segments = 1;
 	if (bpf_core_enum_value_exists(enum iter_type, ITER_UBUF) &&
 	    type == bpf_core_enum_value(enum iter_type, ITER_UBUF)) {
-		c->base = (__u64)iter->ubuf + offset;
+		c->base = (__u64)BPF_CORE_READ(iter, ubuf) + offset;
 		c->left = iter->count;
 		return true;
 	}
 	if (type != bpf_core_enum_value(enum iter_type, ITER_IOVEC))
 		return false;
 	if (bpf_core_field_exists(iter->__iov))
-		first = iter->__iov;
+		c->iov = (__u64)BPF_CORE_READ(iter, __iov);
 	else
-		first = ((struct iov_iter___pre_6_4 *)iter)->iov;
-	if (!first)
+		c->iov = (__u64)BPF_CORE_READ((struct iov_iter___pre_6_4 *)iter, iov);
+	if (!c->iov || bpf_probe_read_kernel(&first, sizeof(first), (void *)c->iov))
 		return false;
-	c->iov = (__u64)first;
 	c->segments = iter->nr_segs;
-	c->base = (__u64)first->iov_base + offset;
-	c->left = first->iov_len - offset;
+	c->base = (__u64)first.iov_base + offset;
+	c->left = first.iov_len - offset;
 	return true;
 }
 
