@@ -194,5 +194,7 @@ def decode(value: Any) -> Any:
     if isinstance(value, ctypes.Array):
         if value._type_ in (ctypes.c_uint8, ctypes.c_int8, ctypes.c_char):  # incl. C `char` arrays
             return bytes(value)
+        if issubclass(value._type_, ctypes._SimpleCData):  # numbers: one slice, not a call per item
+            return value[:]  # (a histogram's 433 slots, per entry per refresh)
         return [decode(item) for item in value]
     return value

@@ -17,18 +17,23 @@ def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 class StartTimes:
     """Each pid's start_ticks, remembered: a process whose final counts are read after it exited keeps
-    the identity it had while it ran."""
+    the identity it had while it ran. A read's round (up to keep_only) reads each pid's stat once,
+    however many of its entries the read decodes (a server with 1,000 listening ports has as many)."""
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
         self._known: dict[int, int] = {}
+        self._read_this_round: set[int] = set()
 
     def of(self, pid: int) -> int:
-        start = start_ticks(pid, self._proc)
-        if start is None:
-            return self._known.get(pid, 0)
-        self._known[pid] = start
-        return start
+        if pid not in self._read_this_round:
+            self._read_this_round.add(pid)
+            start = start_ticks(pid, self._proc)
+            if start is not None:
+                self._known[pid] = start
+        return self._known.get(pid, 0)
 
     def keep_only(self, pids: set[int]) -> None:
+        """Ends the round: forgets the pids not in `pids`."""
         self._known = {pid: start for pid, start in self._known.items() if pid in pids}
+        self._read_this_round.clear()

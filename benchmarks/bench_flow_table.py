@@ -8,8 +8,10 @@ paced reads of the whole table (MAX_READ_SECONDS apart at most).
 One agent (flows probe only, default settings but the interface) runs through every level in
 ascending order: each level's flows include the previous level's, so none sits idle waiting to
 expire. The traffic comes from a namespace of this benchmark's own, into the host side of its veth.
-Then a second agent (sendlat only) with 1k and 10k processes, each sending a byte a second on a TCP
-connection over loopback (process_senders.c). Not measured yet: 1k stream endpoints (streams).
+Then a second agent (sendlat only: send latency, streams and requests) with 1k stream endpoints, ports
+of one process each answering a request a second with an SSE write (stream_endpoints.c), then with
+1k and 10k processes, each sending a byte a second on a TCP connection over loopback
+(process_senders.c).
 """
 
 from __future__ import annotations
@@ -34,13 +36,18 @@ from benchmarks.bench_flows import HOST_IP, _veth_into_namespace
 
 FULL = int(EVICT_ABOVE * FlowsSettings.max_flows) - 1_000  # room left for the ICMP errors' flows
 FLOW_LEVELS = (0, 1_000, 10_000, 12_000, 100_000, FULL)  # 12k: issue 30's 2% bound
-PROCESS_LEVELS = (1_000, 10_000)
+PROCESS_SENDERS = Path(__file__).with_name("process_senders.c")  # processes sending a byte a second
+STREAM_ENDPOINTS = Path(__file__).with_name("stream_endpoints.c")  # ports answering a request a second
+SENDLAT_LEVELS = (  # (program, its N, the level's label)
+    (STREAM_ENDPOINTS, 1_000, "1000 stream endpoints (sendlat: streams, requests)"),
+    (PROCESS_SENDERS, 1_000, "1000 processes sending (sendlat)"),
+    (PROCESS_SENDERS, 10_000, "10000 processes sending (sendlat)"),
+)
 SETTLE_SECONDS = MAX_READ_SECONDS + 2  # the new flows' first reads over before measuring
 WINDOW_SECONDS = 2 * MAX_READ_SECONDS
 SCRAPES = 5
 
 FLOW_SENDER = Path(__file__).with_name("flow_sender.c")  # each second, one datagram per flow
-PROCESS_SENDERS = Path(__file__).with_name("process_senders.c")  # processes sending a byte a second
 PORTS = 50_000
 
 
@@ -106,14 +113,13 @@ def _flow_levels(workdir: str) -> list[Result]:
     return results
 
 
-def _process_levels(workdir: str) -> list[Result]:
+def _sendlat_levels(workdir: str) -> list[Result]:
     results = []
-    port, senders = _free_port(), _build(workdir, PROCESS_SENDERS)
+    port = _free_port()
     agent = _start_agent(workdir, 'probes = ["sendlat"]\n', port)
     try:
-        for processes in PROCESS_LEVELS:
-            results += _level(psutil.Process(agent.pid), port, f"{processes} processes sending (sendlat)",
-                              [senders, str(processes)])
+        for source, count, label in SENDLAT_LEVELS:
+            results += _level(psutil.Process(agent.pid), port, label, [_build(workdir, source), str(count)])
     finally:
         _stop(agent)
     return results
@@ -121,4 +127,4 @@ def _process_levels(workdir: str) -> list[Result]:
 
 def run() -> list[Result]:
     with tempfile.TemporaryDirectory() as workdir:
-        return _flow_levels(workdir) + _process_levels(workdir)
+        return _flow_levels(workdir) + _sendlat_levels(workdir)

@@ -51,6 +51,8 @@ def test_start_times_remember_an_exited_process(tmp_path: Path) -> None:
     starts = StartTimes(tmp_path)
     assert starts.of(42) == 77
     stat.unlink()
+    assert starts.of(42) == 77  # one read of the stat per round
+    starts.keep_only({42})
     assert starts.of(42) == 77  # read once more after it exited: same identity
     starts.keep_only(set())
     assert starts.of(42) == 0
