@@ -36,7 +36,7 @@ from typing import Any
 from aiprobe import __version__
 from aiprobe.names import endpoint
 from aiprobe.supervisor import SUPERVISOR
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .webconfig import WebConfig
 
@@ -132,14 +132,14 @@ class AgentHTTPServer:
     """Serves from its own threads once started; `snapshot` returns the latest document, `healthy`
     the health state. Binding happens in __init__ so a bad address fails at once (OSError)."""
 
-    def __init__(self, address: tuple[str, int], registry: Any, snapshot: Callable[[], dict[str, Any]],
+    def __init__(self, address: tuple[str, int], metrics: Callable[[], bytes], snapshot: Callable[[], dict[str, Any]],
                  healthy: Callable[[], bool], *, web: WebConfig | None = None, snapshot_remote: bool = False,
                  max_connections: int | None = None) -> None:
         self._web = web or WebConfig()
         self._snapshot_remote = snapshot_remote
         self._max_connections = max_connections or default_max_connections()
         self._routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
-            "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
+            "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
             "/healthz": lambda: (200, "text/plain", b"ok\n") if healthy() else (503, "text/plain", b"unhealthy\n"),
             SNAPSHOT_PATH: lambda: (200, "application/json", json.dumps(snapshot(), default=str).encode()),
         }

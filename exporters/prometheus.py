@@ -21,6 +21,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiprobe.config import Config
@@ -34,7 +35,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 Samples = list[tuple[Sequence[str], float]]
 # An agent family's samples, from the collector (its build info, its own counts) and one reading.
@@ -143,11 +145,76 @@ def _values(family: Family, record: Any) -> array[float] | None:
     return array("d", [float(value) * family.scale for value in values])
 
 
-def _prometheus_buckets(bounds: Sequence[float], counts: Sequence[float]) -> list[tuple[str, float]]:
-    buckets = [("+Inf" if math.isinf(le) else repr(float(le)), count) for le, count in zip(bounds, counts, strict=True)]
-    if not buckets or buckets[-1][0] != "+Inf":
-        buckets.append(("+Inf", counts[-1] if counts else 0.0))
-    return buckets
+def _le_labels(bounds: Sequence[float]) -> list[str]:
+    """Each bucket's `le` label, +Inf last (added where the bounds end before it)."""
+    les = ["+Inf" if math.isinf(le) else repr(float(le)) for le in bounds]
+    return les if les and les[-1] == "+Inf" else [*les, "+Inf"]
+
+
+def _buckets(les: Sequence[str], counts: Sequence[float]) -> Iterable[tuple[str, float]]:
+    """(le, cumulative count) of each bucket: an added +Inf counts what the last bound does."""
+    return zip(les, [*counts, counts[-1] if counts else 0.0], strict=False)
+
+
+def _label_text(pairs: Iterable[tuple[str, str]]) -> str:
+    return ",".join(f'{name}="{_escape(value)}"' for name, value in pairs)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+_number: Callable[[float], str] = floatToGoString  # a sample's value as Go (and generate_latest) writes it
+
+
+@dataclass
+class Table:
+    """One family as a scrape renders it: rows of label values and numbers (a histogram's: its sum,
+    then its buckets' counts over `bounds`), given to prometheus_client as a Metric (`metric()`) or
+    written as text (`text()`): as generate_latest writes that Metric, without the sample and label
+    dict it makes per bucket (1,000 stream endpoints have 400k bucket lines)."""
+
+    name: str
+    kind: str
+    help: str
+    labels: Sequence[str]
+    rows: list[tuple[Sequence[str], Sequence[float]]]
+    bounds: Sequence[float] = ()
+
+    def metric(self) -> Metric:
+        metric = _metric(self.name, self.kind, self.help, list(self.labels))
+        les = _le_labels(self.bounds)
+        for labels, values in self.rows:
+            if self.kind == "histogram":
+                metric.add_metric(list(labels), list(_buckets(les, values[1:])), values[0])
+            else:
+                metric.add_metric(list(labels), values[0])
+        built: Metric = metric
+        return built
+
+    def text(self) -> str:
+        name = self.name.removesuffix("_total") + "_total" if self.kind == "counter" else self.name
+        help_text = self.help.replace("\\", r"\\").replace("\n", r"\n")
+        lines = [f"# HELP {name} {help_text}\n# TYPE {name} {self.kind}\n"]
+        order = sorted(range(len(self.labels)), key=self.labels.__getitem__)  # as generate_latest sorts them
+        les = _le_labels(self.bounds)
+        for labels, values in self.rows:
+            pairs = [(self.labels[i], labels[i]) for i in order]
+            if self.kind != "histogram":
+                lines.append(f"{name}{_braced(_label_text(pairs))} {_number(values[0])}\n")
+                continue
+            before = _label_text(p for p in pairs if p[0] < "le")
+            after = _label_text(p for p in pairs if p[0] > "le")
+            lines.extend(f"{name}_bucket{{{before}{',' * bool(before)}le=\"{le}\"{',' * bool(after)}{after}}} "
+                         f"{_number(count)}\n" for le, count in _buckets(les, values[1:]))
+            labelled = _braced(_label_text(pairs))
+            lines.append(f"{name}_count{labelled} {_number(values[-1] if len(values) > 1 else 0.0)}\n"
+                         f"{name}_sum{labelled} {_number(values[0])}\n")
+        return "".join(lines)
+
+
+def _braced(labels: str) -> str:
+    return f"{{{labels}}}" if labels else ""
 
 
 class ProcessLabels:
@@ -199,7 +266,7 @@ class _FamilyView:
         i = self._process_index
         return (*values[:i], self._processes.label(values[i]), *values[i + 1:])
 
-    def render(self, records: list[Any]) -> Metric:
+    def render(self, records: list[Any]) -> Table:
         family = self.family
         if self.series is not None:
             sums = self.series(records)
@@ -207,17 +274,10 @@ class _FamilyView:
             sums = self._per_identity(records)
         else:
             sums = self._summed(records)
-        metric = _metric(family.name, family.kind, family.help, family.label_names)
-        for labels, values in sums:
-            if family.kind == "histogram":
-                metric.add_metric(list(labels), _prometheus_buckets(self.bounds, values[1:]), values[0])
-            elif family.expand:
-                for (extra, _), value in zip(family.expand, values, strict=True):
-                    metric.add_metric([*labels, extra], value)
-            else:
-                metric.add_metric(list(labels), values[0])
-        rendered: Metric = metric
-        return rendered
+        if family.expand:
+            sums = [((*labels, extra), [value]) for labels, values in sums
+                    for (extra, _), value in zip(family.expand, values, strict=True)]
+        return Table(family.name, family.kind, family.help, family.label_names, list(sums), self.bounds)
 
     def _summed(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""
@@ -267,7 +327,7 @@ class AgentCollector(Collector):
         self.build_info = build_info
         self._source = source
         self._lock = threading.Lock()  # one render at a time, in the order of the readings
-        self._families: list[Metric] = []
+        self._families: list[Table] = []
         self._rendered: Readings | None = None
         self.processes: ProcessLabels = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
         self._views = [_FamilyView(family, self.processes, config)
@@ -275,6 +335,13 @@ class AgentCollector(Collector):
                        if family.option is None or family.option(config)]
 
     def collect(self) -> Iterable[Metric]:
+        return [table.metric() for table in self.tables()]
+
+    def text(self) -> bytes:
+        """/metrics' text (format 0.0.4), as generate_latest writes collect()'s families."""
+        return "".join(table.text() for table in self.tables()).encode()
+
+    def tables(self) -> list[Table]:
         with self._lock:
             readings = self._source()
             if readings is not self._rendered:
@@ -289,31 +356,26 @@ class AgentCollector(Collector):
                 view.absorb(readings.of(view.family.record))
             self.processes.end_round()
 
-    def _render(self, readings: Readings) -> list[Metric]:
+    def _render(self, readings: Readings) -> list[Table]:
         families = [view.render(readings.of(view.family.record)) for view in self._views]
         self.processes.end_round()
         families = self._agent_families(AGENT_FAMILIES, readings) + families
         return families + self._agent_families(RULE_FAMILIES, readings)
 
-    def _agent_families(self, table: Iterable[tuple[AgentFamily, AgentSamples]], readings: Readings) -> list[Metric]:
-        families = []
-        for family, samples in table:
-            metric = _metric(family.name, family.kind, family.help, list(family.labels))
-            for labels, value in samples(self, readings):
-                metric.add_metric(list(labels), value)
-            families.append(metric)
-        return families
+    def _agent_families(self, table: Iterable[tuple[AgentFamily, AgentSamples]], readings: Readings) -> list[Table]:
+        return [Table(family.name, family.kind, family.help, family.labels,
+                      [(labels, [value]) for labels, value in samples(self, readings)])
+                for family, samples in table]
 
 
-def registry_for(collector: AgentCollector, *, process_metrics: bool = True) -> Any:
-    """A registry holding the agent's collector (and the standard process_* self-metrics)."""
-    from prometheus_client import CollectorRegistry, ProcessCollector
+def exposition(collector: AgentCollector, *, process_metrics: bool = True) -> Callable[[], bytes]:
+    """What /metrics serves: the collector's text, then the standard process_* self-metrics."""
+    from prometheus_client import ProcessCollector, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
     if process_metrics:
         ProcessCollector(registry=registry)
-    return registry
+    return lambda: collector.text() + generate_latest(registry)
 
 
 def doc_tables() -> dict[str, list[str]]:

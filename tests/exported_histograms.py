@@ -14,9 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from aiprobe.config import from_dict
-from aiprobe.exporters.prometheus import AgentCollector, registry_for
+from aiprobe.exporters.prometheus import AgentCollector, exposition
 from aiprobe.model import Readings
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 STREAM_HISTOGRAMS = [f"aiprobe_stream_{name}_seconds" for name in ("ttfb", "chunk_gap", "duration")]
@@ -30,8 +29,7 @@ def rendered(records: Iterable[Any]) -> str:
     """/metrics as the agent's exporter renders it from these records."""
     readings = Readings(records={str(i): record for i, record in enumerate(records)})
     collector = AgentCollector(from_dict({}), build_info={}, source=lambda: readings)
-    text: str = generate_latest(registry_for(collector, process_metrics=False)).decode()
-    return text
+    return exposition(collector, process_metrics=False)().decode()
 
 
 def histograms_of(text: str) -> dict[str, list[Series]]:

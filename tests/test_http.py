@@ -211,9 +211,8 @@ def test_slow_clients_hold_no_worker_and_pipelined_requests_are_answered(tmp_pat
 
 def test_a_server_never_started_closes_at_once() -> None:
     from aiprobe.exporters.http import AgentHTTPServer
-    from prometheus_client import CollectorRegistry
 
-    server = AgentHTTPServer(("127.0.0.1", 0), CollectorRegistry(), dict, lambda: True)
+    server = AgentHTTPServer(("127.0.0.1", 0), bytes, dict, lambda: True)
     started = time.monotonic()
     server.close()  # the old server's shutdown() waited for a serve_forever() that never ran
     assert time.monotonic() - started < 5

@@ -73,7 +73,7 @@ def _raise_open_files_limit() -> None:
 def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[float]]) -> None:
     from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
     from aiprobe.exporters.http import AgentHTTPServer
-    from aiprobe.exporters.prometheus import AgentCollector, registry_for
+    from aiprobe.exporters.prometheus import AgentCollector, exposition
     from aiprobe.exporters.webconfig import load_web_config
 
     sink = JsonLinesSink(config.alert_log)
@@ -93,7 +93,7 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
     except ConfigError as exc:
         raise ConfigProblem(str(exc)) from None
     try:
-        server = AgentHTTPServer(config.listen_address, registry_for(collector), agent.snapshot, lambda: agent.healthy,
+        server = AgentHTTPServer(config.listen_address, exposition(collector), agent.snapshot, lambda: agent.healthy,
                                  web=web, snapshot_remote=config.snapshot_api == "network")
     except OSError as exc:
         raise ConfigProblem(f"listen {config.listen}: {exc.strerror}") from None
