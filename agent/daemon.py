@@ -69,7 +69,9 @@ class Agent:
         self._last_refresh: float | None = None
         self.elapsed = 0.0  # since the last refresh
         self._refreshed_at: float | None = None  # monotonic
-        self._snapshot: dict[str, Any] = {}
+        self._snapshot: Snapshot | None = None  # the latest refresh's, its document made when asked for
+        self._document: dict[str, Any] | None = None
+        self._document_lock = threading.Lock()
         self.readings = Readings()
         # The newest read of each SPEC.read_at_scrape probe, by refresh or scrape: (monotonic time, record).
         self._newest: dict[str, tuple[float, Any]] = {}
@@ -132,14 +134,19 @@ class Agent:
         """A snapshot, refreshed lately, and no part of the agent down for longer than a few refreshes."""
         grace = max(HEALTH_GRACE_REFRESHES * self.config.interval_seconds, MIN_HEALTH_GRACE_SECONDS)
         fresh = self._refreshed_at is not None and time.monotonic() - self._refreshed_at <= grace
-        return bool(self._snapshot) and fresh and not SUPERVISOR.down(longer_than=grace)
+        return self._snapshot is not None and fresh and not SUPERVISOR.down(longer_than=grace)
 
     def snapshot(self) -> dict[str, Any]:
-        return self._snapshot
+        """The latest refresh's snapshot document, made at the first call after it: a refresh nobody
+        reads (the agent's, between two snapshot API calls) makes none (thousands of histograms)."""
+        with self._document_lock:
+            if self._document is None:
+                self._document = self._snapshot.to_dict() if self._snapshot is not None else {}
+            return self._document
 
     # --- one refresh ---
 
-    def refresh(self) -> dict[str, Any]:
+    def refresh(self) -> None:
         now = time.time()
         readings = Readings()
         for name, face in list(self._faces.items()):
@@ -163,8 +170,9 @@ class Agent:
         self.readings = readings
         self._last_refresh = now
         self._refreshed_at = time.monotonic()
-        self._snapshot = self._build_snapshot(readings, now).to_dict()
-        return self._snapshot
+        snapshot = self._build_snapshot(readings, now)
+        with self._document_lock:
+            self._snapshot, self._document = snapshot, None
 
     @property
     def alerts(self) -> list[Alert]:
@@ -280,7 +288,8 @@ class Agent:
         return Snapshot(
             host=HostInfo(self.hostname, kernel_release(), __version__, now, self.config.interval_seconds),
             probes=readings.probes, processes=self._processes(readings),
-            alerts=self._rules.active + self._rules.resolved, sections=sections,
+            # copies: the engine changes its alerts in place, and the document may be made after the next refresh
+            alerts=[dataclasses.replace(a) for a in self._rules.active + self._rules.resolved], sections=sections,
         )
 
     def _processes(self, readings: Readings) -> list[ProcessRow]:

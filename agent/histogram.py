@@ -7,6 +7,7 @@ import bisect
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,9 +80,15 @@ def kernel_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
 def exported_buckets(fine: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
     exact counts, since each bound is a kernel edge."""
-    slot_by_upper = _slot_by_upper(len(fine))
-    picked = [(le, fine[slot_by_upper[units]][1]) for le, units in zip(EXPORTED_BOUNDS, _EXPORTED_UNITS, strict=True)]
-    return [*picked, (math.inf, fine[-1][1])]
+    return [*_exported_slots(len(fine))(fine), (math.inf, fine[-1][1])]
+
+
+@functools.cache
+def _exported_slots(slots: int) -> operator.itemgetter[Any]:
+    """Picks the buckets of EXPORTED_BOUNDS out of `slots` kernel buckets, in one call: their bounds
+    are those slots' upper bounds, the same floats (five histograms per endpoint and refresh)."""
+    slot_by_upper = _slot_by_upper(slots)
+    return operator.itemgetter(*(slot_by_upper[units] for units in _EXPORTED_UNITS))
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:

@@ -156,7 +156,8 @@ class InProcessAgent:
             raise
 
     def snapshot(self) -> dict[str, Any]:
-        return self.agent.refresh()
+        self.agent.refresh()
+        return self.agent.snapshot()
 
     def close(self) -> None:
         self.agent.close()

@@ -270,7 +270,8 @@ def test_a_full_accept_queue_fires_accept_queue_saturated_naming_port_and_proces
         port = server.getsockname()[1]
 
         def alert() -> dict[str, Any] | None:
-            return next((a for a in agent.refresh()["alerts"] if a["rule"] == "accept_queue_saturated"
+            agent.refresh()
+            return next((a for a in agent.snapshot()["alerts"] if a["rule"] == "accept_queue_saturated"
                          and a["evidence"]["port"] == port), None)
 
         with unaccepted(server, 5):
@@ -497,7 +498,8 @@ def test_reuseport_imbalance_fires_naming_the_worker_that_never_accepts() -> Non
                 clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
                 try:
                     def fired() -> bool:
-                        document = agent.refresh()
+                        agent.refresh()
+                        document = agent.snapshot()
                         return any(alert["rule"] == "reuseport_imbalance" and alert["state"] == "firing"
                                    and alert["evidence"]["stuck_pids"] == [stuck.pid]
                                    for alert in document["alerts"])

@@ -105,7 +105,8 @@ def _endpoints(entries: Iterable[tuple[Requests, list[int]]]) -> list[RequestEnd
     endpoints = []
     for members in groups.values():
         first = members[0][0]
-        merged = kernel_buckets([sum(column) for column in zip(*(slots for _, slots in members), strict=True)])
+        columns = [slots for _, slots in members]
+        merged = kernel_buckets(columns[0] if len(columns) == 1 else [sum(c) for c in zip(*columns, strict=True)])
         records = [record for record, _ in members]
         endpoints.append(RequestEndpoint(
             pid=first.pid, comm=first.comm, cgroup_id=first.cgroup_id, port=first.port, protocol=first.protocol,
