@@ -8,10 +8,10 @@ paced reads of the whole table (MAX_READ_SECONDS apart at most).
 One agent (flows probe only, default settings but the interface) runs through every level in
 ascending order: each level's flows include the previous level's, so none sits idle waiting to
 expire. The traffic comes from a namespace of this benchmark's own, into the host side of its veth.
-Then a second agent (sendlat only: send latency, streams and requests) with 1k stream endpoints, ports
-of one process each answering a request a second with an SSE write (stream_endpoints.c), then with
-1k and 10k processes, each sending a byte a second on a TCP connection over loopback
-(process_senders.c).
+Then a second agent (sendlat only: send latency, streams and requests) with 1k and 10k processes, each
+sending a byte a second on a TCP connection over loopback (process_senders.c), then with 1k stream
+endpoints, ports of one process each answering a request a second with an SSE write
+(stream_endpoints.c).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ FULL = int(EVICT_ABOVE * FlowsSettings.max_flows) - 1_000  # room left for the I
 FLOW_LEVELS = (0, 1_000, 10_000, 12_000, 100_000, FULL)  # 12k: issue 30's 2% bound
 PROCESS_SENDERS = Path(__file__).with_name("process_senders.c")  # processes sending a byte a second
 STREAM_ENDPOINTS = Path(__file__).with_name("stream_endpoints.c")  # ports answering a request a second
-SENDLAT_LEVELS = (  # (program, its N, the level's label)
-    (STREAM_ENDPOINTS, 1_000, "1000 stream endpoints (sendlat: streams, requests)"),
+SENDLAT_LEVELS = (  # (program, its N, the level's label); the endpoints last: their series stay idle_series_seconds
     (PROCESS_SENDERS, 1_000, "1000 processes sending (sendlat)"),
     (PROCESS_SENDERS, 10_000, "10000 processes sending (sendlat)"),
+    (STREAM_ENDPOINTS, 1_000, "1000 stream endpoints (sendlat: streams, requests)"),
 )
 SETTLE_SECONDS = MAX_READ_SECONDS + 2  # the new flows' first reads over before measuring
 WINDOW_SECONDS = 2 * MAX_READ_SECONDS
