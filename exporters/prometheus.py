@@ -328,6 +328,7 @@ class AgentCollector(Collector):
         self._source = source
         self._lock = threading.Lock()  # one render at a time, in the order of the readings
         self._families: list[Table] = []
+        self._text: bytes | None = None  # the families' text, written at the first text() after a render
         self._rendered: Readings | None = None
         self.processes: ProcessLabels = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
         self._views = [_FamilyView(family, self.processes, config)
@@ -338,15 +339,24 @@ class AgentCollector(Collector):
         return [table.metric() for table in self.tables()]
 
     def text(self) -> bytes:
-        """/metrics' text (format 0.0.4), as generate_latest writes collect()'s families."""
-        return "".join(table.text() for table in self.tables()).encode()
+        """/metrics' text (format 0.0.4), as generate_latest writes collect()'s families; written once
+        per rendered reading (two Prometheus servers scraping one agent get the same bytes)."""
+        with self._lock:
+            families = self._current()
+            if self._text is None:
+                self._text = "".join(table.text() for table in families).encode()
+            return self._text
 
     def tables(self) -> list[Table]:
         with self._lock:
-            readings = self._source()
-            if readings is not self._rendered:
-                self._families, self._rendered = self._render(readings), readings
-            return list(self._families)
+            return list(self._current())
+
+    def _current(self) -> list[Table]:
+        """The families of the source's reading now, rendered if it is a new one (under the lock)."""
+        readings = self._source()
+        if readings is not self._rendered:
+            self._families, self._rendered, self._text = self._render(readings), readings, None
+        return self._families
 
     def absorb(self, readings: Readings) -> None:
         """Adds one refresh's counters to the delta engine, scraped or not (feeding the same

@@ -38,3 +38,16 @@ def test_a_table_writes_what_generate_latest_writes_of_its_metric(table: Table) 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(One())  # type: ignore[arg-type]
     assert table.text() == generate_latest(registry).decode()
+
+
+def test_the_collector_writes_a_reading_once_and_a_new_reading_again() -> None:
+    from aiprobe.config import from_dict
+    from aiprobe.exporters.prometheus import AgentCollector
+    from aiprobe.model import Readings
+
+    readings = [Readings()]
+    collector = AgentCollector(from_dict({}), build_info={"version": "1"}, source=lambda: readings[0])
+    first = collector.text()
+    assert collector.text() is first  # a second scrape of the same reading: the same bytes
+    readings[0] = Readings()
+    assert collector.text() is not first and collector.text() == first
