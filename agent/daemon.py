@@ -66,6 +66,7 @@ class Agent:
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._trends = Trend(SIGNAL_WINDOW_SECONDS)
         self._workloads: dict[int, Workload] = {}
+        self._comms: dict[int, str] = {}  # this refresh's: a process with many flows is read once
         self._last_refresh: float | None = None
         self.elapsed = 0.0  # since the last refresh
         self._refreshed_at: float | None = None  # monotonic
@@ -246,7 +247,9 @@ class Agent:
         return self._sockets.owner(local_address, local_port, remote_address, remote_port)
 
     def comm(self, pid: int) -> str:
-        return _comm(pid)
+        if pid not in self._comms:
+            self._comms[pid] = _comm(pid)
+        return self._comms[pid]
 
     def rule(self, name: str) -> RuleConfig:
         return self._rules.settings[name]
@@ -265,8 +268,10 @@ class Agent:
         return self._trends.means(source, values, now)
 
     def _join(self, readings: Readings) -> None:
-        """Every probe's join; the cache of pids' workloads keeps the pids some record still names."""
+        """Every probe's join, each pid's comm read once for the refresh; the cache of pids' workloads keeps
+        the pids some record still names."""
         live_pids: set[int] = set()
+        self._comms = {}
         for spec, reading in self._hooked(readings):
             live_pids.update(spec.hooks.join(reading, readings, self))
         self._workloads = {pid: w for pid, w in self._workloads.items() if pid in live_pids}
@@ -294,7 +299,7 @@ class Agent:
 
     def _processes(self, readings: Readings) -> list[ProcessRow]:
         """One row per process, whichever probes saw it; the busiest senders first."""
-        rows = ProcessRows(_comm)
+        rows = ProcessRows(self.comm)
         for spec, reading in self._hooked(readings):
             spec.hooks.process_rows(reading, rows)
         return sorted(rows.rows.values(), key=lambda p: p.send_bytes_per_second or 0, reverse=True)

@@ -1,7 +1,8 @@
 """Listening TCP sockets and their queues from the kernel's sock_diag (NETLINK_SOCK_DIAG), as `ss -lnt`
 reads them, with no BPF: for a socket in LISTEN, idiag_rqueue is its accept queue's length (connections
 complete, waiting for accept()) and idiag_wqueue the backlog in force (listen()'s, capped by somaxconn);
-requests in SYN_RECV are dumped one by one (the half-open connections). Connected sockets come with their
+requests in SYN_RECV are dumped one by one with the connected sockets (the half-open connections), since
+both make the kernel walk its whole established hash. Connected sockets come with their
 struct tcp_info (INET_DIAG_INFO): the smoothed RTT and the segments retransmitted, as `ss -ti` prints them.
 Sockets of this network namespace only (the agent's: the host's). A message that does not parse is
 skipped alone; a tcp_info missing or too short leaves that socket without one.
@@ -134,13 +135,15 @@ def dump(family: int, states: Iterable[int], extensions: int = 0) -> list[DiagSo
 
 
 def listening(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
-    """Listening sockets and half-open requests (SYN_RECV) of every family."""
-    return [s for family in families for s in dump(family, (TCP_LISTEN, TCP_SYN_RECV))]
+    """Listening sockets of every family: the kernel reads its listening hash only, a few µs."""
+    return [s for family in families for s in dump(family, (TCP_LISTEN,))]
 
 
 def connected(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
-    """Connected sockets (CONNECTED) of every family, each with its tcp_info where the kernel gave one."""
-    return [s for family in families for s in dump(family, CONNECTED, 1 << (INET_DIAG_INFO - 1))]
+    """Half-open requests (SYN_RECV) and connected sockets (CONNECTED) of every family, the latter with
+    their tcp_info where the kernel gave one. The kernel walks its whole established hash for any of
+    these states, however few sockets it holds: ~2.6 ms a family on a 24 GiB host (262,144 buckets)."""
+    return [s for family in families for s in dump(family, (TCP_SYN_RECV, *CONNECTED), 1 << (INET_DIAG_INFO - 1))]
 
 
 def socket_inode(link: str) -> int | None:

@@ -44,8 +44,10 @@ LISTEN_OVERFLOW_REASON = "SKB_DROP_REASON_TCP_LISTEN_OVERFLOW"
 # An inode whose owner a scan did not find is looked for again after this long (a scan reads every
 # process's descriptors).
 OWNER_RESCAN_SECONDS = 5.0
-# Connected sockets (their RTTs and retransmits) are dumped at most this often: a dump costs ~6 µs of
-# Python per connection (80 ms a read at 12k connections), and a path's quality changes slowly.
+# The connection table (half-open requests; connected sockets' RTTs and retransmits) is dumped at most
+# this often: the kernel walks its whole established hash (~5 ms a dump, half a core-percent at every
+# refresh, however few connections), Python then costs ~6 µs a connection (80 ms at 12k connections),
+# and a path's quality changes slowly.
 PATH_QUALITY_SECONDS = 10.0
 
 STRATEGIES = (
@@ -265,8 +267,9 @@ class ConnectionsProbe(Probe):
         self._owners = _Owners()
         self._paths = PathQualities()
         self._path_interval = path_interval
-        self._next_paths = 0.0  # monotonic time of the next dump of connected sockets
+        self._next_paths = 0.0  # monotonic time of the next dump of the connection table
         self._latest_paths: dict[int, PathQuality] = {}
+        self._latest_half_open: dict[int, int] = {}
         self._skipped: dict[str, str] = {}
         self._diag_only = False
         self._seen: set[int] = set()  # cookies listening at the previous read
@@ -306,14 +309,11 @@ class ConnectionsProbe(Probe):
         super().close()
 
     def read(self) -> ConnectionsSnapshot:
-        sockets = diag.listening()
-        listeners = sorted((s for s in sockets if s.state == diag.TCP_LISTEN),
-                           key=lambda s: (s.local_port, s.family, s.local_address, s.inode))
-        half_open = half_open_by_listener((s for s in sockets if s.state == diag.TCP_SYN_RECV), listeners)
+        listeners = sorted(diag.listening(), key=lambda s: (s.local_port, s.family, s.local_address, s.inode))
         groups = _group_sizes(listeners)
         owners = self._owners.of({s.inode for s in listeners}, time.monotonic())
         stats = self._stats({s.cookie for s in listeners})
-        paths = self._path_quality(listeners)
+        paths, half_open = self._connection_table(listeners)
         records = []
         for s in listeners:
             pid = owners.get(s.inode)
@@ -330,13 +330,16 @@ class ConnectionsProbe(Probe):
         unattributed = self._retired_overflows + (stats[0].overflows if stats and 0 in stats else 0)
         return ConnectionsSnapshot(time.time(), records, unattributed)
 
-    def _path_quality(self, listeners: list[diag.DiagSocket]) -> dict[int, PathQuality]:
-        """Each listener's path quality: from a new dump of connected sockets once its interval is over,
-        else the latest (a listener opened since has none yet)."""
+    def _connection_table(self, listeners: list[diag.DiagSocket]) -> tuple[dict[int, PathQuality], dict[int, int]]:
+        """Each listener's path quality and half-open requests: from a new dump of the connection table
+        once its interval is over, else the latest (a listener opened since has none yet)."""
         if time.monotonic() >= self._next_paths:
-            self._latest_paths = self._paths.read(listeners, diag.connected())
+            table = diag.connected()
+            self._latest_paths = self._paths.read(listeners, (s for s in table if s.state != diag.TCP_SYN_RECV))
+            self._latest_half_open = half_open_by_listener((s for s in table if s.state == diag.TCP_SYN_RECV),
+                                                           listeners)
             self._next_paths = time.monotonic() + self._path_interval
-        return self._latest_paths
+        return self._latest_paths, self._latest_half_open
 
     def _stats(self, listening: set[int]) -> dict[int, Any] | None:
         """The `listeners` table by cookie (None without BPF). An entry of a socket that listened at
@@ -384,7 +387,8 @@ SPEC = ProbeSpec(
                   "queue overflows above it.", "queue_capacity"),
         _listener("aiprobe_listen_half_open_connections", "gauge",
                   "Connection requests in SYN_RECV at a listener's address and port (a reuseport group's first "
-                  "socket holds its group's).", "half_open"),
+                  "socket holds its group's), at the latest dump of the connection table (every 10 s at most).",
+                  "half_open"),
         _listener("aiprobe_listen_overflows_total", "counter",
                   "Connections a listener's full accept queue dropped (SYN or last ACK); summed over listeners, the "
                   "host's TcpExt ListenOverflows.", "overflows", per_identity=True),
