@@ -1,10 +1,13 @@
 """What the agent costs a busy server, per request (issue 26): CPU accounting, not throughput (which
 swings by a third from round to round on these machines).
 
-Four servers, each pinned to one CPU with its load generator pinned to another:
+Four servers, each pinned to one CPU with its load generator pinned to another. The servers listen on
+the root namespace's end of a veth pair, the gateway's NIC; the load generators run in the namespace at
+its other end, so a request and its response cross the watched interface once each, as they cross a
+gateway's NIC (over loopback every frame ran tc twice, as it left and as it came back in):
 - nginx answering a small JSON body (wrk -t1 -c50);
 - nginx proxying an SSE stream from an upstream (tests/fixtures/sse_server.py, on the server's CPU
-  too), unbuffered (wrk);
+  too, over loopback), unbuffered (wrk);
 - uvicorn streaming SSE (the same server, loaded directly by wrk);
 - a gRPC server-streaming service (tests/fixtures/grpc_server.py), loaded by a grpcio client.
 A streamed request is one response of EVENTS events, sent as fast as the server can.
@@ -27,12 +30,13 @@ programs' own counters. Those count every run on the host: the load generator's 
 run the same programs (wrk's request is one of the two sends per request of nginx's small body), and
 so does any other process's.
 
-Every agent watches loopback only (`interfaces = ["lo"]`, `exclude = []`): the loads run there, so
-its flows are the ones a gateway's NIC would carry, and an agent attached to every interface of a
-shared machine would touch other people's interfaces (and their tests' "nothing left attached").
+Every agent watches the gateway's interface only (`interfaces = [its name]`; the default config
+leaves loopback out, as it does here): an agent attached to every interface of a shared machine would
+touch other people's interfaces (and their tests' "nothing left attached").
 
-GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (3 rounds
-of 2 s loads, 20 events per streamed response): about 5 minutes on 2 cores. GATEWAY_BENCH_CASES
+GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (5 rounds
+of 2 s loads, each after 2 s of load unmeasured; 20 events per streamed response): about 15 minutes on
+2 cores. GATEWAY_BENCH_CASES
 (comma-separated, e.g. "grpc" or "nginx,uvicorn") runs only the cases whose names contain one of
 its words, case-insensitively.
 """
@@ -47,7 +51,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -61,20 +64,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from aiprobe.registry import selectable_names  # noqa: E402
-from helpers import bpftool_json, free_port, wait_until  # noqa: E402
+from helpers import VethPair, bpftool_json, free_port, make_veth_pair, remove_veth_pair, wait_until  # noqa: E402
 
 from benchmarks.bench_agent import _start_agent, _stop  # noqa: E402
 
-ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "5"))
 SECONDS = int(os.environ.get("GATEWAY_BENCH_SECONDS", "2"))  # of load per round (wrk takes whole seconds)
 EVENTS = int(os.environ.get("GATEWAY_BENCH_EVENTS", "20"))  # per streamed response
 SELECTED = [word.strip().lower() for word in os.environ.get("GATEWAY_BENCH_CASES", "").split(",") if word.strip()]
 CONNECTIONS = 50  # wrk's, as issue 26 measured
 GRPC_STREAMS = 4  # the gRPC server's thread pool: more would only queue
-SETTLE_SECONDS = 0.5  # after the agent answers /healthz: its start-up over before the load
 TARGET = 0.03
 FIXTURES = ROOT / "tests" / "fixtures"
-LOOPBACK_ONLY = 'interfaces = ["lo"]\nexclude = []\n'
 NO_AGENT = "no agent"
 WHOLE = "whole agent"
 
@@ -82,8 +83,8 @@ WHOLE = "whole agent"
 # streaming method again and again for that long; then it prints the responses read to the end.
 GRPC_CLIENT = """
 import sys, threading, time, grpc
-port, streams, events = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
-channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+target, streams, events = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+channels = [grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
             for _ in range(streams)]
 def call(channel, deadline, done):
     stream = channel.unary_stream("/tokens.Tokens/Stream")
@@ -159,12 +160,42 @@ class Sample:
 
 
 @dataclass
+class Gateway:
+    """Where the cases run: a working folder, and a veth pair whose root-namespace end is the gateway's
+    NIC (the servers listen on its address, the load generators run in its peer's namespace)."""
+
+    workdir: str
+    pair: VethPair
+
+    @property
+    def address(self) -> str:
+        return self.pair.host_ip4
+
+    def url(self, port: int, path: str = "/") -> str:
+        return f"http://{self.address}:{port}{path}"
+
+    def client(self, cmd: list[str]) -> list[str]:
+        """`cmd` as a load generator: behind the NIC, pinned to the load generator's CPU."""
+        return self.pair.ns_cmd(pinned(_cpus()[1], cmd))
+
+
+@contextmanager
+def gateway() -> Iterator[Gateway]:
+    pair = make_veth_pair()
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            yield Gateway(workdir, pair)
+    finally:
+        remove_veth_pair(pair)
+
+
+@dataclass
 class Configuration:
     """The agent with `probes` (None: the whole default config), running only while attached; the
     no-agent configuration runs nothing."""
 
     name: str
-    workdir: str
+    gateway: Gateway
     probes: list[str] | None = None
     settings: str = ""  # more lines of its config file
     agent: subprocess.Popen[str] | None = field(default=None, repr=False)
@@ -173,8 +204,8 @@ class Configuration:
         if self.name == NO_AGENT:
             return
         probes = f"probes = {json.dumps(self.probes)}\n" if self.probes else ""
-        self.agent = _start_agent(self.workdir, LOOPBACK_ONLY + probes + self.settings)
-        time.sleep(SETTLE_SECONDS)
+        interfaces = f"interfaces = {json.dumps([self.gateway.pair.host])}\n"
+        self.agent = _start_agent(self.gateway.workdir, interfaces + probes + self.settings)
 
     def detach(self) -> None:
         if self.agent is not None:
@@ -185,18 +216,21 @@ class Configuration:
         return cpu_ns(self.agent.pid) if self.agent is not None else 0
 
 
-def _configurations(workdir: str) -> list[Configuration]:
-    return ([Configuration(NO_AGENT, workdir), Configuration(WHOLE, workdir), _without_requests(workdir)]
-            + [Configuration(f"{name} alone", workdir, [name]) for name in selectable_names()])
+def _configurations(at: Gateway) -> list[Configuration]:
+    return ([Configuration(NO_AGENT, at), Configuration(WHOLE, at), _without_requests(at)]
+            + [Configuration(f"{name} alone", at, [name]) for name in selectable_names()])
 
 
-def _without_requests(workdir: str) -> Configuration:
+def _without_requests(at: Gateway) -> Configuration:
     """The whole agent but the requests part: what counting requests adds (issue 24's before and after)."""
-    return Configuration(f"{WHOLE}, no requests", workdir, settings="count_requests = false\n")
+    return Configuration(f"{WHOLE}, no requests", at, settings="count_requests = false\n")
 
 
 def _sample(served: Served, configurations: list[Configuration]) -> Sample:
-    """One round's load under whichever configuration is attached."""
+    """One round's load under whichever configuration is attached, after as long a load unmeasured: an
+    agent's start-up under load (its first reads of a table, owner scans, caches) is no cost per request
+    of one that runs for days."""
+    served.load()
     server, agent = served.cpu_ns(), sum(c.cpu_ns() for c in configurations)
     requests = served.load()
     return Sample(requests, served.cpu_ns() - server, sum(c.cpu_ns() for c in configurations) - agent)
@@ -213,22 +247,23 @@ def _drained(process: subprocess.Popen[str]) -> subprocess.Popen[str]:
     return process
 
 
-def _python_server(script: str, port: int, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, str(FIXTURES / script), str(port), "--events", str(EVENTS), "--cadence-ms", "0",
-           "--prefill-ms", "0", *args]
+def _python_server(script: str, address: str, port: int, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(FIXTURES / script), str(port), "--host", address, "--events", str(EVENTS),
+           "--cadence-ms", "0", "--prefill-ms", "0", *args]
     return _drained(subprocess.Popen(pinned(_cpus()[0], cmd), stdout=subprocess.PIPE, text=True))
 
 
-def _listening(port: int) -> bool:
+def _listening(address: str, port: int) -> bool:
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        socket.create_connection((address, port), timeout=1).close()
         return True
     except OSError:
         return False
 
 
-def _nginx(workdir: str, port: int, http: str) -> subprocess.Popen[str]:
+def _nginx(at: Gateway, port: int, http: str) -> subprocess.Popen[str]:
     """nginx, one worker pinned to the server's CPU, with `http` inside its http block."""
+    workdir = at.workdir
     conf = Path(workdir) / "nginx.conf"
     conf.write_text(f"""
 daemon off;
@@ -245,15 +280,15 @@ http {{
 }}
 """)
     nginx = subprocess.Popen(pinned(_cpus()[0], ["nginx", "-p", workdir, "-c", str(conf)]), text=True)
-    if not wait_until(lambda: _listening(port), timeout=30):
+    if not wait_until(lambda: _listening(at.address, port), timeout=30):
         nginx.kill()
         raise RuntimeError(f"nginx did not listen: {(Path(workdir) / 'nginx-error.log').read_text()}")
     return nginx
 
 
-def _wrk(url: str) -> Callable[[], int]:
+def _wrk(at: Gateway, url: str) -> Callable[[], int]:
     def load() -> int:
-        out = subprocess.run(pinned(_cpus()[1], ["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{SECONDS}s", url]),
+        out = subprocess.run(at.client(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{SECONDS}s", url]),
                              capture_output=True, text=True, check=True).stdout
         if "Non-2xx" in out or "Socket errors" in out:
             raise RuntimeError(f"wrk {url}: {out}")
@@ -264,10 +299,9 @@ def _wrk(url: str) -> Callable[[], int]:
 class GrpcClient:
     """The grpcio client, started once (its start-up outside the rounds), loading for SECONDS when called."""
 
-    def __init__(self, port: int) -> None:
-        cmd = [sys.executable, "-c", GRPC_CLIENT, str(port), str(GRPC_STREAMS), str(EVENTS)]
-        self.process = subprocess.Popen(pinned(_cpus()[1], cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
+    def __init__(self, at: Gateway, port: int) -> None:
+        cmd = [sys.executable, "-c", GRPC_CLIENT, f"{at.address}:{port}", str(GRPC_STREAMS), str(EVENTS)]
+        self.process = subprocess.Popen(at.client(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def __call__(self) -> int:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -286,43 +320,44 @@ def _stopping(processes: list[subprocess.Popen[str]]) -> Iterator[list[subproces
 
 
 @contextmanager
-def nginx_small_body(workdir: str) -> Iterator[Served]:
+def nginx_small_body(at: Gateway) -> Iterator[Served]:
     port = free_port()
-    http = f"""server {{ listen 127.0.0.1:{port};
+    http = f"""server {{ listen {at.address}:{port};
         location / {{ default_type application/json; return 200 '{{"ok":true}}'; }} }}"""
-    with _stopping([_nginx(workdir, port, http)]) as processes:
-        yield Served(processes, _wrk(f"http://127.0.0.1:{port}/"))
+    with _stopping([_nginx(at, port, http)]) as processes:
+        yield Served(processes, _wrk(at, at.url(port)))
 
 
 @contextmanager
-def nginx_proxying_sse(workdir: str) -> Iterator[Served]:
+def nginx_proxying_sse(at: Gateway) -> Iterator[Served]:
+    """The upstream on loopback, as on a gateway host: not a watched interface."""
     port, upstream = free_port(), free_port()
     http = f"""upstream sse {{ server 127.0.0.1:{upstream}; keepalive 16; }}
-    server {{ listen 127.0.0.1:{port};
+    server {{ listen {at.address}:{port};
         location /stream {{ proxy_pass http://sse; proxy_http_version 1.1; proxy_set_header Connection "";
                            proxy_buffering off; }} }}"""
-    with _stopping([_python_server("sse_server.py", upstream)]) as processes:
-        processes.append(_nginx(workdir, port, http))
-        yield Served(processes, _wrk(f"http://127.0.0.1:{port}/stream"))
+    with _stopping([_python_server("sse_server.py", "127.0.0.1", upstream)]) as processes:
+        processes.append(_nginx(at, port, http))
+        yield Served(processes, _wrk(at, at.url(port, "/stream")))
 
 
 @contextmanager
-def uvicorn_sse(_workdir: str) -> Iterator[Served]:
+def uvicorn_sse(at: Gateway) -> Iterator[Served]:
     port = free_port()
-    with _stopping([_python_server("sse_server.py", port)]) as processes:
-        yield Served(processes, _wrk(f"http://127.0.0.1:{port}/stream"))
+    with _stopping([_python_server("sse_server.py", at.address, port)]) as processes:
+        yield Served(processes, _wrk(at, at.url(port, "/stream")))
 
 
 @contextmanager
-def grpc_streaming(_workdir: str) -> Iterator[Served]:
+def grpc_streaming(at: Gateway) -> Iterator[Served]:
     port = free_port()
-    with _stopping([_python_server("grpc_server.py", port)]) as processes:
-        client = GrpcClient(port)
+    with _stopping([_python_server("grpc_server.py", at.address, port)]) as processes:
+        client = GrpcClient(at, port)
         with _stopping([client.process]):
             yield Served(processes, client)
 
 
-CASES: dict[str, Callable[[str], AbstractContextManager[Served]]] = {
+CASES: dict[str, Callable[[Gateway], AbstractContextManager[Served]]] = {
     "nginx, small body": nginx_small_body,
     f"nginx proxying SSE ({EVENTS} events)": nginx_proxying_sse,
     f"uvicorn SSE ({EVENTS} events)": uvicorn_sse,
@@ -378,13 +413,13 @@ def _run_times(case: str, served: Served, whole: Configuration, server_ns: float
     return results
 
 
-def measure(case: str, serve: Callable[[str], AbstractContextManager[Served]]) -> list[Result]:
-    with tempfile.TemporaryDirectory() as workdir, serve(workdir) as served:
-        configurations = _configurations(workdir)
+def measure(case: str, serve: Callable[[Gateway], AbstractContextManager[Served]]) -> list[Result]:
+    with gateway() as at, serve(at) as served:
+        configurations = _configurations(at)
         served.load()  # warm-up: connections, caches, the CPU's frequency
         runs = alternate(configurations, ROUNDS, lambda: _sample(served, configurations))
         results, server_ns = _shares(case, runs)
-        for agent in (Configuration(WHOLE, workdir), _without_requests(workdir)):
+        for agent in (Configuration(WHOLE, at), _without_requests(at)):
             results += _run_times(case, served, agent, server_ns)
         return results
 
