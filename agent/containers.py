@@ -129,27 +129,38 @@ class CgroupIndex:
         return workload_of(path) if path is not None else Workload("", "", "")
 
 
+SocketKey = tuple[str, int, str, int]  # local address and port, remote address and port
+
+
 class SocketOwners:
     """Which process owns a socket, by its addresses: psutil's view of the agent's (the host's)
-    network namespace, refreshed at most every `refresh_seconds`, since it walks every process's
-    file descriptors. Sockets inside pod network namespaces are not seen: their flows keep the
-    container from the egress cgroup id instead."""
+    network namespace. A scan walks every process's file descriptors and the kernel's socket tables
+    (/proc/net/tcp walks its whole established hash), so it runs for a socket asked for since the last
+    scan, at most every `refresh_seconds`, and otherwise every `max_age_seconds` while any is asked for
+    (an address pair closed and reused by another process): long-lived connections cost no scans.
+    Sockets inside pod network namespaces are not seen: their flows keep the container from the
+    egress cgroup id instead."""
 
-    def __init__(self, refresh_seconds: float = 5.0) -> None:
+    def __init__(self, refresh_seconds: float = 5.0, max_age_seconds: float = 60.0) -> None:
         self._refresh = refresh_seconds
-        self._refreshed_at = -refresh_seconds
-        self._connected: dict[tuple[str, int, str, int], int] = {}
+        self._max_age = max_age_seconds
+        self._refreshed_at = -max_age_seconds
+        self._connected: dict[SocketKey, int] = {}
         self._listening: dict[int, int] = {}  # local port -> pid (wildcard and specific binds)
+        self._unknown: dict[SocketKey, float] = {}  # asked for, not in the latest scan: when first asked
 
     def owner(self, local_address: str, local_port: int, remote_address: str, remote_port: int) -> int | None:
+        key = (local_address, local_port, remote_address, remote_port)
         now = time.monotonic()
-        if now - self._refreshed_at >= self._refresh:
-            self._refreshed_at = now
-            self._scan()
-        pid = self._connected.get((local_address, local_port, remote_address, remote_port))
+        asked = self._unknown.setdefault(key, now) if key not in self._connected else None
+        age = now - self._refreshed_at
+        if age >= self._max_age or (asked is not None and asked > self._refreshed_at and age >= self._refresh):
+            self._scan(now)
+        pid = self._connected.get(key)
         return pid if pid is not None else self._listening.get(local_port)
 
-    def _scan(self) -> None:
+    def _scan(self, now: float) -> None:
+        self._refreshed_at = now
         connected, listening = {}, {}
         try:
             sockets = psutil.net_connections(kind="inet")
@@ -165,6 +176,9 @@ class SocketOwners:
             else:
                 listening[sock.laddr.port] = sock.pid
         self._connected, self._listening = connected, listening
+        # Those this scan missed wait for the next full one; a forgotten one, asked again, is new again.
+        self._unknown = {key: at for key, at in self._unknown.items()
+                         if key not in connected and now - at < self._max_age}
 
 
 def _unmapped(address: str) -> str:

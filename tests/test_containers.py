@@ -4,7 +4,9 @@ a real process in a container-shaped cgroup to its flows and sends."""
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from aiprobe import containers
 from aiprobe.containers import CgroupIndex, cgroup2_root, workload_of
 from helpers import VethPair, wait_until
 from servers import Agent
@@ -215,3 +218,32 @@ def test_an_idle_connection_stays_in_the_snapshot_with_its_owner(tmp_path: Path,
             flows = sent_to_sink(snapshot)
             assert [(f["bytes"], f["bytes_per_second"], owner_of(f)) for f in flows] == [idle], \
                 (snapshot["host"]["time"], flows)
+
+
+def test_flow_owners_are_scanned_for_sockets_not_looked_for_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan (every process's descriptors, the kernel's socket tables) runs for a socket asked for since
+    the last one, the refresh interval after it; a connection found, or one a scan missed (another
+    namespace's), costs none until the maximum age. The scans are psutil's real ones, counted."""
+    clock, scans = [1000.0], []
+    real = psutil.net_connections
+    monkeypatch.setattr(containers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(containers.psutil, "net_connections", lambda kind: scans.append(kind) or real(kind=kind))
+    owners = containers.SocketOwners(refresh_seconds=5, max_age_seconds=60)
+    ghost = ("198.18.0.1", 1, "198.18.0.2", 2)  # nobody's here
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
+        clock[0] += 10
+        assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
+        assert len(scans) == 1
+        assert owners.owner(*ghost) is None
+        assert len(scans) == 2  # asked for since the last scan, which is 10 s old
+        clock[0] += 10
+        assert owners.owner(*ghost) is None
+        assert len(scans) == 2  # the last scan missed it: no new one for it
+        with socket.create_connection(server.getsockname()) as second:
+            clock[0] += 1
+            assert owners.owner(*second.getsockname(), *second.getpeername()) == os.getpid()
+        assert len(scans) == 3
+        clock[0] += 60
+        assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
+        assert len(scans) == 4  # the maximum age

@@ -139,7 +139,7 @@ def listening(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
     return [s for family in families for s in dump(family, (TCP_LISTEN,))]
 
 
-def connected(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
+def connection_table(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
     """Half-open requests (SYN_RECV) and connected sockets (CONNECTED) of every family, the latter with
     their tcp_info where the kernel gave one. The kernel walks its whole established hash for any of
     these states, however few sockets it holds: ~2.6 ms a family on a 24 GiB host (262,144 buckets)."""

@@ -334,7 +334,7 @@ class ConnectionsProbe(Probe):
         """Each listener's path quality and half-open requests: from a new dump of the connection table
         once its interval is over, else the latest (a listener opened since has none yet)."""
         if time.monotonic() >= self._next_paths:
-            table = diag.connected()
+            table = diag.connection_table()
             self._latest_paths = self._paths.read(listeners, (s for s in table if s.state != diag.TCP_SYN_RECV))
             self._latest_half_open = half_open_by_listener((s for s in table if s.state == diag.TCP_SYN_RECV),
                                                            listeners)
