@@ -36,9 +36,8 @@ touch other people's interfaces (and their tests' "nothing left attached").
 
 GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (5 rounds
 of 2 s loads, each after 2 s of load unmeasured; 20 events per streamed response): about 15 minutes on
-2 cores. GATEWAY_BENCH_CASES
-(comma-separated, e.g. "grpc" or "nginx,uvicorn") runs only the cases whose names contain one of
-its words, case-insensitively.
+2 cores. GATEWAY_BENCH_CASES (comma-separated, e.g. "grpc" or "nginx,uvicorn") runs only the cases
+whose names contain one of its words, case-insensitively.
 """
 
 from __future__ import annotations

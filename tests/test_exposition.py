@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from aiprobe.exporters.prometheus import Table
+from aiprobe.config import from_dict
+from aiprobe.exporters.prometheus import AgentCollector, Table
+from aiprobe.model import Readings
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -41,10 +43,6 @@ def test_a_table_writes_what_generate_latest_writes_of_its_metric(table: Table) 
 
 
 def test_the_collector_writes_a_reading_once_and_a_new_reading_again() -> None:
-    from aiprobe.config import from_dict
-    from aiprobe.exporters.prometheus import AgentCollector
-    from aiprobe.model import Readings
-
     readings = [Readings()]
     collector = AgentCollector(from_dict({}), build_info={"version": "1"}, source=lambda: readings[0])
     first = collector.text()
