@@ -332,13 +332,20 @@ def timing(request: pytest.FixtureRequest) -> Iterator[ConnectionsProbe]:
         yield probe
 
 
+def full(listener: Listener) -> bool:
+    """The kernel's own test (sk_acceptq_is_full): more waiting than the backlog, so one more than the
+    backlog at least. It holds no lock on the listener, so handshakes completing on two CPUs at once can
+    both take the last place (a CI run's emulated 2-CPU guest never showed exactly 5 for a backlog of 4)."""
+    return listener.queue_length > listener.queue_capacity
+
+
 def overflows_everywhere(snapshot: ConnectionsSnapshot) -> int:
     return sum(listener.overflows or 0 for listener in snapshot.listeners) + snapshot.unattributed_overflows
 
 
 @pytest.mark.bpf
 def test_syns_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: ConnectionsProbe) -> None:
-    """Backlog 4, 30 clients, never accepted: 5 wait (the kernel lets one more in than the backlog), the
+    """Backlog 4, 30 clients, never accepted: the queue fills (see `full`), the
     rest overflow at the SYN and at each SYN retry. Over every listener of the host's namespace (other
     suites run beside this one), the overflows equal TcpExt ListenOverflows' increase. The tracepoint
     strategy sees no SYN dropped at a full queue (the kernel leaves no trace of it)."""
@@ -348,7 +355,7 @@ def test_syns_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: Co
         server.listen(4)
         port = server.getsockname()[1]
         with unaccepted(server, 30):
-            assert wait_until(lambda: listener_of(hooked.read(), port).queue_length == 5)
+            assert wait_until(lambda: full(listener_of(hooked.read(), port)))
             assert listener_of(hooked.read(), port).queue_capacity == 4
             if hooked.strategy == "tracepoint":
                 increase = read_tcp_counters().listen_overflows - before
@@ -363,7 +370,7 @@ def test_syns_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: Co
 def test_last_acks_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: ConnectionsProbe) -> None:
     """With TCP_DEFER_ACCEPT a handshake completes at the client's first data, not its ACK, so
     connections admitted while the queue had room complete once it is full: backlog 4, four clients
-    complete, four more connect, then send; the first fills the queue (5), the others overflow at the
+    complete, four more connect, then send; the first fills the queue (see `full`), the others overflow at the
     handshake's last ACK (tcp_v4_syn_recv_sock), again at each retransmission. Every strategy sees
     these: over every listener, the host's increase."""
     before, counted_before = read_tcp_counters().listen_overflows, overflows_everywhere(hooked.read())
@@ -375,13 +382,13 @@ def test_last_acks_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooke
         port = address[1]
         clients = []
         try:
-            for wave, waiting in ((4, 4), (4, 5)):
+            for wave, settled in ((4, lambda listener: listener.queue_length == 4), (4, full)):
                 joined = [socket.create_connection(address) for _ in range(wave)]
                 clients += joined
                 hooked.read()  # the listener's cookie, before its first overflow
                 for client in joined:
                     client.send(b"x")
-                assert wait_until(lambda waiting=waiting: listener_of(hooked.read(), port).queue_length == waiting)
+                assert wait_until(lambda settled=settled: settled(listener_of(hooked.read(), port)))
             assert wait_until(lambda: (listener_of(hooked.read(), port).overflows or 0) > 0)
             assert wait_until(lambda: overflows_everywhere(hooked.read()) - counted_before
                               == read_tcp_counters().listen_overflows - before)
