@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
+from . import sockdiag
 from .model import Placed
 from .names import text_of
 
@@ -133,11 +133,12 @@ SocketKey = tuple[str, int, str, int]  # local address and port, remote address 
 
 
 class SocketOwners:
-    """Which process owns a socket, by its addresses: psutil's view of the agent's (the host's)
-    network namespace. A scan walks every process's file descriptors and the kernel's socket tables
-    (/proc/net/tcp walks its whole established hash), so it runs for a socket asked for since the last
-    scan, at most every `refresh_seconds`, and otherwise every `max_age_seconds` while any is asked for
-    (an address pair closed and reused by another process): long-lived connections cost no scans.
+    """Which process owns a socket, by its addresses, in the agent's (the host's) network namespace. A
+    scan dumps the kernel's TCP and UDP sockets but those in TIME_WAIT (sock_diag: the kernel walks its
+    whole established hash, but a busy server's thousands of TIME_WAIT sockets are never sent, never
+    parsed) and reads process descriptors until each socket has its owner, so it runs for a socket asked
+    for since the last scan, at most every `refresh_seconds`, and otherwise every `max_age_seconds` while
+    any is asked for (an address pair closed and reused by another process): long-lived connections cost no scans.
     Sockets inside pod network namespaces are not seen: their flows keep the container from the
     egress cgroup id instead."""
 
@@ -161,20 +162,22 @@ class SocketOwners:
 
     def _scan(self, now: float) -> None:
         self._refreshed_at = now
+        sockets: list[sockdiag.DiagSocket] = []
+        for name, protocol in (("TCP", socket.IPPROTO_TCP), ("UDP", socket.IPPROTO_UDP)):
+            try:
+                sockets += sockdiag.held(protocol)
+            except OSError as exc:
+                log.warning("cannot list %s sockets to find flow owners: %s", name, exc)
+        pids = sockdiag.owners({s.inode for s in sockets if s.inode})
         connected, listening = {}, {}
-        try:
-            sockets = psutil.net_connections(kind="inet")
-        except (psutil.Error, OSError) as exc:
-            log.warning("cannot list sockets to find flow owners: %s", exc)
-            return
-        for sock in sockets:
-            if sock.pid is None or not sock.laddr:
+        for s in sockets:
+            if (pid := pids.get(s.inode)) is None:
                 continue
-            if sock.raddr:
-                key = (_unmapped(sock.laddr.ip), sock.laddr.port, _unmapped(sock.raddr.ip), sock.raddr.port)
-                connected[key] = sock.pid
+            if s.remote_port:
+                key = (_unmapped(s.local_address), s.local_port, _unmapped(s.remote_address), s.remote_port)
+                connected[key] = pid
             else:
-                listening[sock.laddr.port] = sock.pid
+                listening[s.local_port] = pid
         self._connected, self._listening = connected, listening
         # Those this scan missed wait for the next full one; a forgotten one, asked again, is new again.
         self._unknown = {key: at for key, at in self._unknown.items()

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiprobe import sockdiag
 from aiprobe.config import Config, RuleConfig
 from aiprobe.daemon import Agent
 from aiprobe.exporters.prometheus import AgentCollector
 from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
 from aiprobe.loader import BpfObject, ProbeUnavailable
 from aiprobe.model import Readings
-from aiprobe.probes.connections import diag
 from aiprobe.probes.connections.hooks import listener_target, reuseport_groups
 from aiprobe.probes.connections.probe import (
     OBJECT,
@@ -48,17 +48,18 @@ ACCEPTS = ("fentry", "kprobe")  # the strategies that time accepts
 
 
 def diag_message(family: int, state: int, address: bytes, port: int, rqueue: int, wqueue: int, inode: int,
-                 cookie: int) -> bytes:
-    return (bytes([family, state, 0, 0]) + struct.pack(">HH16s16s", port, 0, address.ljust(16, b"\0"), b"")
+                 cookie: int, remote: bytes = b"", remote_port: int = 0) -> bytes:
+    return (bytes([family, state, 0, 0])
+            + struct.pack(">HH16s16s", port, remote_port, address.ljust(16, b"\0"), remote.ljust(16, b"\0"))
             + struct.pack("=IIIIIIII", 0, cookie & 0xFFFFFFFF, cookie >> 32, 0, rqueue, wqueue, 0, inode))
 
 
 def tcp_info_attribute(rtt_us: int, total_retrans: int, size: int = 232) -> bytes:
     """An INET_DIAG_INFO attribute holding a struct tcp_info of `size` bytes (232 on 6.1)."""
-    info = bytearray(max(size, diag.TCP_INFO_MIN_SIZE))
-    struct.pack_into("=I", info, diag.TCPI_RTT_OFFSET, rtt_us)
-    struct.pack_into("=I", info, diag.TCPI_TOTAL_RETRANS_OFFSET, total_retrans)
-    return struct.pack("=HH", 4 + size, diag.INET_DIAG_INFO) + bytes(info[:size])
+    info = bytearray(max(size, sockdiag.TCP_INFO_MIN_SIZE))
+    struct.pack_into("=I", info, sockdiag.TCPI_RTT_OFFSET, rtt_us)
+    struct.pack_into("=I", info, sockdiag.TCPI_TOTAL_RETRANS_OFFSET, total_retrans)
+    return struct.pack("=HH", 4 + size, sockdiag.INET_DIAG_INFO) + bytes(info[:size])
 
 
 def listener_of(snapshot: ConnectionsSnapshot, port: int) -> Listener:
@@ -98,27 +99,30 @@ def sample_reading() -> ConnectionsSnapshot:
 
 
 def test_a_diag_message_is_parsed_and_a_short_or_foreign_one_skipped() -> None:
-    message = diag_message(socket.AF_INET, diag.TCP_LISTEN, socket.inet_aton("127.0.0.1"), 8000, 5, 4, 99, 1 << 40 | 7)
-    parsed = diag.parse_message(socket.AF_INET, message)
-    assert parsed == diag.DiagSocket(socket.AF_INET, diag.TCP_LISTEN, "127.0.0.1", 8000, 5, 4, 99, 1 << 40 | 7)
-    assert diag.parse_message(socket.AF_INET, message[:-1]) is None
-    assert diag.parse_message(socket.AF_INET6, message) is None
+    message = diag_message(socket.AF_INET, sockdiag.TCP_ESTABLISHED, socket.inet_aton("127.0.0.1"), 8000, 5, 4, 99,
+                           1 << 40 | 7, socket.inet_aton("10.1.2.3"), 40000)
+    parsed = sockdiag.parse_message(socket.AF_INET, message)
+    assert parsed == sockdiag.DiagSocket(socket.AF_INET, sockdiag.TCP_ESTABLISHED, "127.0.0.1", 8000, 5, 4, 99,
+                                         1 << 40 | 7, None, "10.1.2.3", 40000)
+    assert sockdiag.parse_message(socket.AF_INET, message[:-1]) is None
+    assert sockdiag.parse_message(socket.AF_INET6, message) is None
 
 
 def test_a_connections_tcp_info_gives_its_rtt_and_retransmits_and_an_odd_one_none() -> None:
     """The INET_DIAG_INFO attribute after the message, past attributes of other kinds; a tcp_info too
     short, or an attribute overrunning the message, leaves the socket parsed without one."""
-    head = diag_message(socket.AF_INET, diag.TCP_ESTABLISHED, socket.inet_aton("10.0.0.1"), 443, 0, 0, 5, 9)
+    head = diag_message(socket.AF_INET, sockdiag.TCP_ESTABLISHED, socket.inet_aton("10.0.0.1"), 443, 0, 0, 5, 9)
     other = struct.pack("=HH", 5, 1) + b"\x07\0\0\0"  # INET_DIAG_MEMINFO-like, padded to 8
-    parsed = diag.parse_message(socket.AF_INET, head + other + tcp_info_attribute(50_123, 7))
-    assert parsed is not None and parsed.info == diag.TcpInfo(50_123, 7)
+    parsed = sockdiag.parse_message(socket.AF_INET, head + other + tcp_info_attribute(50_123, 7))
+    assert parsed is not None and parsed.info == sockdiag.TcpInfo(50_123, 7)
     assert parsed.local_port == 443 and parsed.cookie == 9
-    for odd in (tcp_info_attribute(1, 2, size=diag.TCP_INFO_MIN_SIZE - 1), tcp_info_attribute(1, 2)[:-1],
-                struct.pack("=HH", 2, diag.INET_DIAG_INFO), b"\xff"):
-        hostile = diag.parse_message(socket.AF_INET, head + odd)
+    for odd in (tcp_info_attribute(1, 2, size=sockdiag.TCP_INFO_MIN_SIZE - 1), tcp_info_attribute(1, 2)[:-1],
+                struct.pack("=HH", 2, sockdiag.INET_DIAG_INFO), b"\xff"):
+        hostile = sockdiag.parse_message(socket.AF_INET, head + odd)
         assert hostile is not None and hostile.info is None and hostile.cookie == 9
-    assert diag.parse_message(socket.AF_INET, head + tcp_info_attribute(1, 2, size=diag.TCP_INFO_MIN_SIZE)) \
-        == diag.DiagSocket(socket.AF_INET, diag.TCP_ESTABLISHED, "10.0.0.1", 443, 0, 0, 5, 9, diag.TcpInfo(1, 2))
+    minimal = sockdiag.parse_message(socket.AF_INET, head + tcp_info_attribute(1, 2, size=sockdiag.TCP_INFO_MIN_SIZE))
+    assert minimal == sockdiag.DiagSocket(socket.AF_INET, sockdiag.TCP_ESTABLISHED, "10.0.0.1", 443, 0, 0, 5, 9,
+                                          sockdiag.TcpInfo(1, 2), "0.0.0.0", 0)
 
 
 def test_connections_go_to_the_listener_they_were_accepted_from_and_retransmits_only_grow() -> None:
@@ -126,11 +130,12 @@ def test_connections_go_to_the_listener_they_were_accepted_from_and_retransmits_
     no one listens on belongs to none); retransmits count from the first read (history before it is
     not the probe's), a connection first seen later counts whole, one whose tcp_info a read could not
 parse keeps its last total, one gone from a dump and back counts anew."""
-    def sock(state: int, address: str, port: int, cookie: int, rtt_us: int = 0, retrans: int = 0) -> diag.DiagSocket:
-        return diag.DiagSocket(socket.AF_INET, state, address, port, 0, 0, cookie, cookie,
-                               diag.TcpInfo(rtt_us, retrans) if state != diag.TCP_LISTEN else None)
+    def sock(state: int, address: str, port: int, cookie: int, rtt_us: int = 0,
+             retrans: int = 0) -> sockdiag.DiagSocket:
+        return sockdiag.DiagSocket(socket.AF_INET, state, address, port, 0, 0, cookie, cookie,
+                                   sockdiag.TcpInfo(rtt_us, retrans) if state != sockdiag.TCP_LISTEN else None)
 
-    listeners = [sock(diag.TCP_LISTEN, "127.0.0.1", 80, 1), sock(diag.TCP_LISTEN, "0.0.0.0", 80, 2)]
+    listeners = [sock(sockdiag.TCP_LISTEN, "127.0.0.1", 80, 1), sock(sockdiag.TCP_LISTEN, "0.0.0.0", 80, 2)]
     assert [ListenerIndex(listeners).of(sock(1, address, port, 9)) for address, port in
             (("127.0.0.1", 80), ("10.0.0.1", 80), ("10.0.0.1", 40000))] == [1, 2, None]
     paths = PathQualities()
@@ -139,7 +144,7 @@ parse keeps its last total, one gone from a dump and back counts anew."""
     later = paths.read(listeners, [sock(1, "10.0.0.1", 80, 10, 2000, 8), sock(8, "127.0.0.1", 80, 12, 0, 3)])
     assert (later[2].retransmitted, later[1].retransmitted, later[1].connections) == (3, 3, 1)
     assert (sum(later[2].slots), sum(later[1].slots), later[2].sum_seconds) == (2, 0, 0.003)
-    unreadable = diag.DiagSocket(socket.AF_INET, 1, "10.0.0.1", 80, 0, 0, 10, 10, None)
+    unreadable = sockdiag.DiagSocket(socket.AF_INET, 1, "10.0.0.1", 80, 0, 0, 10, 10, None)
     assert paths.read(listeners, [unreadable])[2].connections == 0
     assert paths.read(listeners, [sock(1, "10.0.0.1", 80, 10, 2000, 9)])[2].retransmitted == 4
     back = paths.read(listeners, [])
@@ -149,9 +154,9 @@ parse keeps its last total, one gone from a dump and back counts anew."""
 
 
 def test_socket_inodes_come_only_from_socket_links() -> None:
-    assert diag.socket_inode("socket:[12345]") == 12345
+    assert sockdiag.socket_inode("socket:[12345]") == 12345
     for odd in ("pipe:[12]", "socket:[]", "socket:[12a]", "socket:[-1]", "/dev/null", "socket:[12"):
-        assert diag.socket_inode(odd) is None
+        assert sockdiag.socket_inode(odd) is None
 
 
 def test_owners_survive_vanishing_and_odd_descriptor_tables(tmp_path: Path) -> None:
@@ -162,19 +167,19 @@ def test_owners_survive_vanishing_and_odd_descriptor_tables(tmp_path: Path) -> N
             (tmp_path / str(pid) / "fd" / fd).symlink_to(target)
     (tmp_path / "8").mkdir()  # a process whose fd table vanished
     (tmp_path / "self").mkdir()
-    assert diag.owners({100, 200, 300}, tmp_path) == {100: 7, 200: 9}
+    assert sockdiag.owners({100, 200, 300}, tmp_path) == {100: 7, 200: 9}
 
 
 def test_half_open_requests_go_to_the_listener_of_their_address_else_the_wildcard() -> None:
-    def sock(family: int, state: int, address: str, port: int, cookie: int = 0) -> diag.DiagSocket:
-        return diag.DiagSocket(family, state, address, port, 0, 0, cookie, cookie)
+    def sock(family: int, state: int, address: str, port: int, cookie: int = 0) -> sockdiag.DiagSocket:
+        return sockdiag.DiagSocket(family, state, address, port, 0, 0, cookie, cookie)
 
     v4, v6 = socket.AF_INET, socket.AF_INET6
-    listeners = [sock(v4, diag.TCP_LISTEN, "127.0.0.1", 80, 1), sock(v4, diag.TCP_LISTEN, "0.0.0.0", 80, 2),
-                 sock(v6, diag.TCP_LISTEN, "::", 443, 3), sock(v6, diag.TCP_LISTEN, "::", 443, 4)]
-    requests = [sock(v4, diag.TCP_SYN_RECV, "127.0.0.1", 80), sock(v4, diag.TCP_SYN_RECV, "10.0.0.1", 80),
-                sock(v4, diag.TCP_SYN_RECV, "10.0.0.1", 443), sock(v6, diag.TCP_SYN_RECV, "::1", 443),
-                sock(v4, diag.TCP_SYN_RECV, "10.0.0.1", 9)]
+    listeners = [sock(v4, sockdiag.TCP_LISTEN, "127.0.0.1", 80, 1), sock(v4, sockdiag.TCP_LISTEN, "0.0.0.0", 80, 2),
+                 sock(v6, sockdiag.TCP_LISTEN, "::", 443, 3), sock(v6, sockdiag.TCP_LISTEN, "::", 443, 4)]
+    requests = [sock(v4, sockdiag.TCP_SYN_RECV, "127.0.0.1", 80), sock(v4, sockdiag.TCP_SYN_RECV, "10.0.0.1", 80),
+                sock(v4, sockdiag.TCP_SYN_RECV, "10.0.0.1", 443), sock(v6, sockdiag.TCP_SYN_RECV, "::1", 443),
+                sock(v4, sockdiag.TCP_SYN_RECV, "10.0.0.1", 9)]
     assert half_open_by_listener(requests, listeners) == {1: 1, 2: 1, 3: 2}
 
 

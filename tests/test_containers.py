@@ -223,11 +223,12 @@ def test_an_idle_connection_stays_in_the_snapshot_with_its_owner(tmp_path: Path,
 def test_flow_owners_are_scanned_for_sockets_not_looked_for_yet(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scan (every process's descriptors, the kernel's socket tables) runs for a socket asked for since
     the last one, the refresh interval after it; a connection found, or one a scan missed (another
-    namespace's), costs none until the maximum age. The scans are psutil's real ones, counted."""
+    namespace's), costs none until the maximum age. The scans are the real ones (sock_diag, then
+    /proc/PID/fd), counted."""
     clock, scans = [1000.0], []
-    real = psutil.net_connections
+    real = containers.sockdiag.owners
     monkeypatch.setattr(containers.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(containers.psutil, "net_connections", lambda kind: scans.append(kind) or real(kind=kind))
+    monkeypatch.setattr(containers.sockdiag, "owners", lambda inodes: scans.append(inodes) or real(inodes))
     owners = containers.SocketOwners(refresh_seconds=5, max_age_seconds=60)
     ghost = ("198.18.0.1", 1, "198.18.0.2", 2)  # nobody's here
     with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
@@ -247,3 +248,26 @@ def test_flow_owners_are_scanned_for_sockets_not_looked_for_yet(monkeypatch: pyt
         clock[0] += 60
         assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
         assert len(scans) == 4  # the maximum age
+
+
+def test_flow_owners_are_found_for_tcp_udp_and_dual_stack_sockets() -> None:
+    """Each kind of socket a flow comes from, by the addresses the flow carries: both ends of a TCP
+    connection over IPv6, the accepted end of a dual-stack listener's IPv4 connection (flows carry the
+    IPv4 address), a connected UDP socket, an unconnected one (by its local port, like a listener)."""
+    owners = containers.SocketOwners(refresh_seconds=0)
+    me = os.getpid()
+    with contextlib.ExitStack() as stack:
+        v6 = stack.enter_context(socket.create_server(("::1", 0), family=socket.AF_INET6))
+        client6 = stack.enter_context(socket.create_connection(v6.getsockname()[:2]))
+        dual = stack.enter_context(socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True))
+        client4 = stack.enter_context(socket.create_connection(("127.0.0.1", dual.getsockname()[1])))
+        accepted, _ = dual.accept()
+        stack.enter_context(accepted)
+        bound = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        bound.bind(("127.0.0.1", 0))
+        connected = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        connected.connect(bound.getsockname())
+        assert owners.owner(*client6.getsockname()[:2], *client6.getpeername()[:2]) == me
+        assert owners.owner(*client4.getpeername(), *client4.getsockname()) == me
+        assert owners.owner(*connected.getsockname(), *connected.getpeername()) == me
+        assert owners.owner(*bound.getsockname(), "127.0.0.1", 9) == me

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ... import libbpf
+from ... import libbpf, sockdiag
 from ...btf import Btf
 from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile, slot_of_microseconds
 from ...libbpf import BpfError
@@ -28,7 +28,6 @@ from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import process_name
 from ...registry import Probe, ProbeSpec, strategies_named
-from . import diag
 from .hooks import ConnectionsHooks
 from .records import ConnectionsSnapshot, Listener, ReuseportGroup
 from .rules import ACCEPT_QUEUE_SATURATED, REUSEPORT_IMBALANCE
@@ -124,7 +123,7 @@ class _Owners:
         wanted = {i for i in inodes - self._pids.keys()
                   if now - self._missed.get(i, -OWNER_RESCAN_SECONDS) >= OWNER_RESCAN_SECONDS}
         if wanted:
-            found = diag.owners(wanted)
+            found = sockdiag.owners(wanted)
             self._pids |= found
             self._missed |= dict.fromkeys(wanted - found.keys(), now)
         return {i: self._pids[i] for i in inodes if i in self._pids}
@@ -136,12 +135,12 @@ class ListenerIndex:
     takes them all (the kernel does not say which of the group holds one). A socket whose local port no
     one listens on (a client's) belongs to none."""
 
-    def __init__(self, listeners: Iterable[diag.DiagSocket]) -> None:
+    def __init__(self, listeners: Iterable[sockdiag.DiagSocket]) -> None:
         self._by_key: dict[tuple[int, str, int], int] = {}
         for listener in listeners:
             self._by_key.setdefault((listener.family, listener.local_address, listener.local_port), listener.cookie)
 
-    def of(self, s: diag.DiagSocket) -> int | None:
+    def of(self, s: sockdiag.DiagSocket) -> int | None:
         """The cookie of `s`'s listener, None without one."""
         wildcard = "0.0.0.0" if s.family == socket.AF_INET else "::"
         for key in ((s.family, s.local_address, s.local_port), (s.family, wildcard, s.local_port),
@@ -151,7 +150,8 @@ class ListenerIndex:
         return None
 
 
-def half_open_by_listener(requests: Iterable[diag.DiagSocket], listeners: list[diag.DiagSocket]) -> dict[int, int]:
+def half_open_by_listener(requests: Iterable[sockdiag.DiagSocket],
+                          listeners: list[sockdiag.DiagSocket]) -> dict[int, int]:
     """Requests in SYN_RECV per listener cookie (ListenerIndex)."""
     index = ListenerIndex(listeners)
     counts: dict[int, int] = {}
@@ -188,7 +188,8 @@ class PathQualities:
         self._listeners: dict[int, PathQuality] = {}
         self._first = True
 
-    def read(self, listeners: list[diag.DiagSocket], connections: Iterable[diag.DiagSocket]) -> dict[int, PathQuality]:
+    def read(self, listeners: list[sockdiag.DiagSocket],
+             connections: Iterable[sockdiag.DiagSocket]) -> dict[int, PathQuality]:
         index = ListenerIndex(listeners)
         kept = {s.cookie: self._listeners.get(s.cookie) or PathQuality.empty() for s in listeners}
         for quality in kept.values():
@@ -206,7 +207,7 @@ class PathQualities:
             retransmits[connection.cookie] = info.total_retrans
             before = self._retransmits.get(connection.cookie, info.total_retrans if self._first else 0)
             quality.retransmitted += max(info.total_retrans - before, 0)
-            if connection.state == diag.TCP_ESTABLISHED and info.rtt_us > 0:
+            if connection.state == sockdiag.TCP_ESTABLISHED and info.rtt_us > 0:
                 slot = slot_of_microseconds(info.rtt_us, len(quality.now))
                 quality.now[slot] += 1
                 quality.slots[slot] += 1
@@ -215,7 +216,7 @@ class PathQualities:
         return kept
 
 
-def _group_sizes(listeners: list[diag.DiagSocket]) -> dict[tuple[int, str, int], int]:
+def _group_sizes(listeners: list[sockdiag.DiagSocket]) -> dict[tuple[int, str, int], int]:
     sizes: dict[tuple[int, str, int], int] = {}
     for s in listeners:
         key = (s.family, s.local_address, s.local_port)
@@ -278,7 +279,7 @@ class ConnectionsProbe(Probe):
 
     def start(self) -> None:
         try:
-            diag.listening()
+            sockdiag.listening()
         except OSError as exc:
             raise ProbeUnavailable(SPEC.name, {SOCK_DIAG: f"sock_diag: {exc}"}) from None
         with_bpf = tuple(s for s in self._strategies if s.programs)
@@ -309,7 +310,7 @@ class ConnectionsProbe(Probe):
         super().close()
 
     def read(self) -> ConnectionsSnapshot:
-        listeners = sorted(diag.listening(), key=lambda s: (s.local_port, s.family, s.local_address, s.inode))
+        listeners = sorted(sockdiag.listening(), key=lambda s: (s.local_port, s.family, s.local_address, s.inode))
         groups = _group_sizes(listeners)
         owners = self._owners.of({s.inode for s in listeners}, time.monotonic())
         stats = self._stats({s.cookie for s in listeners})
@@ -318,7 +319,7 @@ class ConnectionsProbe(Probe):
         for s in listeners:
             pid = owners.get(s.inode)
             record = Listener(
-                family=diag.FAMILIES[s.family], local_address=s.local_address, local_port=s.local_port,
+                family=sockdiag.FAMILIES[s.family], local_address=s.local_address, local_port=s.local_port,
                 queue_length=s.receive_queue, queue_capacity=s.send_queue, half_open=half_open.get(s.cookie, 0),
                 inode=s.inode, cookie=s.cookie, pid=pid, comm=process_name(pid) if pid is not None else "",
                 reuseport_group=groups[(s.family, s.local_address, s.local_port)])
@@ -330,13 +331,13 @@ class ConnectionsProbe(Probe):
         unattributed = self._retired_overflows + (stats[0].overflows if stats and 0 in stats else 0)
         return ConnectionsSnapshot(time.time(), records, unattributed)
 
-    def _connection_table(self, listeners: list[diag.DiagSocket]) -> tuple[dict[int, PathQuality], dict[int, int]]:
+    def _connection_table(self, listeners: list[sockdiag.DiagSocket]) -> tuple[dict[int, PathQuality], dict[int, int]]:
         """Each listener's path quality and half-open requests: from a new dump of the connection table
         once its interval is over, else the latest (a listener opened since has none yet)."""
         if time.monotonic() >= self._next_paths:
-            table = diag.connection_table()
-            self._latest_paths = self._paths.read(listeners, (s for s in table if s.state != diag.TCP_SYN_RECV))
-            self._latest_half_open = half_open_by_listener((s for s in table if s.state == diag.TCP_SYN_RECV),
+            table = sockdiag.connection_table()
+            self._latest_paths = self._paths.read(listeners, (s for s in table if s.state != sockdiag.TCP_SYN_RECV))
+            self._latest_half_open = half_open_by_listener((s for s in table if s.state == sockdiag.TCP_SYN_RECV),
                                                            listeners)
             self._next_paths = time.monotonic() + self._path_interval
         return self._latest_paths, self._latest_half_open

@@ -1,13 +1,15 @@
-"""Listening TCP sockets and their queues from the kernel's sock_diag (NETLINK_SOCK_DIAG), as `ss -lnt`
-reads them, with no BPF: for a socket in LISTEN, idiag_rqueue is its accept queue's length (connections
-complete, waiting for accept()) and idiag_wqueue the backlog in force (listen()'s, capped by somaxconn);
-requests in SYN_RECV are dumped one by one with the connected sockets (the half-open connections), since
-both make the kernel walk its whole established hash. Connected sockets come with their
-struct tcp_info (INET_DIAG_INFO): the smoothed RTT and the segments retransmitted, as `ss -ti` prints them.
-Sockets of this network namespace only (the agent's: the host's). A message that does not parse is
-skipped alone; a tcp_info missing or too short leaves that socket without one.
+"""The kernel's sockets from sock_diag (NETLINK_SOCK_DIAG), as `ss` reads them, with no BPF: each with
+its addresses, state, queues and inode, of this network namespace only (the agent's: the host's).
 
-Each socket's owner is found through its inode in /proc/<pid>/fd: processes and descriptors come and go
+For a socket in LISTEN, idiag_rqueue is its accept queue's length (connections complete, waiting for
+accept()) and idiag_wqueue the backlog in force (listen()'s, capped by somaxconn). Requests in SYN_RECV
+are dumped one by one with the connected sockets (the half-open connections), since both make the
+kernel walk its whole established hash. Connected sockets come with their struct tcp_info
+(INET_DIAG_INFO) where asked: the smoothed RTT and the segments retransmitted, as `ss -ti` prints them.
+A message that does not parse is skipped alone; a tcp_info missing or too short leaves that socket
+without one.
+
+A socket's owner is found through its inode in /proc/<pid>/fd: processes and descriptors come and go
 during the scan, and whatever vanishes leaves that socket without an owner, nothing more."""
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...names import ip_text
+from .names import ip_text
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
-TCP_ESTABLISHED, TCP_SYN_RECV, TCP_LISTEN = 1, 3, 10
+TCP_ESTABLISHED, TCP_SYN_RECV, TCP_TIME_WAIT, TCP_LISTEN, TCP_NEW_SYN_RECV = 1, 3, 6, 10, 12
 # Full sockets past the handshake that may still send (and retransmit): ESTABLISHED, FIN_WAIT1, FIN_WAIT2,
 # CLOSE_WAIT, LAST_ACK, CLOSING (TIME_WAIT ones have no tcp_info).
 CONNECTED = (TCP_ESTABLISHED, 4, 5, 8, 9, 11)
@@ -35,6 +37,7 @@ INET_DIAG_INFO = 2  # the attribute holding struct tcp_info; requested as extens
 
 _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
 _REQUEST = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, extensions, states, an empty id
+ALL_STATES = range(32)  # what a UDP socket's state means to the kernel: 1 connected, 7 not
 _ADDRESSES = struct.Struct(">HH16s16s")  # inet_diag_sockid: ports (network order), addresses
 _TAIL = struct.Struct("=IIIIIIII")  # the id's interface and cookie, expires, rqueue, wqueue, uid, inode
 DIAG_MESSAGE_SIZE = 4 + _ADDRESSES.size + _TAIL.size  # struct inet_diag_msg, 72 bytes
@@ -68,6 +71,8 @@ class DiagSocket:
     inode: int  # 0 for requests
     cookie: int
     info: TcpInfo | None = None  # connected sockets dumped with INET_DIAG_INFO; None where absent or short
+    remote_address: str = ""  # the peer; the wildcard and port 0 where there is none (LISTEN, unconnected UDP)
+    remote_port: int = 0
 
 
 def parse_message(family: int, data: bytes) -> DiagSocket | None:
@@ -75,11 +80,12 @@ def parse_message(family: int, data: bytes) -> DiagSocket | None:
     if len(data) < DIAG_MESSAGE_SIZE or data[0] != family:
         return None
     state = data[1]
-    local_port, _remote_port, local, _remote = _ADDRESSES.unpack_from(data, 4)
+    local_port, remote_port, local, remote = _ADDRESSES.unpack_from(data, 4)
     _ifindex, cookie_low, cookie_high, _expires, rqueue, wqueue, _uid, inode = \
         _TAIL.unpack_from(data, 4 + _ADDRESSES.size)
-    return DiagSocket(family, state, ip_text(local, family == socket.AF_INET6), local_port, rqueue, wqueue, inode,
-                      cookie_low | cookie_high << 32, tcp_info(data))
+    ipv6 = family == socket.AF_INET6
+    return DiagSocket(family, state, ip_text(local, ipv6), local_port, rqueue, wqueue, inode,
+                      cookie_low | cookie_high << 32, tcp_info(data), ip_text(remote, ipv6), remote_port)
 
 
 def tcp_info(data: bytes) -> TcpInfo | None:
@@ -99,8 +105,8 @@ def tcp_info(data: bytes) -> TcpInfo | None:
     return None
 
 
-def _request(family: int, states: int, sequence: int, extensions: int = 0) -> bytes:
-    body = _REQUEST.pack(family, socket.IPPROTO_TCP, extensions, states)
+def _request(family: int, protocol: int, states: int, sequence: int, extensions: int = 0) -> bytes:
+    body = _REQUEST.pack(family, protocol, extensions, states)
     return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, sequence, 0) + body
 
 
@@ -115,14 +121,15 @@ def _messages(buffer: bytes) -> Iterator[tuple[int, bytes]]:
         offset += (length + 3) & ~3
 
 
-def dump(family: int, states: Iterable[int], extensions: int = 0) -> list[DiagSocket]:
-    """Every TCP socket of `family` in one of `states` (with the attributes `extensions` asks for);
-    OSError when the kernel refuses the dump."""
+def dump(family: int, states: Iterable[int], extensions: int = 0,
+         protocol: int = socket.IPPROTO_TCP) -> list[DiagSocket]:
+    """Every socket of `family` and `protocol` in one of `states` (with the attributes `extensions` asks
+    for); OSError when the kernel refuses the dump (UDP's needs udp_diag, a module the kernel loads)."""
     mask = sum(1 << state for state in set(states))
     found: list[DiagSocket] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(DUMP_TIMEOUT_SECONDS)
-        sock.sendto(_request(family, mask, 1, extensions), (0, 0))
+        sock.sendto(_request(family, protocol, mask, 1, extensions), (0, 0))
         while True:
             for kind, payload in _messages(sock.recv(_RECEIVE_BYTES)):
                 if kind == NLMSG_DONE:
@@ -144,6 +151,14 @@ def connection_table(families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
     their tcp_info where the kernel gave one. The kernel walks its whole established hash for any of
     these states, however few sockets it holds: ~2.6 ms a family on a 24 GiB host (262,144 buckets)."""
     return [s for family in families for s in dump(family, (TCP_SYN_RECV, *CONNECTED), 1 << (INET_DIAG_INFO - 1))]
+
+
+def held(protocol: int, families: Iterable[int] = FAMILIES) -> list[DiagSocket]:
+    """The sockets of `protocol` that a process can hold: TCP's in every state but TIME_WAIT and
+    requests (which have no descriptor, and of which a busy server has thousands), UDP's in every one."""
+    states = ALL_STATES if protocol == socket.IPPROTO_UDP else \
+        set(ALL_STATES) - {TCP_SYN_RECV, TCP_TIME_WAIT, TCP_NEW_SYN_RECV}
+    return [s for family in families for s in dump(family, states, protocol=protocol)]
 
 
 def socket_inode(link: str) -> int | None:
