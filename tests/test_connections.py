@@ -36,6 +36,7 @@ from aiprobe.probes.connections.probe import (
     STRATEGIES,
     ConnectionsProbe,
     ListenerIndex,
+    ListenerOwners,
     PathQualities,
     half_open_by_listener,
 )
@@ -168,6 +169,21 @@ def test_owners_survive_vanishing_and_odd_descriptor_tables(tmp_path: Path) -> N
     (tmp_path / "8").mkdir()  # a process whose fd table vanished
     (tmp_path / "self").mkdir()
     assert sockdiag.owners({100, 200, 300}, tmp_path) == {100: 7, 200: 9}
+
+
+def test_a_listener_whose_owner_no_scan_finds_is_looked_for_less_and_less(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener owned from outside the agent's pid namespace is never found: each scan that misses it
+    doubles the wait before the next (5, 10, 20 s ... up to 320 s); one found is kept without a scan."""
+    scans: list[float] = []
+    clock = [0.0]
+    monkeypatch.setattr(sockdiag, "owners",
+                        lambda inodes: scans.append(clock[0]) or ({2: os.getpid()} if 2 in inodes else {}))
+    owners = ListenerOwners()
+    for second in range(1000):
+        clock[0] = float(second)
+        assert owners.of({1, 2}, clock[0]) == {2: os.getpid()}
+    assert scans == [0, 5, 15, 35, 75, 155, 315, 635, 955]
 
 
 def test_half_open_requests_go_to_the_listener_of_their_address_else_the_wildcard() -> None:

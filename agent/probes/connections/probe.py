@@ -40,9 +40,10 @@ OBJECT = "connections"
 SOCK_DIAG = "sock_diag"
 COUNTERS = enum_labels(OBJECT, "connections_counter", "CONN_")  # as enum connections_counter names them
 LISTEN_OVERFLOW_REASON = "SKB_DROP_REASON_TCP_LISTEN_OVERFLOW"
-# An inode whose owner a scan did not find is looked for again after this long (a scan reads every
-# process's descriptors).
-OWNER_RESCAN_SECONDS = 5.0
+# An inode whose owner a scan did not find is looked for again after this long, then twice as long
+# after each further miss up to the maximum (a scan reads every process's descriptors, and a listener
+# owned from outside the agent's pid namespace is never found).
+OWNER_RESCAN_SECONDS, OWNER_RESCAN_MAX_SECONDS = 5.0, 320.0
 # The connection table (half-open requests; connected sockets' RTTs and retransmits) is dumped at most
 # this often: the kernel walks its whole established hash (~5 ms a dump, half a core-percent at every
 # refresh, however few connections), Python then costs ~6 µs a connection (80 ms at 12k connections),
@@ -108,24 +109,26 @@ def _configure(obj: BpfObject, strategy: Strategy) -> None:
         raise BpfError(errno.EOPNOTSUPP, f"the kernel has no drop reason {LISTEN_OVERFLOW_REASON} (6.15+)")
 
 
-class _Owners:
+class ListenerOwners:
     """Socket inode -> owning pid, kept while the socket listens and its owner lives: a scan reads every
-    process's descriptors, so it runs only for inodes not yet found (again after OWNER_RESCAN_SECONDS
-    for those a scan missed)."""
+    process's descriptors, so it runs only for inodes not yet found, and for those a scan missed only
+    once their wait is over (OWNER_RESCAN_SECONDS, doubled at each miss)."""
 
     def __init__(self) -> None:
         self._pids: dict[int, int] = {}
-        self._missed: dict[int, float] = {}  # inode -> when a scan last missed it
+        self._missed: dict[int, tuple[float, float]] = {}  # inode -> (when to look again, the wait before it)
 
     def of(self, inodes: set[int], now: float) -> dict[int, int]:
         self._pids = {i: pid for i, pid in self._pids.items() if i in inodes and os.path.exists(f"/proc/{pid}")}
-        self._missed = {i: at for i, at in self._missed.items() if i in inodes}
-        wanted = {i for i in inodes - self._pids.keys()
-                  if now - self._missed.get(i, -OWNER_RESCAN_SECONDS) >= OWNER_RESCAN_SECONDS}
+        self._missed = {i: missed for i, missed in self._missed.items() if i in inodes}
+        wanted = {i for i in inodes - self._pids.keys() if i not in self._missed or now >= self._missed[i][0]}
         if wanted:
             found = sockdiag.owners(wanted)
             self._pids |= found
-            self._missed |= dict.fromkeys(wanted - found.keys(), now)
+            for inode in wanted - found.keys():
+                wait = min(2 * self._missed[inode][1], OWNER_RESCAN_MAX_SECONDS) if inode in self._missed \
+                    else OWNER_RESCAN_SECONDS
+                self._missed[inode] = (now + wait, wait)
         return {i: self._pids[i] for i in inodes if i in self._pids}
 
 
@@ -265,7 +268,7 @@ class ConnectionsProbe(Probe):
                  path_interval: float = PATH_QUALITY_SECONDS) -> None:
         super().__init__()
         self._strategies = strategies
-        self._owners = _Owners()
+        self._owners = ListenerOwners()
         self._paths = PathQualities()
         self._path_interval = path_interval
         self._next_paths = 0.0  # monotonic time of the next dump of the connection table
