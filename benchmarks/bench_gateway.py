@@ -13,9 +13,10 @@ gateway's NIC (over loopback every frame ran tc twice, as it left and as it came
 A streamed request is one response of EVENTS events, sent as fast as the server can.
 
 Configurations alternate round by round (the order reversed every other round): no agent, the
-whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), the whole agent
-without the requests part (`count_requests = false`: what counting requests adds), and each probe
-alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every process of
+whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), empty programs
+on the hooks where the whole agent's programs run per request here (the floor: see EmptyPrograms), the
+whole agent without the requests part (`count_requests = false`: what counting requests adds), and
+each probe alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every process of
 the serving side: nginx's master and worker, the upstream) and the agent's, over the load, each
 divided by the requests the load generator completed. CPU time is each thread's sum_exec_runtime
 (/proc/PID/task/TID/schedstat): the accounting /proc/PID/stat's utime+stime are scaled from, in ns
@@ -62,6 +63,7 @@ from benchmarks import Result, alternate, attached, bpf_stats, programs_of, spre
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from aiprobe.loader import BpfObject  # noqa: E402
 from aiprobe.registry import selectable_names  # noqa: E402
 from helpers import VethPair, bpftool_json, free_port, make_veth_pair, remove_veth_pair, wait_until  # noqa: E402
 
@@ -76,6 +78,7 @@ GRPC_STREAMS = 4  # the gRPC server's thread pool: more would only queue
 TARGET = 0.03
 FIXTURES = ROOT / "tests" / "fixtures"
 NO_AGENT = "no agent"
+FLOOR = "empty programs on the agent's hooks"
 WHOLE = "whole agent"
 
 # A grpcio client: GRPC_STREAMS connections, opened once; per line on stdin (seconds), each calls the
@@ -215,8 +218,34 @@ class Configuration:
         return cpu_ns(self.agent.pid) if self.agent is not None else 0
 
 
+@dataclass
+class EmptyPrograms(Configuration):
+    """No agent: empty programs on the hooks where the whole agent's programs run per request on this
+    host's kernel (sendlat's tracepoint strategy: a send's two tracepoints, a receive's; tc both ways
+    on the gateway's interface, through TCX): what any program there costs, whatever it does."""
+
+    objects: list[BpfObject] = field(default_factory=list, repr=False)
+
+    def attach(self) -> None:
+        empty = ["sendlat_empty_start", "sendlat_empty_end", "sendlat_empty_recv"]
+        sends, frames = BpfObject("sendlat", programs=empty), BpfObject("flows", programs=["flows_tc_empty"])
+        self.objects = [sends, frames]
+        for obj in self.objects:
+            obj.load()
+        for name in empty:
+            sends.programs[name].attach()
+        ifindex = socket.if_nametoindex(self.gateway.pair.host)
+        for direction in ("ingress", "egress"):
+            frames.programs["flows_tc_empty"].attach_tcx(ifindex, direction)
+
+    def detach(self) -> None:
+        for obj in self.objects:
+            obj.close()
+        self.objects = []
+
+
 def _configurations(at: Gateway) -> list[Configuration]:
-    return ([Configuration(NO_AGENT, at), Configuration(WHOLE, at), _without_requests(at)]
+    return ([Configuration(NO_AGENT, at), EmptyPrograms(FLOOR, at), Configuration(WHOLE, at), _without_requests(at)]
             + [Configuration(f"{name} alone", at, [name]) for name in selectable_names()])
 
 

@@ -566,7 +566,8 @@ int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 	return 0;
 }
 
-/* --- reference for `make bench`: empty programs on the tracepoint strategy's hooks --- */
+/* --- reference for `make bench`: empty programs on the tracepoint strategy's hooks (and on the
+ * receive hook of its streams and requests, for bench_gateway's floor) --- */
 
 SEC("tp_btf/tcp_sendmsg_locked")
 int BPF_PROG(sendlat_empty_start)
@@ -576,6 +577,12 @@ int BPF_PROG(sendlat_empty_start)
 
 SEC("tp_btf/sock_send_length")
 int BPF_PROG(sendlat_empty_end)
+{
+	return 0;
+}
+
+SEC("tp_btf/sock_recv_length")
+int BPF_PROG(sendlat_empty_recv)
 {
 	return 0;
 }
