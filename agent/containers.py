@@ -149,6 +149,7 @@ class SocketOwners:
         self._connected: dict[SocketKey, int] = {}
         self._listening: dict[int, int] = {}  # local port -> pid (wildcard and specific binds)
         self._unknown: dict[SocketKey, float] = {}  # asked for, not in the latest scan: when first asked
+        self._unlisted: set[str] = set()  # protocols whose dump the kernel refused (said once)
 
     def owner(self, local_address: str, local_port: int, remote_address: str, remote_port: int) -> int | None:
         key = (local_address, local_port, remote_address, remote_port)
@@ -167,7 +168,9 @@ class SocketOwners:
             try:
                 sockets += sockdiag.held(protocol)
             except OSError as exc:
-                log.warning("cannot list %s sockets to find flow owners: %s", name, exc)
+                level = logging.DEBUG if name in self._unlisted else logging.WARNING
+                log.log(level, "cannot list %s sockets to find flow owners: %s", name, exc)
+                self._unlisted.add(name)
         pids = sockdiag.owners({s.inode for s in sockets if s.inode})
         connected, listening = {}, {}
         for s in sockets:

@@ -4,6 +4,8 @@ a real process in a container-shaped cgroup to its flows and sends."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import secrets
 import socket
@@ -271,3 +273,25 @@ def test_flow_owners_are_found_for_tcp_udp_and_dual_stack_sockets() -> None:
         assert owners.owner(*client4.getpeername(), *client4.getsockname()) == me
         assert owners.owner(*connected.getsockname(), *connected.getpeername()) == me
         assert owners.owner(*bound.getsockname(), "127.0.0.1", 9) == me
+
+
+def test_a_protocol_the_kernel_will_not_list_is_said_once_and_the_others_owners_still_found(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel without udp_diag (a module) refuses UDP's dump: TCP's owners are still found, and the
+    refusal is a warning once, not one per scan."""
+    real = containers.sockdiag.held
+
+    def held(protocol: int) -> list[containers.sockdiag.DiagSocket]:
+        if protocol == socket.IPPROTO_UDP:
+            raise OSError(errno.ENOENT, "sock_diag: No such file or directory")
+        return real(protocol)
+
+    monkeypatch.setattr(containers.sockdiag, "held", held)
+    owners = containers.SocketOwners(refresh_seconds=0)
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client, \
+            caplog.at_level(logging.WARNING, logger=containers.log.name):
+        for ghost_port in (1, 2, 3):  # each never asked before: a scan each
+            assert owners.owner("198.18.0.1", ghost_port, "198.18.0.2", 2) is None
+        assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot list UDP sockets to find flow owners: [Errno 2] sock_diag: No such file or directory"]
