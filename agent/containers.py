@@ -133,12 +133,13 @@ SocketKey = tuple[str, int, str, int]  # local address and port, remote address 
 
 
 class SocketOwners:
-    """Which process owns a socket, by its addresses, in the agent's (the host's) network namespace. A
-    scan dumps the kernel's TCP and UDP sockets but those in TIME_WAIT (sock_diag: the kernel walks its
-    whole established hash, but a busy server's thousands of TIME_WAIT sockets are never sent, never
-    parsed) and reads process descriptors until each socket has its owner, so it runs for a socket asked
-    for since the last scan, at most every `refresh_seconds`, and otherwise every `max_age_seconds` while
-    any is asked for (an address pair closed and reused by another process): long-lived connections cost no scans.
+    """Which process owns a socket, by its addresses, in the agent's (the host's) network namespace.
+    A scan dumps the kernel's TCP and UDP sockets but those in TIME_WAIT (sock_diag: the kernel walks
+    its whole established hash, but a busy server's thousands of TIME_WAIT sockets are never sent,
+    never parsed) and reads process descriptors until each socket has its owner. So it runs for a
+    socket asked for since the last scan, at most every `refresh_seconds`, and otherwise every
+    `max_age_seconds` while any is asked for (an address pair closed and reused by another process):
+    long-lived connections cost no scans.
     Sockets inside pod network namespaces are not seen: their flows keep the container from the
     egress cgroup id instead."""
 

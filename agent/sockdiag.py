@@ -33,11 +33,11 @@ TCP_ESTABLISHED, TCP_SYN_RECV, TCP_TIME_WAIT, TCP_LISTEN, TCP_NEW_SYN_RECV = 1, 
 # Full sockets past the handshake that may still send (and retransmit): ESTABLISHED, FIN_WAIT1, FIN_WAIT2,
 # CLOSE_WAIT, LAST_ACK, CLOSING (TIME_WAIT ones have no tcp_info).
 CONNECTED = (TCP_ESTABLISHED, 4, 5, 8, 9, 11)
+ALL_STATES = range(32)  # a dump of every socket (a UDP socket is ESTABLISHED when connected, CLOSE when not)
 INET_DIAG_INFO = 2  # the attribute holding struct tcp_info; requested as extension bit INET_DIAG_INFO - 1
 
 _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
 _REQUEST = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, extensions, states, an empty id
-ALL_STATES = range(32)  # what a UDP socket's state means to the kernel: 1 connected, 7 not
 _ADDRESSES = struct.Struct(">HH16s16s")  # inet_diag_sockid: ports (network order), addresses
 _TAIL = struct.Struct("=IIIIIIII")  # the id's interface and cookie, expires, rqueue, wqueue, uid, inode
 DIAG_MESSAGE_SIZE = 4 + _ADDRESSES.size + _TAIL.size  # struct inet_diag_msg, 72 bytes
@@ -52,7 +52,7 @@ FAMILIES: dict[int, str] = {int(socket.AF_INET): "ipv4", int(socket.AF_INET6): "
 
 @dataclass(frozen=True)
 class TcpInfo:
-    """What this probe reads of a connection's struct tcp_info."""
+    """What the connections probe reads of a connection's struct tcp_info."""
 
     rtt_us: int  # tcpi_rtt: the smoothed RTT, 0 before the first sample
     total_retrans: int  # tcpi_total_retrans: segments retransmitted over the connection's life
