@@ -164,14 +164,8 @@ class SocketOwners:
 
     def _scan(self, now: float) -> None:
         self._refreshed_at = now
-        sockets: list[sockdiag.DiagSocket] = []
-        for name, protocol in (("TCP", socket.IPPROTO_TCP), ("UDP", socket.IPPROTO_UDP)):
-            try:
-                sockets += sockdiag.held(protocol)
-            except OSError as exc:
-                level = logging.DEBUG if name in self._unlisted else logging.WARNING
-                log.log(level, "cannot list %s sockets to find flow owners: %s", name, exc)
-                self._unlisted.add(name)
+        if (sockets := self._held_sockets()) is None:
+            return
         pids = sockdiag.owners({s.inode for s in sockets if s.inode})
         connected, listening = {}, {}
         for s in sockets:
@@ -186,6 +180,21 @@ class SocketOwners:
         # Those this scan missed wait for the next full one; a forgotten one, asked again, is new again.
         self._unknown = {key: at for key, at in self._unknown.items()
                          if key not in connected and now - at < self._max_age}
+
+    def _held_sockets(self) -> list[sockdiag.DiagSocket] | None:
+        """TCP's and UDP's sockets that a process can hold; None when the kernel listed neither (the
+        previous scan's owners stay). A refused protocol is a warning once."""
+        sockets: list[sockdiag.DiagSocket] = []
+        listed = False
+        for name, protocol in (("TCP", socket.IPPROTO_TCP), ("UDP", socket.IPPROTO_UDP)):
+            try:
+                sockets += sockdiag.held(protocol)
+                listed = True
+            except OSError as exc:
+                level = logging.DEBUG if name in self._unlisted else logging.WARNING
+                log.log(level, "cannot list %s sockets to find flow owners: %s", name, exc)
+                self._unlisted.add(name)
+        return sockets if listed else None
 
 
 def _unmapped(address: str) -> str:

@@ -16,9 +16,9 @@ Configurations alternate round by round (the order reversed every other round): 
 whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), empty programs
 on the hooks where the whole agent's programs run per request here (the floor: see EmptyPrograms), the
 whole agent without the requests part (`count_requests = false`: what counting requests adds), and
-each probe alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every process of
-the serving side: nginx's master and worker, the upstream) and the agent's, over the load, each
-divided by the requests the load generator completed. CPU time is each thread's sum_exec_runtime
+each probe alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every
+process of the serving side: nginx's master and worker, the upstream) and the agent's, over the load,
+each divided by the requests the load generator completed. CPU time is each thread's sum_exec_runtime
 (/proc/PID/task/TID/schedstat): the accounting /proc/PID/stat's utime+stime are scaled from, in ns
 rather than 10 ms ticks, which an agent's few ms per round need.
 

@@ -366,10 +366,10 @@ def overflows_everywhere(snapshot: ConnectionsSnapshot) -> int:
 
 @pytest.mark.bpf
 def test_syns_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: ConnectionsProbe) -> None:
-    """Backlog 4, 30 clients, never accepted: the queue fills (see `full`), the
-    rest overflow at the SYN and at each SYN retry. Over every listener of the host's namespace (other
-    suites run beside this one), the overflows equal TcpExt ListenOverflows' increase. The tracepoint
-    strategy sees no SYN dropped at a full queue (the kernel leaves no trace of it)."""
+    """Backlog 4, 30 clients, never accepted: the queue fills (see `full`), the rest overflow at the
+    SYN and at each SYN retry. Over every listener of the host's namespace (other suites run beside
+    this one), the overflows equal TcpExt ListenOverflows' increase. The tracepoint strategy sees no
+    SYN dropped at a full queue (the kernel leaves no trace of it)."""
     before, counted_before = read_tcp_counters().listen_overflows, overflows_everywhere(hooked.read())
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -391,9 +391,9 @@ def test_syns_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: Co
 def test_last_acks_at_a_full_accept_queue_overflow_as_the_host_counts_them(hooked: ConnectionsProbe) -> None:
     """With TCP_DEFER_ACCEPT a handshake completes at the client's first data, not its ACK, so
     connections admitted while the queue had room complete once it is full: backlog 4, four clients
-    complete, four more connect, then send; the first fills the queue (see `full`), the others overflow at the
-    handshake's last ACK (tcp_v4_syn_recv_sock), again at each retransmission. Every strategy sees
-    these: over every listener, the host's increase."""
+    complete, four more connect, then send; the first fills the queue (see `full`), the others
+    overflow at the handshake's last ACK (tcp_v4_syn_recv_sock), again at each retransmission. Every
+    strategy sees these: over every listener, the host's increase."""
     before, counted_before = read_tcp_counters().listen_overflows, overflows_everywhere(hooked.read())
     with socket.socket() as server:
         server.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 30)

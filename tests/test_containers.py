@@ -278,11 +278,13 @@ def test_flow_owners_are_found_for_tcp_udp_and_dual_stack_sockets() -> None:
 def test_a_protocol_the_kernel_will_not_list_is_said_once_and_the_others_owners_still_found(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A kernel without udp_diag (a module) refuses UDP's dump: TCP's owners are still found, and the
-    refusal is a warning once, not one per scan."""
+    refusal is a warning once, not one per scan. A scan the kernel lists nothing for keeps the owners
+    the previous one found."""
     real = containers.sockdiag.held
+    refused = {socket.IPPROTO_UDP}
 
     def held(protocol: int) -> list[containers.sockdiag.DiagSocket]:
-        if protocol == socket.IPPROTO_UDP:
+        if protocol in refused:
             raise OSError(errno.ENOENT, "sock_diag: No such file or directory")
         return real(protocol)
 
@@ -293,5 +295,9 @@ def test_a_protocol_the_kernel_will_not_list_is_said_once_and_the_others_owners_
         for ghost_port in (1, 2, 3):  # each never asked before: a scan each
             assert owners.owner("198.18.0.1", ghost_port, "198.18.0.2", 2) is None
         assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
+        refused.add(socket.IPPROTO_TCP)
+        assert owners.owner("198.18.0.1", 4, "198.18.0.2", 2) is None  # a scan listing nothing
+        assert owners.owner(*client.getsockname(), *client.getpeername()) == os.getpid()
     assert [r.getMessage() for r in caplog.records] == [
-        "cannot list UDP sockets to find flow owners: [Errno 2] sock_diag: No such file or directory"]
+        "cannot list UDP sockets to find flow owners: [Errno 2] sock_diag: No such file or directory",
+        "cannot list TCP sockets to find flow owners: [Errno 2] sock_diag: No such file or directory"]
