@@ -2,7 +2,7 @@
 #   make run    install deps, build, run `aiprobe top` on this host (interactive: processes, flows, GPUs, alerts)
 #   make test   install deps, build, run ruff and the whole test suite (as root)
 #   make bench  install deps, build, run benchmarks/ and print a table of ratios
-#   make test-kernels  the `kernels` tests on Debian 12's stock kernels booted in qemu, and on this host
+#   make test-kernels  the `kernels` tests on Debian 11's and 12's stock kernels booted in qemu, and on this host
 #                      (MATRIX_ARGS="--repeat 5" runs each selection 5 times in one boot, to find flakes)
 
 PYTHON ?= python3

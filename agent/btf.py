@@ -88,8 +88,12 @@ class Btf:
 
     def enum_names(self, name: str) -> list[str]:
         """The enumerators of `enum name`, in value order."""
-        members = sorted(self._trailing(self.find(name, ENUM), BtfEnum), key=lambda member: member.val)
-        return [self._member_name(member) for member in members]
+        values = self.enum_values(name)
+        return sorted(values, key=values.__getitem__)
+
+    def enum_values(self, name: str) -> dict[str, int]:
+        """The enumerators of `enum name` and their values."""
+        return {self._member_name(member): member.val for member in self._trailing(self.find(name, ENUM), BtfEnum)}
 
     def array_length(self, struct: str, member: str) -> int:
         """The number of elements of array `member` of `struct struct`."""
@@ -181,6 +185,15 @@ class Btf:
     def _member_name(self, member: BtfMember | BtfEnum) -> str:
         raw = libbpf.lib().btf__name_by_offset(self._handle, member.name_off)
         return raw.decode() if raw else ""
+
+
+def kernel_enum_names(name: str) -> list[str]:
+    """The enumerators of the running kernel's `enum name`, from its BTF, in value order."""
+    handle = libbpf.new_ptr("btf__load_vmlinux_btf")
+    try:
+        return Btf(handle).enum_names(name)
+    finally:
+        libbpf.lib().btf__free(handle)
 
 
 def decode(value: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -55,6 +56,7 @@ _HINTS = {
     "probe_kprobe": "no kprobe PMU and no kprobe_events (kernel built without CONFIG_KPROBES)",
     "probe_tcp_send_tp": "no tcp:tcp_sendmsg_locked tracepoint",
     "probe_sock_length_tp": "no sock:sock_send_length / sock_recv_length tracepoints (6.3+)",
+    "probe_sk_storage_tracing": "BTF programs (fentry, tp_btf) may not use socket storage (5.11+)",
 }
 
 
@@ -93,6 +95,20 @@ def libc_path() -> str:
 
 def _uprobe() -> Feature:
     return _program("probe_uprobe", lambda obj: obj.programs["probe_uprobe"].attach_uprobe(libc_path(), "getpid"))
+
+
+@functools.cache
+def helper_available(prog_type: int, helper: int) -> bool:
+    """Whether programs of type `prog_type` may call helper `helper` on this kernel: libbpf loads a
+    tiny one that calls it (the verifier names an unknown or refused helper before anything else)."""
+    rc = libbpf.lib().libbpf_probe_bpf_helper(prog_type, helper, None)
+    return libbpf.check_rc(rc, f"probe of helper {helper} for program type {prog_type}") > 0
+
+
+@functools.cache
+def sk_storage_in_tracing() -> Feature:
+    """Whether BTF programs (fentry, tp_btf) may use socket storage (5.11): one tiny program's load."""
+    return _program("probe_sk_storage_tracing")
 
 
 def _map_create(map_type: int, key: int, value: int, entries: int) -> int:

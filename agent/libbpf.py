@@ -36,6 +36,11 @@ BPF_TCX_EGRESS = 47
 # enum bpf_map_type
 BPF_MAP_TYPE_HASH = 1
 BPF_MAP_TYPE_RINGBUF = 27
+# enum bpf_prog_type
+BPF_PROG_TYPE_RAW_TRACEPOINT = 17
+# enum bpf_func_id
+BPF_FUNC_TASK_STORAGE_GET = 156
+BPF_FUNC_LOOP = 181
 # enum bpf_tc_attach_point
 BPF_TC_INGRESS = 1
 BPF_TC_EGRESS = 2
@@ -177,6 +182,8 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_program__section_name", c_char_p, [c_void_p]),
     ("bpf_program__set_autoload", c_int, [c_void_p, c_bool]),
     ("bpf_program__autoload", c_bool, [c_void_p]),
+    ("bpf_program__flags", c_uint32, [c_void_p]),
+    ("bpf_program__set_flags", c_int, [c_void_p, c_uint32]),
     ("bpf_program__fd", c_int, [c_void_p]),
     ("bpf_program__set_log_level", c_int, [c_void_p, c_uint32]),
     ("bpf_program__set_log_buf", c_int, [c_void_p, c_char_p, c_size_t]),
@@ -198,6 +205,8 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_map__value_size", c_uint32, [c_void_p]),
     ("bpf_map__max_entries", c_uint32, [c_void_p]),
     ("bpf_map__set_max_entries", c_int, [c_void_p, c_uint32]),
+    ("bpf_map__set_type", c_int, [c_void_p, c_int]),
+    ("bpf_map__set_map_flags", c_int, [c_void_p, c_uint32]),
     ("bpf_map__reuse_fd", c_int, [c_void_p, c_int]),
     ("bpf_map__btf_key_type_id", c_uint32, [c_void_p]),
     ("bpf_map__btf_value_type_id", c_uint32, [c_void_p]),
@@ -211,11 +220,13 @@ _SIGNATURES: list[tuple[str, object, list[object]]] = [
     ("bpf_map_lookup_batch", c_int,
      [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), c_void_p]),
     ("bpf_map_delete_batch", c_int, [c_int, c_void_p, POINTER(c_uint32), c_void_p]),
+    ("bpf_prog_load", c_int, [c_int, c_char_p, c_char_p, c_void_p, c_size_t, c_void_p]),
     ("bpf_prog_test_run_opts", c_int, [c_int, c_void_p]),
     ("bpf_prog_query", c_int, [c_int, c_int, c_uint32, c_void_p, c_void_p, POINTER(c_uint32)]),
     ("bpf_prog_get_fd_by_id", c_int, [c_uint32]),
     ("bpf_obj_get_info_by_fd", c_int, [c_int, c_void_p, POINTER(c_uint32)]),
     ("bpf_enable_stats", c_int, [c_int]),
+    ("libbpf_probe_bpf_helper", c_int, [c_int, c_int, c_void_p]),
     ("btf__load_vmlinux_btf", c_void_p, []),
     ("btf__parse_elf", c_void_p, [c_char_p, c_void_p]),
     ("btf__free", None, [c_void_p]),

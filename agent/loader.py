@@ -169,6 +169,15 @@ class Program:
     def autoload(self, enabled: bool) -> None:
         libbpf.lib().bpf_program__set_autoload(self._ptr, enabled)
 
+    @property
+    def flags(self) -> int:
+        """BPF_F_* load flags (BPF_PROG_LOAD's prog_flags), beyond those its SEC() adds at load."""
+        return int(libbpf.lib().bpf_program__flags(self._ptr))
+
+    @flags.setter
+    def flags(self, flags: int) -> None:
+        libbpf.call("bpf_program__set_flags", self._ptr, flags)
+
     def keep_verifier_log(self, level: int) -> None:
         self._log_buf = ctypes.create_string_buffer(_LOG_BUF_SIZE)
         libbpf.lib().bpf_program__set_log_buf(self._ptr, self._log_buf, _LOG_BUF_SIZE)
@@ -359,6 +368,32 @@ class Map:
     @max_entries.setter
     def max_entries(self, value: int) -> None:
         libbpf.call("bpf_map__set_max_entries", self._ptr, value)
+
+    def retype(self, map_type: int, flags: int, max_entries: int, key_size: int | None = None) -> None:
+        """Before load: make the map one of another type (one the kernel has where it lacks the declared
+        type), with the flags and size that type takes. With `key_size` other than the declared key's,
+        the map is made here, without BTF (the kernel refuses a key type of another size), and libbpf
+        takes it as made."""
+        if self.percpu or map_type in _PERCPU_MAP_TYPES:
+            raise ValueError(f"map {self.name}: per-CPU maps keep their type")
+        libbpf.call("bpf_map__set_type", self._ptr, map_type)
+        libbpf.call("bpf_map__set_map_flags", self._ptr, flags)
+        self.max_entries = max_entries
+        self.type = map_type
+        if key_size is not None and key_size != self.key_size:
+            self._make(flags, key_size)
+
+    def _make(self, flags: int, key_size: int) -> None:
+        if flags:
+            raise ValueError(f"map {self.name}: a map made here takes no flags")
+        fd = libbpf.call("bpf_map_create", self.type, self.name[:15].encode(), key_size, self.value_size,
+                         self.max_entries, None)
+        try:
+            libbpf.call("bpf_map__reuse_fd", self._ptr, fd)  # libbpf keeps a duplicate
+        finally:
+            os.close(fd)
+        self.key_size = key_size
+        self.key_type = ctypes.c_uint8 * key_size
 
     def _value_buffer(self, count: int = 1) -> ctypes.Array:
         return (ctypes.c_uint8 * (self._stride * self._ncpus * count))()

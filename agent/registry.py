@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 from .config import Catalog, Settings
 from .features import Feature
 from .formatting import Column, View
-from .loader import Loaded, Strategy
+from .loader import BpfObject, Loaded, ProbeUnavailable, Strategy, attach_all, load_first
 from .model import MapUsage, ProbeStatus
 from .refresh import NO_HOOKS, Hooks
 from .rules import FleetRule, RuleSpec
@@ -68,6 +68,24 @@ class Unavailable:
         return 0
 
 
+# One step of loading an object under a strategy (load_first's configure and attach).
+LoadStep = Callable[[BpfObject, Strategy], None]
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How a probe's start() loads its object, so `aiprobe check` plans from the same loads
+    (load_first's arguments): the chain it tries (None: the probe's strategies), what it sets before
+    each load, and its attach where that is global and harmless (tracepoints, kprobes, trampolines,
+    detached with the object). An attach to the host's own interfaces or libraries is left to the
+    probe's fallback for a host with none (a throwaway netns), never made on them."""
+
+    strategies: tuple[Strategy, ...] | None = None
+    configure: LoadStep | None = None
+    attach: LoadStep = attach_all
+    bpf_object: str | None = None  # the build of its object it opens on this kernel (None: its spec's)
+
+
 class Probe:
     """Uniform life cycle of every probe; use as a context manager."""
 
@@ -86,6 +104,10 @@ class Probe:
 
     def start(self) -> None:
         raise NotImplementedError
+
+    def loading(self) -> Loading:
+        """How start() loads its object (its spec's bpf_object): `aiprobe check` loads it alike."""
+        return Loading()
 
     def read(self) -> Any:
         raise NotImplementedError
@@ -284,17 +306,84 @@ class ProbePlan:
         }
 
 
-def plan(spec: Part, features: dict[str, Feature]) -> ProbePlan:
-    """The first strategy whose kernel features all work here, and why the ones before it don't."""
-    unmet = spec.requirement() if spec.requirement else None
-    if unmet:
-        return ProbePlan(spec.name, spec.description, None, reason=unmet)
+@dataclass
+class Trial:
+    """A probe's object loaded as its start() loads it: the strategy that loaded and attached (None:
+    none did), and why each one tried before it failed, by attempt (Strategy.attempt)."""
+
+    strategy: Strategy | None
+    skipped: dict[str, str]
+
+
+def trial(spec: ProbeSpec, features: dict[str, Feature], config: Config) -> Trial:
+    """Each strategy in the order load_first tries them, at most once, until one runs: one with
+    programs by a real load and attach (load_first's own, closed at once), one without by the
+    kernel features it names."""
+    loading = spec.factory(config).loading() if spec.factory else Loading()
     skipped: dict[str, str] = {}
-    for strategy in spec.strategies:
-        missing = [f for f in strategy.features if not features[f].available]
-        if not missing:
-            return ProbePlan(spec.name, spec.description, strategy.name, strategy.span, skipped=skipped,
-                             limitations=spec.limitations() if spec.limitations else [])
-        skipped[strategy.name] = "kernel lacks " + ", ".join(missing)
-    reason = "; ".join(f"{name}: {why}" for name, why in skipped.items())
-    return ProbePlan(spec.name, spec.description, None, reason=reason, skipped=skipped)
+    for strategy in loading.strategies or spec.strategies:
+        try:
+            why = _load_failure(spec, strategy, loading) if strategy.programs else _missing(strategy, features)
+        except Exception as exc:  # as the agent: a probe whose load raises cannot run, whatever came next
+            skipped[strategy.attempt] = str(exc) or type(exc).__name__
+            break
+        if why is None:
+            return Trial(strategy, skipped)
+        skipped[strategy.attempt] = why
+    return Trial(None, skipped)
+
+
+def _load_failure(spec: ProbeSpec, strategy: Strategy, loading: Loading) -> str | None:
+    try:
+        loaded = load_first(spec.name, loading.bpf_object or spec.bpf_object, (strategy,), configure=loading.configure,
+                            attach=loading.attach)
+    except ProbeUnavailable as exc:
+        return "; ".join(exc.reasons.values())
+    loaded.obj.close()
+    return None
+
+
+def _missing(strategy: Strategy, features: dict[str, Feature]) -> str | None:
+    missing = [f for f in strategy.features if not features[f].available]
+    return "kernel lacks " + ", ".join(missing) if missing else None
+
+
+def plans(features: dict[str, Feature], config: Config) -> list[ProbePlan]:
+    """What the agent would run with `config`, every probe and part in order: each probe from a trial
+    of its own loads, each part from its probe's."""
+    trials = {spec.name: trial(spec, features, config) for spec in specs() if not _unmet(spec)}
+    return [plan(face, trials.get(owner(face).name)) for face in faces()]
+
+
+def _unmet(part: Part) -> str | None:
+    return part.requirement() if part.requirement else None
+
+
+def plan(face: Part, host: Trial | None) -> ProbePlan:
+    """A probe's or part's plan from its probe's trial (`host`; None: its probe's prerequisite is
+    unmet). A part runs the strategy of its own chain that its probe loaded (the probe's, or the
+    part's loaded with it: Strategy.part), having skipped those its probe's trial skipped."""
+    unmet = _unmet(face)
+    if unmet or host is None:
+        return ProbePlan(face.name, face.description, None, reason=unmet or _outside(face))
+    own = {s.name: s for s in face.strategies}
+    skipped = {name: why for name, why in host.skipped.items() if name in own}
+    loaded = (host.strategy, host.strategy.part) if host.strategy else ()
+    runs = next((own[s.name] for s in loaded if s is not None and s.name in own), None)
+    if runs is None:
+        return ProbePlan(face.name, face.description, None, reason=_why_not(face, host, skipped), skipped=skipped)
+    return ProbePlan(face.name, face.description, runs.name, runs.span, skipped=skipped,
+                     limitations=face.limitations() if face.limitations else [])
+
+
+def _why_not(face: Part, host: Trial, skipped: dict[str, str]) -> str:
+    reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+    if host.strategy is None:
+        return reasons if owner(face) is face else _outside(face)
+    runs = f"the {owner(face).name} probe runs {host.strategy.name}, not one of its strategies"
+    return f"{runs} ({reasons})" if reasons else runs
+
+
+def _outside(part: Part) -> str:
+    """As the agent says it of a part whose probe cannot run."""
+    return f"runs inside the {owner(part).name} probe, which is not running"

@@ -23,6 +23,7 @@
 #include "http1.h"
 #include "msg.h"
 #include "requests.h"
+#include "sk_state.h"
 #include "sock.h"
 #include "streams_maps.h"
 #include "syscalls.h"
@@ -42,16 +43,18 @@ struct client_socket {
 	__u8 phase;		/* enum client_phase */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct client_socket);
-} client_sockets SEC(".maps");
+SOCKET_STATE_MAP(client_sockets, struct client_socket);
 
 ENDPOINT_MAP(client_stats, struct client_key, struct client_stats, REQUEST_MAX_ENDPOINTS);
 
 static struct client_stats zero_client_stats;
+static struct client_socket zero_client_socket;
+
+/* `sk`'s client state (sk_state.h); where `make`, made if it has none. */
+static __always_inline struct client_socket *client_socket_of(struct sock *sk, bool make)
+{
+	return socket_entry(&client_sockets, sk, &zero_client_socket, make);
+}
 
 /* The request in progress on `sk` ended, if its response was read: counted. Named after the current
  * process only when it is the sender (a close may run in softirq, on behalf of any process). */
@@ -96,7 +99,7 @@ static __always_inline __u8 sent_method(struct msghdr *msg)
 static __always_inline void client_connecting(struct sock *sk)
 {
 	if (requests_enabled)
-		bpf_sk_storage_get(&client_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+		client_socket_of(sk, true);
 }
 
 /* A send on `sk`, which has no server state: a request's first send starts it (and ends the one
@@ -104,7 +107,7 @@ static __always_inline void client_connecting(struct sock *sk)
  * request before (an upgraded connection's traffic is not requests). */
 static __always_inline void client_send_begin(struct sock *sk, struct msghdr *msg)
 {
-	struct client_socket *c = bpf_sk_storage_get(&client_sockets, sk, NULL, 0);
+	struct client_socket *c = client_socket_of(sk, false);
 	__u64 pid_tgid;
 	__u8 method;
 
@@ -133,7 +136,7 @@ static __always_inline void client_send_begin(struct sock *sk, struct msghdr *ms
  * the time to first byte and holds the status line (readable in the read syscall's buffer). */
 static __always_inline void client_received(struct sock *sk, int ret)
 {
-	struct client_socket *c = bpf_sk_storage_get(&client_sockets, sk, NULL, 0);
+	struct client_socket *c = client_socket_of(sk, false);
 	char line[12];
 	__u64 user, now;
 
@@ -153,7 +156,7 @@ static __always_inline void client_received(struct sock *sk, int ret)
 /* The host's side of the connection is done writing: the request in progress ends. */
 static __always_inline void client_closed(struct sock *sk)
 {
-	struct client_socket *c = bpf_sk_storage_get(&client_sockets, sk, NULL, 0);
+	struct client_socket *c = client_socket_of(sk, false);
 
 	if (c)
 		client_end(sk, c);

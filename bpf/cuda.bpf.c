@@ -494,70 +494,104 @@ int BPF_KRETPROBE(uretprobe_runtime_set_device, long rc)
 /* ---- synchronizations: only the outermost call is timed, in case one is implemented through
  * another (cuCtxSynchronize through cuStreamSynchronize, the runtime's through the driver's) ---- */
 
+/* Map `cuda_sync_time` keeps the union of each process's synchronizations, for streams: a thread
+ * moving in or out must know whether it is the first in or the last out. Where the kernel has
+ * atomic fetch instructions (5.12), the count's fetch-and-add tells it. Kernels without them
+ * reject any program that holds one, even where it cannot run, so every program that moves a
+ * thread in or out comes twice (SYNC_PROGRAMS): the `_locked` ones read and change the count under
+ * a lock of the process instead, and user space loads one set (agent/probes/cuda/probe.py). */
+
+/* A process's lock is held while its entry exists: of the threads creating it, one succeeds. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);	/* preallocated: uprobes must not allocate (5.10-5.19 warn) */
+	__uint(max_entries, CUDA_SYNC_PROCESSES);	/* held by one running program per CPU at most */
+	__type(key, __u32);	/* host tgid */
+	__type(value, __u8);
+} sync_locks SEC(".maps");
+
+/* The holder runs a few instructions with preemption off, so a waiter spins briefly. Only a holder
+ * interrupted for longer makes it give up: its thread's move then leaves the union shorter. */
+#define SYNC_LOCK_TRIES 256
+
+static __always_inline bool sync_lock(__u32 tgid)
+{
+	__u8 held = 1;
+
+	for (int i = 0; i < SYNC_LOCK_TRIES; i++)
+		if (!bpf_map_update_elem(&sync_locks, &tgid, &held, BPF_NOEXIST))
+			return true;
+	return false;
+}
+
 /* A thread of `tgid` enters its outermost synchronization: the process is inside one from now on,
- * unless another of its threads already was (map `cuda_sync_time` keeps the union, for streams). */
-static __always_inline void process_sync_enter(__u32 tgid, __u64 now)
+ * unless another of its threads already was. */
+static __always_inline void process_sync_enter(__u32 tgid, __u64 now, bool locked)
 {
 	struct cuda_sync_time fresh = {}, *sync = lookup_or_init(&cuda_sync_time, &tgid, &fresh);
+	bool held;
 
 	if (!sync)
 		return;	/* map full: the process's syncs are not seen by streams */
-	if (__sync_fetch_and_add(&sync->inside, 1) == 0)
+	if (!locked) {
+		if (__sync_fetch_and_add(&sync->inside, 1) == 0)
+			sync->since_ns = now;
+		return;
+	}
+	/* The count changes atomically either way, so it stays exact; a thread that could not take
+	 * the lock leaves since_ns alone (its own time may go uncounted). */
+	held = sync_lock(tgid);
+	if (held && !sync->inside)
 		sync->since_ns = now;
+	__sync_fetch_and_add(&sync->inside, 1);
+	if (held)
+		bpf_map_delete_elem(&sync_locks, &tgid);
 }
 
-/* ... and leaves it (returned, or the thread exited inside it): the last one out closes the interval.
- * A thread entering between the count's drop and the read of since_ns shortens that one interval. */
-static __always_inline void process_sync_exit(__u32 tgid, __u64 now)
+/* The last one out closes the interval, adding it to the total. */
+static __always_inline void close_sync_interval(struct cuda_sync_time *sync, __u64 now)
 {
-	struct cuda_sync_time *sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
-	__u64 since;
+	__u64 since = sync->since_ns;
 
-	if (!sync || !sync->inside || __sync_fetch_and_add(&sync->inside, -1) != 1)
-		return;
-	since = sync->since_ns;
 	sync->since_ns = 0;
 	if (since && since < now)
 		__sync_fetch_and_add(&sync->total_ns, now - since);
 }
 
-static __always_inline void sync_enter(__u32 kind)
+/* ... and leaves it (returned, or the thread exited inside it). With fetch atomics, a thread
+ * entering between the count's drop and the read of since_ns shortens that one interval. */
+static __always_inline void process_sync_exit(__u32 tgid, __u64 now, bool locked)
+{
+	struct cuda_sync_time *sync = bpf_map_lookup_elem(&cuda_sync_time, &tgid);
+	bool held;
+
+	if (!sync || !sync->inside)
+		return;
+	if (!locked) {
+		if (__sync_fetch_and_add(&sync->inside, -1) == 1)
+			close_sync_interval(sync, now);
+		return;
+	}
+	held = sync_lock(tgid);
+	if (held && sync->inside == 1)
+		close_sync_interval(sync, now);
+	__sync_fetch_and_add(&sync->inside, -1);	/* not held: an interval it ends goes uncounted */
+	if (held)
+		bpf_map_delete_elem(&sync_locks, &tgid);
+}
+
+static __always_inline int sync_enter(__u32 kind, bool locked)
 {
 	struct caller c;
 
 	if (current_thread(&c) && c.thread->sync_depth++ == 0) {
 		c.thread->sync_kind = kind;
 		c.thread->sync_start_ns = bpf_ktime_get_ns();
-		process_sync_enter(c.thread->tgid, c.thread->sync_start_ns);
+		process_sync_enter(c.thread->tgid, c.thread->sync_start_ns, locked);
 	}
-}
-
-/* cuStreamSynchronize(_ptsz), cudaStreamSynchronize(_ptsz) */
-SEC("uprobe")
-int BPF_KPROBE(uprobe_sync_stream)
-{
-	sync_enter(SYNC_STREAM);
 	return 0;
 }
 
-/* cuCtxSynchronize, cudaDeviceSynchronize */
-SEC("uprobe")
-int BPF_KPROBE(uprobe_sync_device)
-{
-	sync_enter(SYNC_DEVICE);
-	return 0;
-}
-
-/* cuEventSynchronize, cudaEventSynchronize */
-SEC("uprobe")
-int BPF_KPROBE(uprobe_sync_event)
-{
-	sync_enter(SYNC_EVENT);
-	return 0;
-}
-
-SEC("uretprobe")
-int BPF_KRETPROBE(uretprobe_sync_exit)
+static __always_inline int sync_exit(bool locked)
 {
 	struct gpu_thread *t = current_thread_entry();
 	struct gpu_process *p;
@@ -567,7 +601,7 @@ int BPF_KRETPROBE(uretprobe_sync_exit)
 	if (!t || !t->sync_depth || --t->sync_depth)
 		return 0;
 	now = bpf_ktime_get_ns();
-	process_sync_exit(t->tgid, now);
+	process_sync_exit(t->tgid, now, locked);
 	p = bpf_map_lookup_elem(&processes, &t->tgid);
 	kind = t->sync_kind;
 	if (p && t->sync_start_ns && kind < SYNC_KINDS) {
@@ -635,16 +669,17 @@ static __always_inline void on_switched_in(__u32 pid)
 
 /* sched_process_exit fires in every exiting task: a GPU-driving thread's state goes with it (its
  * counts live in its process's entry), so `threads` holds live threads only. */
-static __always_inline void on_exit(void)
+static __always_inline int on_exit(bool locked)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct gpu_thread *t = bpf_map_lookup_elem(&threads, &tid);
 
 	if (!t)
-		return;
+		return 0;
 	if (t->sync_depth)	/* exits inside a synchronization: its process is out of it */
-		process_sync_exit(t->tgid, bpf_ktime_get_ns());
+		process_sync_exit(t->tgid, bpf_ktime_get_ns(), locked);
 	bpf_map_delete_elem(&threads, &tid);
+	return 0;
 }
 
 /* Kernels before 5.14 call task_struct::__state `state`. */
@@ -696,27 +731,6 @@ int BPF_PROG(raw_tp_sched_switch, bool preempt, struct task_struct *prev, struct
 	return 0;
 }
 
-SEC("tp_btf/sched_process_exit")
-int BPF_PROG(tp_btf_sched_process_exit)
-{
-	on_exit();
-	return 0;
-}
-
-SEC("raw_tp/sched_process_exit")
-int BPF_PROG(raw_tp_sched_process_exit)
-{
-	on_exit();
-	return 0;
-}
-
-SEC("tracepoint/sched/sched_process_exit")
-int tracepoint_sched_process_exit(void *ctx)
-{
-	on_exit();
-	return 0;
-}
-
 SEC("tracepoint/sched/sched_wakeup")
 int tracepoint_sched_wakeup(struct trace_event_raw_sched_wakeup_template *ctx)
 {
@@ -738,3 +752,25 @@ int tracepoint_sched_switch(struct trace_event_raw_sched_switch *ctx)
 	on_switched_in(ctx->next_pid);
 	return 0;
 }
+
+/* The programs that move a thread into or out of its process's synchronizations, with atomic fetch
+ * instructions and as NAME_locked without (see process_sync_enter):
+ * - uprobe_sync_stream: cuStreamSynchronize(_ptsz), cudaStreamSynchronize(_ptsz)
+ * - uprobe_sync_device: cuCtxSynchronize, cudaDeviceSynchronize
+ * - uprobe_sync_event: cuEventSynchronize, cudaEventSynchronize
+ * - uretprobe_sync_exit: their returns
+ * - *_sched_process_exit: a thread exiting, in the scheduler side's three flavours */
+#define SYNC_PROGRAMS(suffix, locked)								\
+SEC("uprobe") int BPF_KPROBE(uprobe_sync_stream##suffix) { return sync_enter(SYNC_STREAM, locked); }	\
+SEC("uprobe") int BPF_KPROBE(uprobe_sync_device##suffix) { return sync_enter(SYNC_DEVICE, locked); }	\
+SEC("uprobe") int BPF_KPROBE(uprobe_sync_event##suffix) { return sync_enter(SYNC_EVENT, locked); }	\
+SEC("uretprobe") int BPF_KRETPROBE(uretprobe_sync_exit##suffix) { return sync_exit(locked); }		\
+SEC("tp_btf/sched_process_exit") int BPF_PROG(tp_btf_sched_process_exit##suffix) { return on_exit(locked); } \
+SEC("raw_tp/sched_process_exit") int BPF_PROG(raw_tp_sched_process_exit##suffix) { return on_exit(locked); } \
+SEC("tracepoint/sched/sched_process_exit") int tracepoint_sched_process_exit##suffix(void *ctx)	\
+{											\
+	return on_exit(locked);								\
+}
+
+SYNC_PROGRAMS(, false)
+SYNC_PROGRAMS(_locked, true)

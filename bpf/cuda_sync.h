@@ -14,7 +14,8 @@
 
 /* The union of the process's threads' synchronizations: time during which at least one was inside.
  * `inside` counts the threads inside now; the interval it opened (0 -> 1) started at `since_ns`, and
- * is added to `total_ns` when it closes (1 -> 0). */
+ * is added to `total_ns` when it closes (1 -> 0). How a thread knows it opened or closed one:
+ * bpf/cuda.bpf.c, process_sync_enter. */
 struct cuda_sync_time {
 	__u64 total_ns;
 	__u64 since_ns;		/* 0: no thread inside */
@@ -22,9 +23,10 @@ struct cuda_sync_time {
 	__u32 pad;
 };
 
+/* Preallocated: the cuda probe's uprobes write it, and a kprobe, uprobe or tracepoint program using a
+ * hash that allocates makes kernels 5.10-5.19 warn (a run-time allocation in a trace program). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, CUDA_SYNC_PROCESSES);
 	__type(key, __u32);	/* host tgid */
 	__type(value, struct cuda_sync_time);

@@ -33,7 +33,10 @@ static __always_inline __u64 hit(void)
 
 	if (!count)
 		return 0;
-	return __sync_fetch_and_add(count, hit_increment) + hit_increment;
+	/* A plain atomic add, its result unused: a fetching atomic (5.12+) fails the whole object on
+	 * 5.10. The read after it sees this hit (and perhaps another CPU's). */
+	__sync_fetch_and_add(count, hit_increment);
+	return *count;
 }
 
 SEC("fentry/tcp_sendmsg")
@@ -59,6 +62,23 @@ int BPF_PROG(probe_sock_length_tp) { hit(); return 0; }
 
 SEC("raw_tp/sched_switch")
 int probe_raw_tp(void *ctx) { hit(); return 0; }
+
+/* Socket storage from a BTF program (5.11): where sendlat's stream logic and its unwritable time keep
+ * their per-socket state. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u64);
+} sockets SEC(".maps");
+
+SEC("tp_btf/inet_sock_set_state")
+int BPF_PROG(probe_sk_storage_tracing, struct sock *sk)
+{
+	if (bpf_sk_storage_get(&sockets, sk, NULL, 0))
+		hit();
+	return 0;
+}
 
 SEC("tracepoint/sched/sched_switch")
 int probe_tracepoint(void *ctx) { hit(); return 0; }

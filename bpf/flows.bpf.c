@@ -6,6 +6,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 #include "common.h"
 #include "flows.h"
 
@@ -70,10 +71,11 @@ struct {
 	__type(value, struct lost_counters);
 } lost SEC(".maps");
 
-/* CLOCK_MONOTONIC_COARSE as user space's latest read of the table began (FlowsProbe writes it): what
- * an existing flow's frame stamps as its last_seen. Reading a clock per frame cost about 20 of the
- * ~75 ns an existing flow's frame costs at XDP; a read only asks which flows changed since an earlier
- * read began and which idled out, which this answers at the precision of the read interval. */
+/* The flows' clock (flow_clock_ns()) as user space's latest read of the table began (FlowsProbe
+ * writes it): what an existing flow's frame stamps as its last_seen. Reading a clock per frame cost
+ * about 20 of the ~75 ns an existing flow's frame costs at XDP; a read only asks which flows changed
+ * since an earlier read began and which idled out, which this answers at the precision of the read
+ * interval. */
 volatile __u64 flows_clock SEC(".data.clock") = 0;
 
 struct header_cursor {
@@ -277,6 +279,15 @@ static __always_inline void add_to_flow(struct flow_counters *counters, struct w
 		counters->cgroup_id = bpf_skb_cgroup_id(skb);
 }
 
+/* CLOCK_MONOTONIC_COARSE, or CLOCK_MONOTONIC where the kernel lacks the coarse helper (before 5.11);
+ * user space writes flows_clock from the same clock (flow_clock() in agent/probes/flows/probe.py). */
+static __always_inline __u64 flow_clock_ns(void)
+{
+	if (bpf_core_enum_value_exists(enum bpf_func_id, BPF_FUNC_ktime_get_coarse_ns))
+		return bpf_ktime_get_coarse_ns();
+	return bpf_ktime_get_ns();
+}
+
 /* Parsed flow -> counters. A new flow is inserted zeroed with BPF_NOEXIST and counted like an
  * existing one, so two CPUs that see its first packets at once both count exactly. */
 static __always_inline void count_flow(struct flow_key *key, struct wire *wire, __u8 tcp_flags,
@@ -285,7 +296,7 @@ static __always_inline void count_flow(struct flow_key *key, struct wire *wire, 
 	struct flow_counters *counters = bpf_map_lookup_elem(&flows, key);
 
 	if (!counters) {
-		__u64 now = bpf_ktime_get_coarse_ns();
+		__u64 now = flow_clock_ns();
 		struct flow_counters fresh = { .first_seen_ns = now, .last_seen_ns = now };
 
 		bpf_map_update_elem(&flows, key, &fresh, BPF_NOEXIST);
@@ -298,15 +309,26 @@ static __always_inline void count_flow(struct flow_key *key, struct wire *wire, 
 	add_to_flow(counters, wire, tcp_flags, skb);
 }
 
-/* xdp.frags: the program accepts multi-buffer frames, so the kernel lets it attach where the MTU
- * exceeds a page (9000, usual on GPU clusters). Headers are in the first buffer; the length is all
- * buffers'. XDP runs before GRO, so every frame is one wire packet. */
-SEC("xdp.frags")
+/* The frame's length over all its buffers. Single-buffer frames (every frame before XDP multi-buffer,
+ * 5.18) lie between data and data_end. */
+static __always_inline __u64 xdp_frame_len(struct xdp_md *ctx, struct header_cursor *c)
+{
+	if (bpf_core_enum_value_exists(enum bpf_func_id, BPF_FUNC_xdp_get_buff_len))
+		return bpf_xdp_get_buff_len(ctx);
+	return c->end - c->start;
+}
+
+/* User space loads it with BPF_F_XDP_HAS_FRAGS where the kernel has XDP multi-buffer
+ * (agent/probes/flows/probe.py): the program accepts multi-buffer frames, so the kernel lets it
+ * attach where the MTU exceeds a page (9000, usual on GPU clusters). Not SEC("xdp.frags"), which
+ * libbpf loads with that flag on every kernel and one without multi-buffer refuses. Headers are in
+ * the first buffer. XDP runs before GRO, so every frame is one wire packet. */
+SEC("xdp")
 int flows_xdp(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;
 	struct header_cursor c = { data, data, (void *)(long)ctx->data_end };
-	struct wire wire = { 1, bpf_xdp_get_buff_len(ctx) };
+	struct wire wire = { 1, xdp_frame_len(ctx, &c) };
 	struct flow_key key = {};
 	struct frame_info info = {};
 	int parsed = parse_frame(&c, false, &key, &info);
@@ -390,7 +412,7 @@ int flows_egress(struct __sk_buff *skb)
 }
 
 /* Baselines for benchmarks/bench_flows.py: the same hooks doing nothing. */
-SEC("xdp.frags")
+SEC("xdp")
 int flows_xdp_empty(struct xdp_md *ctx) { return XDP_PASS; }
 
 SEC("tc")

@@ -29,7 +29,8 @@ struct flow_key {
 	__u8 remote_addr[16];
 };
 
-/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse):
+/* One per flow, updated with atomic adds; first_seen / last_seen are CLOCK_MONOTONIC (coarse; precise
+ * where the kernel lacks bpf_ktime_get_coarse_ns, before 5.11):
  * first_seen the flow's first frame, last_seen no earlier than the start of the table read before its
  * latest frame (flows_clock), nor than its first_seen.
  * Counts are what crosses the wire: a GSO/GRO skb (one skb, many segments) counts as its gso_segs

@@ -16,11 +16,12 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include "loop.h"
 #include "msg.h"
 #include "requests.h"
 
 #define HPACK_RING 16		/* insertions kept per connection (a power of 2) */
-#define HPACK_FIELDS 24		/* fields walked per header block */
+#define HPACK_FIELDS LOOP_BOUND(24, 12)	/* fields walked per header block */
 #define HPACK_STATIC 61		/* static table entries; dynamic indexes follow */
 
 /* What a table entry (or a field) holds: a kind and its value (0: the value is not readable). */
@@ -126,9 +127,8 @@ static __always_inline __u32 hpack_peek(struct hpack_walk *w, __u64 *word)
 	__u64 n = w->c->left < w->b->left ? w->c->left : w->b->left;
 
 	*word = 0;
-	n = n < 8 ? n : 8;
-	barrier_var(n);
-	if (n == 0 || n > 8 || bpf_probe_read_user(word, n, (void *)w->c->base))
+	n = read_size_1_to_8(n < 8 ? n : 8);
+	if (!n || bpf_probe_read_user(word, n, (void *)w->c->base))
 		return 0;
 	*word = bpf_be64_to_cpu(*word);
 	return n;
@@ -279,9 +279,10 @@ static __always_inline void hpack_found(struct hpack_walk *w, __u16 field)
 	}
 }
 
-/* One field of the block at the cursor (bpf_loop's callback): read, its insertion counted; stops at
- * the block's end, and where it cannot go on (w->b->left stays above 0). */
-static long hpack_field(__u32 turn, struct hpack_walk *w)
+/* One field of the block at the cursor (the loop's callback): read, its insertion counted; stops at
+ * the block's end, and where it cannot go on (w->b->left stays above 0). Not inlined in the bounded
+ * build either: its paths end at its return, so the verifier walks each turn from fewer states. */
+static __noinline long hpack_field(__u32 turn, struct hpack_walk *w)
 {
 	__u64 word;
 	__u32 n, used, index;
@@ -322,22 +323,19 @@ static long hpack_field(__u32 turn, struct hpack_walk *w)
 }
 
 /* Walk the header block of `length` bytes at cursor `c` (which it moves) into `b`: its :status and
- * grpc-status, and its insertions into `t` (lost where the walk stops before the block's end). A global
- * function: the verifier checks it once, not once per state of the frame walk that calls it. */
-__noinline int hpack_walk_block(struct hpack_table *t, struct msg_cursor *c, __u64 length, struct hpack_block *b)
+ * grpc-status, and its insertions into `t` (lost where the walk stops before the block's end). */
+static __always_inline void hpack_walk_block(struct hpack_table *t, struct msg_cursor *c, __u64 length,
+					     struct hpack_block *b)
 {
 	struct hpack_walk w = { .c = c, .table = t, .b = b };
 
-	if (!t || !c || !b)	/* a global function's arguments may be NULL to the verifier */
-		return 0;
 	b->left = length;
 	b->status = 0;
 	b->rpc_status = 0;
 	b->grpc = 0;
-	bpf_loop(HPACK_FIELDS, hpack_field, &w, 0);
+	LOOP(HPACK_FIELDS, hpack_field, &w);
 	if (b->left)
 		t->lost = 1;
-	return 0;
 }
 
 /* The block's first field, past a one-byte dynamic table size update: `word` holds the block's first

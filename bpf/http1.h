@@ -7,6 +7,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "common.h"
+#include "loop.h"
 #include "requests.h"
 
 /* Of a response's first write, the bytes read to tell its protocol; the SSE content type is searched
@@ -48,7 +49,7 @@ static __always_inline bool has_event_stream(const char *bytes, __u32 len)
 {
 	struct sse_search search = { .bytes = bytes, .len = len };
 
-	bpf_loop(HTTP1_PEEK_BYTES - 11, sse_search_at, &search, 0);
+	LOOP(HTTP1_PEEK_BYTES - 11, sse_search_at, &search);
 	return search.found;
 }
 

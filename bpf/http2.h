@@ -36,20 +36,20 @@ static __always_inline __u64 h2_read_top(__u64 from, __u64 n)
 {
 	__u64 word = 0;
 
-	barrier_var(n);
-	if (n && n <= 8 && !bpf_probe_read_user(&word, n, (void *)from))
-		return bpf_be64_to_cpu(word);
-	return 0;
+	n = read_size_1_to_8(n);
+	if (!n || bpf_probe_read_user(&word, n, (void *)from))
+		return 0;
+	return bpf_be64_to_cpu(word);
 }
 
 /* A frame header whose first `first` bytes (1-8) end the cursor's segment and whose rest begins the
  * next (writev of slices that are not frames: grpc-core's), into `header`. */
 static __always_inline bool h2_read_split_header(struct msg_cursor *c, __u8 header[14])
 {
-	__u64 first = c->left, head, tail;
+	__u64 first = read_size_1_to_8(c->left), head, tail;	/* 1-8: below a frame header */
 	struct iovec next;
 
-	if (!first || first >= H2_FRAME_HEADER || !c->iov || c->segment + 1 >= c->segments ||
+	if (!first || !c->iov || c->segment + 1 >= c->segments ||
 	    bpf_probe_read_kernel(&next, sizeof(next), (void *)(c->iov + (c->segment + 1) * sizeof(next))) ||
 	    next.iov_len < H2_FRAME_HEADER - first)
 		return false;

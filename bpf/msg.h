@@ -25,6 +25,32 @@ struct iov_iter___pre_6_4 {
 	const struct iovec *iov;
 } __attribute__((preserve_access_index));
 
+/* `n` where it is 1-8, else 0: a read's size, bounded for the verifier on the register returned. Two
+ * comparisons (n && n <= 8) become one on a copy in clang's hands (n - 1 < 8), and a bound found on a
+ * copy does not come back to `n` in 5.10's verifier (which then sees sizes of up to 9); a bound clang
+ * knew is dropped as well, so 5.10 finds it again here. */
+static __always_inline __u64 read_size_1_to_8(__u64 n)
+{
+	__u64 less = n - 1;
+
+	if (less >= 8)
+		return 0;
+	barrier_var(less);
+	return less + 1;
+}
+
+/* Before 5.14 the iterator's kind was `type`, with its direction (READ 0, WRITE 1) in the low bit. */
+struct iov_iter___pre_5_14 {
+	unsigned int type;
+} __attribute__((preserve_access_index));
+
+static __always_inline __u8 iter_type_of(struct iov_iter *iter)
+{
+	if (bpf_core_field_exists(iter->iter_type))
+		return iter->iter_type;
+	return ((struct iov_iter___pre_5_14 *)iter)->type & ~1U;
+}
+
 /* The cursor at a send's first byte: a user buffer (ITER_UBUF, 6.0+) or the first of an iovec
  * array's segments; false for anything else. `msg` is a BTF pointer (the fentry and tp_btf programs'
  * argument): its scalar fields are plain loads (a probe-read helper each cost ~30 ns on every send
@@ -35,7 +61,7 @@ static __always_inline bool cursor_start(struct msg_cursor *c, struct msghdr *ms
 {
 	struct iov_iter *iter = &msg->msg_iter;
 	__u64 offset = iter->iov_offset;
-	__u8 type = iter->iter_type;
+	__u8 type = iter_type_of(iter);
 	struct iovec first;
 
 	c->segment = 0;

@@ -16,7 +16,9 @@
  * (AMD, SRSO safe RET: every helper call pays a return thunk) a helper call costs ~20 ns and a clock
  * read ~50 ns, so the two clock reads alone double what the empty programs cost. A thread's state
  * lives in task storage (no hash lookup, freed with the thread; per-CPU state would be cheaper but
- * loses a send that blocks and moves to another CPU, the slow ones) and caches its process's index
+ * loses a send that blocks and moves to another CPU, the slow ones); where tracing programs cannot use
+ * task storage (before 5.12) it lives in a hash by thread id instead, which sendlat_thread_exit empties
+ * as threads exit (`threads_by_tid`). The state caches its process's index
  * into the `procs` array (an array lookup is a bounds check), re-reading its cgroup id only when its
  * css_set changes. Counts are exact; the latency histogram times every send, or 1 in `sample_every`
  * per thread when user space sets it (the per-thread counter makes the sample a fixed fraction of
@@ -30,9 +32,11 @@
 #include "common.h"
 #include "hist.h"
 #include "sendlat.h"
+#include "sk_state.h"
 #include "sock.h"
 #include "streams_programs.h"	/* the stream logic, called from these programs */
 #include "syscalls.h"
+#include "task.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -49,11 +53,12 @@ const volatile __u32 target_tgid = 0;	/* 0: every process */
 /* Per-flow counters cost a 4-tuple read and a hash update per send; the agent, whose flow view comes
  * from the flows probe, turns them off. Slow-send events carry the tuple either way. */
 const volatile bool count_flows = true;
+/* Where tracing programs cannot use task storage, user space makes `threads` a preallocated hash by
+ * thread id (and loads sendlat_thread_exit, which deletes a thread's entry when it exits). */
+const volatile bool threads_by_tid = false;
 
 /* Set by user space while running: time 1 send in this many per thread (1: every send). */
 __u32 sample_every = 1;
-/* Next never-used `procs` index; freed ones come back through `free_procs`. */
-__u32 next_proc;
 
 /* What one thread is doing. */
 struct sendlat_thread {
@@ -87,23 +92,27 @@ struct {
 	__type(value, struct sendlat_proc_stats);
 } procs SEC(".maps");
 
-/* (tgid, cgroup id) -> its index into `procs`. User space frees the entries of exited processes. */
+/* (tgid, cgroup id) -> its index into `procs`. User space frees the entries of exited processes.
+ * Preallocated (352 KiB): the kprobe strategy's programs use it, and 5.10-5.19 log a WARNING when a
+ * kprobe program uses a hash allocated at run time. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, MAX_PROCS);
 	__type(key, struct sendlat_proc_key);
 	__type(value, __u32);
 } proc_slots SEC(".maps");
 
-/* `procs` indexes user space freed (zeroed) for reuse. */
+/* The `procs` indexes not in use: user space pushes every one before it attaches, and the zeroed
+ * indexes of exited processes after. A queue rather than a counter of the next index: taking from a
+ * counter needs a fetch-and-add, an instruction 5.10 refuses. */
 struct {
 	__uint(type, BPF_MAP_TYPE_QUEUE);
 	__uint(max_entries, MAX_PROCS);
 	__type(value, __u32);
 } free_procs SEC(".maps");
 
-/* `procs` index -> how long its sockets stayed unwritable; only processes that saw EAGAIN have one. */
+/* `procs` index -> how long its sockets stayed unwritable; only processes that saw EAGAIN have one.
+ * Allocated at run time (preallocated, 14 MiB): only BTF programs use it, which the WARNING spares. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
@@ -112,17 +121,12 @@ struct {
 	__type(value, struct hist);
 } unwritable SEC(".maps");
 
-/* Per socket: since when it is unwritable (its first EAGAIN), 0 while writable. */
+/* Per socket while it is unwritable: since when (its first EAGAIN). */
 struct sendlat_socket {
 	__u64 unwritable_since_ns;
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct sendlat_socket);
-} sockets SEC(".maps");
+SOCKET_STATE_MAP(sockets, struct sendlat_socket);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -148,27 +152,52 @@ BTF_EXPORT(slow_send_event);
 /* Initial values for new map entries (never written). */
 static struct sendlat_flow_stats zero_flow;
 static struct hist zero_hist;
+static struct sendlat_thread zero_thread;
+static struct sendlat_socket zero_socket;
 
 /* --- the calling thread and its process --- */
 
-/* The calling thread's state, created on its first send; NULL for threads not measured. `task` is
- * the current task: each program takes it once (bpf_get_current_task_btf) and passes it on, as a
- * helper call costs more than its work where returns go through a mitigation thunk (SRSO safe RET:
- * the AMD dev box). */
-static __always_inline struct sendlat_thread *current_thread(struct task_struct *task)
+/* The calling thread's entry, made on first use: its task storage, or where `threads_by_tid` its
+ * entry in the hash, NULL when that is full (counted at a send's end, `ending`: once per send). */
+static __always_inline struct sendlat_thread *thread_entry(struct task_struct *task, bool ending)
 {
-	struct sendlat_thread *thread = bpf_task_storage_get(&threads, task, NULL, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	struct sendlat_thread *thread;
+	__u32 tid;
+
+	if (!threads_by_tid)
+		return bpf_task_storage_get(&threads, task, NULL, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	tid = (__u32)bpf_get_current_pid_tgid();
+	thread = lookup_or_init(&threads, &tid, &zero_thread);
+	if (!thread && ending)
+		counter_inc(&counters, COUNTER_THREADS_FULL);
+	return thread;
+}
+
+/* The calling thread's state, created on its first send; NULL for threads not measured. */
+static __always_inline struct sendlat_thread *current_thread(struct task_struct *task, bool ending)
+{
+	struct sendlat_thread *thread = thread_entry(task, ending);
 
 	if (!thread)
 		return NULL;
 	if (!thread->ready) {
-		thread->tgid = task->tgid;
+		thread->tgid = TASK_READ(task, tgid);
 		thread->proc = NO_PROC;
 		/* Kernel threads send outside any sendmsg (TLS tx work, sockmap backlog): not measured. */
-		thread->ignored = (task->flags & PF_KTHREAD) || (target_tgid && thread->tgid != target_tgid);
+		thread->ignored = (TASK_READ(task, flags) & PF_KTHREAD) || (target_tgid && thread->tgid != target_tgid);
 		thread->ready = true;
 	}
 	return thread->ignored ? NULL : thread;
+}
+
+/* Where `threads` is a hash by thread id: an exiting thread's entry goes with it. */
+SEC("raw_tp/sched_process_exit")
+int sendlat_thread_exit(void *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	bpf_map_delete_elem(&threads, &tid);
+	return 0;
 }
 
 /* A new `procs` index for (tgid, cgroup_id), named after the process; NO_PROC when all are taken. */
@@ -178,11 +207,8 @@ static __noinline __u32 new_proc(struct sendlat_proc_key *key)
 	struct task_struct *leader;
 	__u32 index, *winner;
 
-	if (bpf_map_pop_elem(&free_procs, &index)) {
-		index = __sync_fetch_and_add(&next_proc, 1);
-		if (index >= MAX_PROCS)
-			return NO_PROC;
-	}
+	if (bpf_map_pop_elem(&free_procs, &index))
+		return NO_PROC;
 	stats = bpf_map_lookup_elem(&procs, &index);
 	if (!stats)
 		return NO_PROC;
@@ -208,7 +234,7 @@ static __always_inline __u32 proc_index(__u32 tgid, __u64 cgroup_id)
 /* The statistics of the thread's process, in its current cgroup. */
 static __always_inline struct sendlat_proc_stats *proc_of(struct sendlat_thread *thread, struct task_struct *task)
 {
-	__u64 css_set = (__u64)task->cgroups, cgroup_id;
+	__u64 css_set = (__u64)TASK_READ(task, cgroups), cgroup_id;
 	__u32 index;
 
 	if (thread->recheck_in && css_set == thread->css_set) {
@@ -304,10 +330,26 @@ static __always_inline enum send_error send_error_of(long ret)
 	return SEND_ERROR_OTHER;
 }
 
-/* `sk` is unwritable from now, unless it already was. */
+/* `sk`'s state (sk_state.h); where `make`, made if it has none. */
+static __always_inline struct sendlat_socket *sendlat_socket_of(struct sock *sk, bool make)
+{
+	return socket_entry(&sockets, sk, &zero_socket, make);
+}
+
+/* Where `sockets` is a hash by socket address: the entry of a socket closed while unwritable goes
+ * with it (the address may come back as another socket's). */
+SEC("tp_btf/inet_sock_set_state")
+int BPF_PROG(sendlat_socket_close, struct sock *sk, int oldstate, int newstate)
+{
+	if (newstate == TCP_CLOSE)
+		socket_entry_delete(&sockets, sk);
+	return 0;
+}
+
+/* `sk` is unwritable from now, unless it already was (its entry lives while it is). */
 static __always_inline void socket_unwritable(struct sendlat_thread *thread, struct sock *sk)
 {
-	struct sendlat_socket *socket = bpf_sk_storage_get(&sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
+	struct sendlat_socket *socket = sendlat_socket_of(sk, true);
 
 	if (!socket || socket->unwritable_since_ns)
 		return;
@@ -325,12 +367,13 @@ static __always_inline void socket_writable(struct sendlat_thread *thread, struc
 
 	if (!thread->unwritable)
 		return;
-	socket = bpf_sk_storage_get(&sockets, sk, NULL, 0);
+	socket = sendlat_socket_of(sk, false);
 	if (!socket || !socket->unwritable_since_ns)
 		return;
 	since = socket->unwritable_since_ns;
-	/* Another thread may end the same wait: the one that clears it records it. */
-	if (!__sync_bool_compare_and_swap(&socket->unwritable_since_ns, since, 0))
+	/* Another thread may end the same wait: the one whose delete takes the entry records it (a
+	 * compare-and-swap on `since` would do, but 5.10 refuses the instruction). */
+	if (socket_entry_delete(&sockets, sk))
 		return;
 	thread->unwritable--;
 	hist = lookup_or_init(&unwritable, &thread->proc, &zero_hist);
@@ -413,7 +456,7 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct task_
 SEC("fentry/tcp_sendmsg")
 int BPF_PROG(sendlat_fentry, struct sock *sk, struct msghdr *msg)
 {
-	struct sendlat_thread *thread = current_thread(bpf_get_current_task_btf());
+	struct sendlat_thread *thread = current_thread(current_task(), false);
 
 	if (thread) {
 		stream_send_begin(sk, msg);
@@ -425,8 +468,8 @@ int BPF_PROG(sendlat_fentry, struct sock *sk, struct msghdr *msg)
 SEC("fexit/tcp_sendmsg")
 int BPF_PROG(sendlat_fexit, struct sock *sk, struct msghdr *msg, size_t size, int ret)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
-	struct sendlat_thread *thread = current_thread(task);
+	struct task_struct *task = current_task();
+	struct sendlat_thread *thread = current_thread(task, true);
 
 	if (thread)
 		end_send(thread, task, sk, true, ret, thread->start_ns);
@@ -436,7 +479,7 @@ int BPF_PROG(sendlat_fexit, struct sock *sk, struct msghdr *msg, size_t size, in
 SEC("kprobe/tcp_sendmsg")
 int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
 {
-	struct sendlat_thread *thread = current_thread(bpf_get_current_task_btf());
+	struct sendlat_thread *thread = current_thread(current_task(), false);
 
 	if (thread) {
 		thread->sk = (__u64)sk;
@@ -448,8 +491,8 @@ int BPF_KPROBE(sendlat_kprobe, struct sock *sk)
 SEC("kretprobe/tcp_sendmsg")
 int BPF_KRETPROBE(sendlat_kretprobe, int ret)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
-	struct sendlat_thread *thread = current_thread(task);
+	struct task_struct *task = current_task();
+	struct sendlat_thread *thread = current_thread(task, true);
 
 	if (thread)
 		end_send(thread, task, (struct sock *)thread->sk, false, ret, thread->start_ns);
@@ -494,7 +537,7 @@ static __always_inline bool has_upper_layer(struct sendlat_thread *thread, struc
 SEC("tp_btf/tcp_sendmsg_locked")
 int BPF_PROG(sendlat_tcp_send_start, struct sock *sk, struct msghdr *msg)
 {
-	struct sendlat_thread *thread = current_thread(bpf_get_current_task_btf());
+	struct sendlat_thread *thread = current_thread(current_task(), false);
 
 	/* A later turn of the copy loop of the send already open. */
 	if (!thread || thread->sk == (__u64)sk || has_upper_layer(thread, sk))
@@ -517,7 +560,7 @@ int BPF_PROG(sendlat_tcp_send_end, struct sock *sk, int ret, int flags)
 	struct task_struct *task;
 	__u64 start_ns;
 
-	if (!is_tcp(sk) || !(thread = current_thread(task = bpf_get_current_task_btf())))
+	if (!is_tcp(sk) || !(thread = current_thread(task = current_task(), true)))
 		return 0;
 	start_ns = thread->sk == (__u64)sk ? thread->start_ns : 0;
 	thread->sk = 0;	/* closed either way: a send open on another socket never ends here */
@@ -537,7 +580,7 @@ int BPF_PROG(sendlat_sys_enter, struct pt_regs *regs, long id)
 {
 	struct sendlat_thread *thread;
 
-	if (!is_send_syscall(id) || !(thread = current_thread(bpf_get_current_task_btf())))
+	if (!is_send_syscall(id) || !(thread = current_thread(current_task(), false)))
 		return 0;
 	thread->syscall_nr = id;
 	start_send(thread);
@@ -549,16 +592,14 @@ int BPF_PROG(sendlat_sock_send_length, struct sock *sk, int ret, int flags)
 {
 	struct sendlat_thread *thread;
 	struct task_struct *task;
-	struct pt_regs *regs;
 	__u64 start_ns;
 
-	if (!is_tcp(sk) || !(thread = current_thread(task = bpf_get_current_task_btf())))
+	if (!is_tcp(sk) || !(thread = current_thread(task = current_task(), true)))
 		return 0;
 	/* Timed only from its own syscall's entry: the start may be left from an earlier syscall (a
 	 * write to a file never reaches here), and a send from elsewhere (sendfile, io_uring) was
 	 * not timed from its start. */
-	regs = (struct pt_regs *)bpf_task_pt_regs(task);
-	start_ns = SYSCALL_NR(regs) == thread->syscall_nr ? thread->start_ns : 0;
+	start_ns = syscall_of(task, NULL) == thread->syscall_nr ? thread->start_ns : 0;
 	end_send(thread, task, sk, true, ret, start_ns);
 	/* sendmmsg sends several messages in one syscall: time the next one from here. */
 	if (start_ns)

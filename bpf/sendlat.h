@@ -75,6 +75,7 @@ struct slow_send_event {
 enum sendlat_counter {
 	COUNTER_LOST_EVENTS,	/* slow sends the full ring buffer could not take */
 	COUNTER_PROCS_FULL,	/* sends not counted: every `procs` entry was taken */
+	COUNTER_THREADS_FULL,	/* sends not counted: the hash of threads (threads_by_tid) was full */
 	COUNTER_MAX,
 };
 

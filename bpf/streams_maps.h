@@ -12,6 +12,7 @@
 #include "http1.h"
 #include "msg.h"
 #include "requests.h"
+#include "sk_state.h"
 #include "streams.h"
 
 #define STREAM_MAX_ENDPOINTS 4096
@@ -71,12 +72,7 @@ __u32 streams_enabled SEC(".data.streams") = 0;
 __u64 stall_threshold_ns SEC(".data.streams") = 250 * 1000 * 1000;
 __u32 requests_enabled SEC(".data.streams") = 0;	/* the requests part (with streams_enabled) */
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct stream_socket);
-} stream_sockets SEC(".maps");
+SOCKET_STATE_MAP(stream_sockets, struct stream_socket);
 
 /* Aggregates by endpoint: a hash map of `value` by `key`, whose entries are made on first use
  * (endpoint_entry()). */
@@ -98,12 +94,13 @@ struct {
 } stream_stalls SEC(".maps");
 
 /* Per-CPU scratch: the first bytes of a response (too large for the stack), the frame walk's cursor
- * and the header block walk's. */
+ * and the header block walk's, with its copy of the connection's table. */
 struct stream_peek {
 	char bytes[HTTP1_PEEK_BYTES];
 	struct msg_cursor cursor;
 	struct msg_cursor block;
 	struct hpack_block fields;
+	struct hpack_table table;
 };
 
 struct {
@@ -124,6 +121,13 @@ BTF_EXPORT(stream_stall_event);
 
 static struct stream_stats zero_stream_stats;
 static struct request_stats zero_request_stats;
+static struct stream_socket zero_stream_socket;
+
+/* `sk`'s server state (sk_state.h); where `make`, made if it has none. */
+static __always_inline struct stream_socket *stream_socket_of(struct sock *sk, bool make)
+{
+	return socket_entry(&stream_sockets, sk, &zero_stream_socket, make);
+}
 
 static __always_inline void stream_count(enum stream_counter index)
 {

@@ -38,11 +38,13 @@
 #include "hpack.h"
 #include "http1.h"
 #include "http2.h"
+#include "loop.h"
 #include "msg.h"
 #include "sock.h"
 #include "streams.h"
 #include "streams_maps.h"
 #include "syscalls.h"
+#include "task.h"
 #include "tls.h"
 
 /* --- the connection --- */
@@ -109,27 +111,24 @@ static __always_inline bool writes_ended(int oldstate, int newstate)
 
 /* Accepted connections get their state, connecting ones their client mark; a connection whose server
  * (or client) is done writing ends its responses (its request). */
-SEC("tp_btf/inet_sock_set_state")
-int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
+static __always_inline void connection_changed(struct sock *sk, int oldstate, int newstate)
 {
 	struct stream_socket *s;
 
-	if (!streams_enabled || sk->sk_protocol != IPPROTO_TCP)
-		return 0;
 	if (oldstate == TCP_SYN_RECV && newstate == TCP_ESTABLISHED) {
-		bpf_sk_storage_get(&stream_sockets, sk, NULL, BPF_SK_STORAGE_GET_F_CREATE);
-		return 0;
+		stream_socket_of(sk, true);
+		return;
 	}
 	if (newstate == TCP_SYN_SENT) {
 		client_connecting(sk);
-		return 0;
+		return;
 	}
 	if (!writes_ended(oldstate, newstate))
-		return 0;
-	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+		return;
+	s = stream_socket_of(sk, false);
 	if (!s) {
 		client_closed(sk);
-		return 0;
+		return;
 	}
 	stream_end(s);
 	for (int i = 0; i < H2_STREAMS; i++) {
@@ -138,17 +137,47 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 			s->h2[i].id = 0;
 		}
 	}
+}
+
+SEC("tp_btf/inet_sock_set_state")
+int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
+{
+	if (sk->sk_protocol != IPPROTO_TCP)
+		return 0;
+	if (streams_enabled)
+		connection_changed(sk, oldstate, newstate);
+	/* Where the state is a hash by socket address (sk_state.h), the connection's entries go with it,
+	 * after its end above: the address may come back as another socket's. */
+	if (sockets_by_address && newstate == TCP_CLOSE) {
+		socket_entry_delete(&stream_sockets, sk);
+		socket_entry_delete(&client_sockets, sk);
+	}
 	return 0;
 }
 
 /* --- reading a response's first bytes --- */
 
-static __always_inline __u8 protocol_of(const char *bytes, __u32 len)
+/* Whether the scratch's first `len` bytes name text/event-stream. A global function: the verifier
+ * checks the search once, not once per state of the send that calls it (the bounded build walks its
+ * turns one by one); the bytes are the per-CPU scratch's, as a global function takes pointers only
+ * from 5.12 on. */
+__noinline int peek_is_event_stream(__u32 len)
 {
+	__u32 zero = 0;
+	struct stream_peek *peek = bpf_map_lookup_elem(&stream_peek, &zero);
+
+	return peek && has_event_stream(peek->bytes, len);
+}
+
+/* The protocol of a response's first `len` bytes, read into `peek`. */
+static __always_inline __u8 protocol_of(struct stream_peek *peek, __u32 len)
+{
+	const char *bytes = peek->bytes;
+
 	if (is_tls_record(bytes, len))
 		return STREAM_PROTOCOL_TLS;	/* encrypted from here */
 	if (is_http1(bytes, len))
-		return has_event_stream(bytes, len) ? STREAM_PROTOCOL_SSE : STREAM_PROTOCOL_HTTP;
+		return peek_is_event_stream(len) ? STREAM_PROTOCOL_SSE : STREAM_PROTOCOL_HTTP;
 	if (is_h2_server_preface(bytes, len))
 		return STREAM_PROTOCOL_HTTP2;
 	return STREAM_PROTOCOL_TCP;
@@ -185,13 +214,23 @@ static __always_inline __u8 http_write(struct stream_socket *s, const char *firs
 
 /* --- HTTP/2: the frames a write carries --- */
 
-#define H2_WALK 16		/* frame headers read per read or write */
+#define H2_WALK LOOP_BOUND(16, 8)	/* frame headers read per read or write */
+/* Of those, the frames carrying DATA or an end that a write times (at most H2_FRAMES). */
+#define H2_WRITE_FRAMES LOOP_BOUND(H2_FRAMES, 4)
+
+/* The walks' bounds in this build (bpf/loop.h), which user space states where they are the bounded
+ * ones (agent/probes/sendlat/loops.py). */
+enum walk_bound {
+	WALK_H2_FRAMES = H2_WALK,
+	WALK_HPACK_FIELDS = HPACK_FIELDS,
+	WALK_WRITE_STREAMS = H2_WRITE_FRAMES,
+};
+BTF_EXPORT_ENUM(walk_bound);
 
 /* The frame walk's state, through bpf_loop (one frame per turn: the verifier sees one turn). */
 struct h2_walk {
 	struct msg_cursor *c;
-	struct msg_cursor *block;	/* the server's: the header block walk's cursor, its findings */
-	struct hpack_block *fields;
+	struct stream_peek *scratch;	/* the server's: the header block walk's */
 	struct stream_socket *s;
 	__u64 received_ns;	/* reading the client's frames: received then */
 };
@@ -248,6 +287,20 @@ static __always_inline void h2_request(struct stream_socket *s, struct msg_curso
 		stream->t.method = hpack_method(h2_header_block(c, header[4]));
 }
 
+/* The header block of `length` bytes at the scratch's block cursor, walked into its fields and its
+ * copy of the table. A global function: the verifier checks it once, not once per state of the frame
+ * walk that calls it; its state is in the per-CPU scratch, as a global function takes pointers only
+ * from 5.12 on. */
+__noinline int h2_header_block_walk(__u64 length)
+{
+	__u32 zero = 0;
+	struct stream_peek *scratch = bpf_map_lookup_elem(&stream_peek, &zero);
+
+	if (scratch)
+		hpack_walk_block(&scratch->table, &scratch->block, length, &scratch->fields);
+	return 0;
+}
+
 /* A header block the server wrote, walked for its dynamic table insertions (a HEADERS frame's; those
  * of PUSH_PROMISE and CONTINUATION frames are not walked: the table is lost). On a stream: its response's
  * status (the first HEADERS'), its grpc-status (the HEADERS ending it); grpc-status makes it gRPC. */
@@ -255,7 +308,8 @@ static __always_inline void h2_response_headers(struct stream_socket *s, struct 
 						 __u32 id)
 {
 	__u64 length = h2_length(header), offset = H2_FRAME_HEADER;
-	struct hpack_block *fields = walk->fields;
+	struct stream_peek *scratch = walk->scratch;
+	struct hpack_block *fields = &scratch->fields;
 	struct h2_stream *stream;
 	__u8 padding = 0;
 
@@ -271,12 +325,14 @@ static __always_inline void h2_response_headers(struct stream_socket *s, struct 
 	offset += (header[4] & H2_PADDED ? 1 : 0) + (header[4] & H2_PRIORITY ? 5 : 0);
 	if (offset + padding >= H2_FRAME_HEADER + length)
 		return;	/* an empty block */
-	*walk->block = *walk->c;
-	if (!cursor_skip(walk->block, offset)) {
+	scratch->block = *walk->c;
+	if (!cursor_skip(&scratch->block, offset)) {
 		s->hpack.lost = 1;
 		return;
 	}
-	hpack_walk_block(&s->hpack, walk->block, H2_FRAME_HEADER + length - offset - padding, fields);
+	scratch->table = s->hpack;
+	h2_header_block_walk(H2_FRAME_HEADER + length - offset - padding);
+	s->hpack = scratch->table;
 	if (fields->grpc && s->key.protocol == STREAM_PROTOCOL_HTTP2)
 		s->key.protocol = STREAM_PROTOCOL_GRPC;
 	/* A stream whose request was not seen (a read whose buffer this does not see) is made here, as
@@ -352,14 +408,14 @@ static long h2_frame_received(__u32 index, struct h2_walk *walk)
  * table is lost. */
 static __always_inline void h2_frames(struct stream_socket *s, struct msghdr *msg, struct stream_peek *scratch)
 {
-	struct h2_walk walk = { .c = &scratch->cursor, .block = &scratch->block, .fields = &scratch->fields, .s = s };
+	struct h2_walk walk = { .c = &scratch->cursor, .scratch = scratch, .s = s };
 
 	s->frames = 0;
 	hpack_send_end(&s->hpack, false);	/* a send whose end was not seen */
 	s->sending = msg->msg_iter.count;
 	s->walked = 0;
 	if (cursor_start(walk.c, msg))
-		bpf_loop(H2_WALK, h2_frame_sent, &walk, 0);
+		LOOP(H2_WALK, h2_frame_sent, &walk);
 	if (s->walked != s->sending)
 		s->hpack.lost = 1;
 }
@@ -375,7 +431,7 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 
 	if (!streams_enabled)
 		return;
-	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+	s = stream_socket_of(sk, false);
 	if (!s) {
 		client_send_begin(sk, msg);
 		return;
@@ -405,7 +461,7 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	if (n > HTTP1_PEEK_BYTES || bpf_probe_read_user(peek->bytes, n, (void *)user))
 		return;
 	if (!s->classified) {
-		s->key.protocol = protocol_of(peek->bytes, n);
+		s->key.protocol = protocol_of(peek, n);
 		s->classified = 1;
 		if (s->key.protocol == STREAM_PROTOCOL_TLS)
 			s->tls_awaiting = server_hello_version(peek->bytes, n);
@@ -447,7 +503,7 @@ static __always_inline void h2_received(struct stream_socket *s, int ret, __u64 
 		s->key.protocol = STREAM_PROTOCOL_HTTP2;
 		s->classified = 1;
 	}
-	bpf_loop(H2_WALK, h2_frame_received, &walk, 0);
+	LOOP(H2_WALK, h2_frame_received, &walk);
 }
 
 /* TLS: the read after the server's ServerHello is the client's Finished (with what came before it in
@@ -495,7 +551,7 @@ static __always_inline void stream_received(struct sock *sk, int ret, int flags)
 
 	if (!streams_enabled || ret <= 0 || (flags & MSG_PEEK))
 		return;
-	s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0);
+	s = stream_socket_of(sk, false);
 	if (!s) {
 		client_received(sk, ret);
 		return;
@@ -523,12 +579,20 @@ int BPF_PROG(streams_recv, struct sock *sk, int ret, int flags)
 	return 0;
 }
 
+/* tcp_recvmsg's arguments changed over time (6, then 5 from 5.19); its return did not. Where the
+ * kernel has bpf_get_func_ret (5.17) it finds the return value whatever their number; every kernel
+ * without it has the 6 of before 5.19 (sk, msg, len, nonblock, flags, addr_len), and fexit's context
+ * holds the arguments then the return value: ctx[6]. A CO-RE constant picks the branch, so the verifier
+ * never visits the other one (there an unknown helper, here a 7th argument a 5-argument function lacks). */
 SEC("fexit/tcp_recvmsg")
 int BPF_PROG(streams_fexit_recv, struct sock *sk)
 {
 	__u64 ret = 0;
 
-	bpf_get_func_ret(ctx, &ret);	/* tcp_recvmsg's arguments changed over time; its return did not */
+	if (bpf_core_enum_value_exists(enum bpf_func_id, BPF_FUNC_get_func_ret))
+		bpf_get_func_ret(ctx, &ret);
+	else
+		ret = ctx[6];
 	stream_received(sk, (int)ret, 0);
 	return 0;
 }
@@ -537,7 +601,9 @@ int BPF_PROG(streams_fexit_recv, struct sock *sk)
 
 static __always_inline __u64 run_delay_of_current(void)
 {
-	return bpf_get_current_task_btf()->sched_info.run_delay;
+	struct task_struct *task = current_task();
+
+	return TASK_READ(task, sched_info.run_delay);
 }
 
 static __always_inline __u64 at_most(__u64 value, __u64 limit)
@@ -632,7 +698,6 @@ static __always_inline void timing_write(struct sock *sk, struct stream_socket *
 struct h2_write {
 	struct sock *sk;
 	struct stream_socket *s;
-	struct stream_stats *stats;	/* NULL until the first DATA */
 	__u64 now;
 	__u64 start_ns;
 	long ret;
@@ -641,6 +706,7 @@ struct h2_write {
 static long h2_write_frame(__u32 i, struct h2_write *w)
 {
 	struct stream_socket *s = w->s;
+	struct stream_stats *stats;
 	struct h2_stream *stream;
 	__u8 carries;
 
@@ -650,10 +716,11 @@ static long h2_write_frame(__u32 i, struct h2_write *w)
 	stream = h2_stream(s, s->frame_stream[i], carries & H2_CARRIES_DATA);
 	if (!stream)
 		return 0;
-	/* Several frames of one stream in one write are one chunk. */
+	/* Several frames of one stream in one write are one chunk. The endpoint is looked up per frame, not
+	 * kept from the last: a pointer kept across turns doubles what a bounded loop's verifier walks. */
 	if ((carries & H2_CARRIES_DATA) && !(stream->t.chunks && stream->t.last_write_ns == w->now) &&
-	    (w->stats || (w->stats = stream_endpoint(&s->key)))) {
-		timing_write(w->sk, s, &stream->t, w->stats, stream->id, w->ret, w->now, w->start_ns);
+	    (stats = stream_endpoint(&s->key))) {
+		timing_write(w->sk, s, &stream->t, stats, stream->id, w->ret, w->now, w->start_ns);
 		w->ret = 0;
 	}
 	if (carries & H2_CARRIES_END) {
@@ -672,7 +739,7 @@ static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, l
 {
 	struct h2_write w = { .sk = sk, .s = s, .now = now, .start_ns = start_ns, .ret = ret };
 
-	bpf_loop(H2_FRAMES, h2_write_frame, &w, 0);
+	LOOP(H2_WRITE_FRAMES, h2_write_frame, &w);
 }
 
 /* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret`; `start_ns`: its start if timed. */
@@ -683,7 +750,7 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	__u64 now;
 	__u8 write;
 
-	if (!streams_enabled || !(s = bpf_sk_storage_get(&stream_sockets, sk, NULL, 0)))
+	if (!streams_enabled || !(s = stream_socket_of(sk, false)))
 		return;
 	write = s->write;
 	s->write = WRITE_BODY;

@@ -7,6 +7,8 @@
 
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include "task.h"
 
 /* errno values (uapi asm-generic/errno*.h) and the kernel-internal restart codes (linux/errno.h). */
 #define EINTR 4
@@ -29,8 +31,8 @@
 #define NR_SENDMSG 46
 #define NR_RECVMSG 47
 #define NR_SENDMMSG 307
-#define SYSCALL_NR(regs) ((regs)->orig_ax)
-#define SYSCALL_ARG2(regs) ((regs)->si)
+#define SYSCALL_NR_REG orig_ax
+#define SYSCALL_ARG2_REG si
 #elif defined(__TARGET_ARCH_arm64)
 #define NR_READ 63
 #define NR_WRITE 64
@@ -41,18 +43,35 @@
 #define NR_SENDMSG 211
 #define NR_RECVMSG 212
 #define NR_SENDMMSG 269
-#define SYSCALL_NR(regs) ((regs)->syscallno)
-#define SYSCALL_ARG2(regs) ((regs)->regs[1])
+#define SYSCALL_NR_REG syscallno
+#define SYSCALL_ARG2_REG regs[1]
 #else
 #error "syscalls.h: add this architecture's syscall numbers"
 #endif
 
 /* Where the bytes a read syscall just returned start in user memory; 0 when unknown. */
+/* The number of the syscall `task` is in, and its second argument (`arg2`, where not NULL), from the
+ * user registers it entered with. */
+static __always_inline long syscall_of(struct task_struct *task, __u64 *arg2)
+{
+	struct pt_regs *regs;
+
+	if (TASK_PT_REGS) {
+		regs = (struct pt_regs *)bpf_task_pt_regs(task);
+		if (arg2)
+			*arg2 = regs->SYSCALL_ARG2_REG;
+		return regs->SYSCALL_NR_REG;
+	}
+	regs = stack_user_regs(task);
+	if (arg2)
+		*arg2 = BPF_CORE_READ(regs, SYSCALL_ARG2_REG);
+	return BPF_CORE_READ(regs, SYSCALL_NR_REG);
+}
+
 static __always_inline __u64 received_buffer(void)
 {
-	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
-	long nr = SYSCALL_NR(regs);
-	__u64 arg = SYSCALL_ARG2(regs), iov = 0, base = 0;
+	__u64 arg = 0, iov = 0, base = 0;
+	long nr = syscall_of(current_task(), &arg);
 	struct user_msghdr msg;
 
 	if (nr == NR_READ || nr == NR_RECVFROM)

@@ -2,21 +2,37 @@
 kernel's features, the installed command; and which tests `make test-kernels` runs (marker `kernels`).
 Helpers that tests import are in helpers.py.
 
-Every fixture that creates kernel state removes it in `finally`, so a failing test leaves nothing.
+Every fixture that creates kernel state removes it in `finally`, so a failing test leaves nothing; and
+every module is checked to leave nothing running (threads, child processes, listening sockets).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import FIXTURE_BUILD, IS_ROOT, KERNEL_MODULES, CBuild, VethPair, make_veth_pair, remove_veth_pair
+from helpers import (
+    FIXTURE_BUILD,
+    IS_ROOT,
+    KERNEL_MODULES,
+    CBuild,
+    VethPair,
+    make_veth_pair,
+    remove_veth_pair,
+    wait_until,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,6 +51,22 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed and (path := os.environ.get("AIPROBE_FAILURE_LOG")):
         with open(path, "a") as log:
             log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    note_progress(f"started {nodeid}")
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    note_progress(f"finished {nodeid}")
+
+
+def note_progress(event: str) -> None:
+    """The latest test started or finished, where AIPROBE_PROGRESS says (tests/kernels/guest.sh): its
+    watchdog ends a round only when this stays the same for its bound, so a slow machine that keeps
+    finishing tests is never stopped, and a hang is."""
+    if path := os.environ.get("AIPROBE_PROGRESS"):
+        Path(path).write_text(f"{event}\n")
 
 
 @pytest.fixture
@@ -87,3 +119,97 @@ def named_process(tmp_path) -> Iterator[Callable[[str], subprocess.Popen]]:
     for proc in started:
         proc.kill()
         proc.wait()
+
+
+# ---- each module leaves nothing running: once, accept loops outlived their tests by many minutes ----
+
+LEFTOVER_GRACE = 30.0  # seconds for what a module stopped to end (threads joining, children exiting)
+
+
+@dataclass(frozen=True)
+class Running:
+    """What this pytest process runs: threads, child processes (and theirs), listening sockets by inode.
+    Each maps to how the report names it."""
+
+    threads: dict[threading.Thread, str]
+    processes: dict[int, str]
+    listeners: dict[int, str]
+
+    def since(self, before: Running) -> list[str]:
+        return [*(name for thread, name in self.threads.items() if thread not in before.threads),
+                *(name for pid, name in self.processes.items() if pid not in before.processes),
+                *(name for inode, name in self.listeners.items() if inode not in before.listeners)]
+
+
+def running_now() -> Running:
+    gc.collect()  # a socket or thread only garbage holds is not a leak
+    frames = sys._current_frames()
+    threads = {thread: f"thread {thread.name!r} at {where(frames.get(thread.ident or 0))}"
+               for thread in threading.enumerate() if thread.is_alive() and thread is not threading.current_thread()}
+    processes = {pid: f"process {pid}: {command_line(pid)}" for pid in descendants(os.getpid())
+                 if process_state(pid) not in ("Z", "")}
+    return Running(threads, processes, listening_sockets())
+
+
+def where(frame: object) -> str:
+    """A thread's innermost three frames, innermost last."""
+    stack = traceback.extract_stack(frame)[-3:] if frame else []  # type: ignore[arg-type]
+    return " > ".join(f"{entry.name} ({Path(entry.filename).name}:{entry.lineno})" for entry in stack)
+
+
+def command_line(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    return "(gone)"
+
+
+def process_state(pid: int) -> str:
+    """One letter (R, S, D, Z...), "" when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> list[int]:
+    children: list[int] = []
+    for tasks in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            children += map(int, tasks.read_text().split())
+    return [grandchild for child in children for grandchild in (child, *descendants(child))]
+
+
+def listening_sockets() -> dict[int, str]:
+    """This process's listening TCP and unix sockets: inode -> 'listening tcp port 8080'."""
+    listening = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                listening[int(fields[9])] = f"listening {table} port {int(fields[1].rpartition(':')[2], 16)}"
+    for line in Path("/proc/self/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+            listening[int(fields[6])] = f"listening unix socket {fields[7] if len(fields) > 7 else '(unnamed)'}"
+    ours = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if (target := os.readlink(fd)).startswith("socket:["):
+                ours.add(int(target[8:-1]))
+    return {inode: name for inode, name in listening.items() if inode in ours}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_nothing_running(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Errors the module's last test when a thread, child process or listening socket the module
+    started is still there LEFTOVER_GRACE seconds after its tests and fixtures ended; the processes
+    are then killed, so the next module starts clean."""
+    before = running_now()
+    yield
+    wait_until(lambda: not running_now().since(before), timeout=LEFTOVER_GRACE, interval=0.2)
+    now = running_now()
+    if left := now.since(before):
+        for pid in now.processes.keys() - before.processes.keys():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"{request.module.__name__} left running after its tests ended:\n  " + "\n  ".join(left))

@@ -1,4 +1,4 @@
-"""What tests share besides fixtures: commands, ports and polling, veth pairs in namespaces, BPF
+"""What tests share besides fixtures: commands, ports and polling, accept loops, veth pairs in namespaces, BPF
 bookkeeping (which program and link ids exist) for leak checks, C fixtures built once, and where
 each test runs (the kernel matrix's modules, the clock tolerance).
 
@@ -7,6 +7,7 @@ Names carry a random suffix so test runs (and parallel sessions) never collide.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -15,8 +16,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,26 @@ def wait_until(predicate: Callable[[], object], timeout: float = PATIENCE, inter
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+@contextlib.contextmanager
+def accepting(server: socket.socket, handle: Callable[[socket.socket], object]) -> Iterator[None]:
+    """Each connection `server` accepts goes to `handle`, in a thread, until the block ends; the thread
+    is joined then. Shutting the listener down wakes its accept(), which close() alone leaves blocked:
+    such loops once outlived their tests by many minutes."""
+    def loop() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                handle(server.accept()[0])
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        thread.join(PATIENCE)
 
 
 def unique(prefix: str) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from helpers import free_port, wait_until
+from helpers import PATIENCE, free_port, wait_until
 
 AIPROBE = str(Path(sys.executable).parent / "aiprobe")
 
@@ -38,7 +38,7 @@ class Server:
     """A subprocess with a URL; `stop()` sends SIGTERM and returns the exit status."""
 
     def __init__(self, cmd: list[str], url: str, ready_path: str, log: Path, env: dict | None = None,
-                 ready_timeout: float = 60.0) -> None:
+                 ready_timeout: float = 2 * PATIENCE) -> None:
         self.url = url
         self.log = log
         self._log_file = log.open("ab")
@@ -69,9 +69,10 @@ class Server:
 class Agent(Server):
     def __init__(self, workdir: Path, config: str = "", env: dict | None = None, *, https: bool = False,
                  args: tuple[str, ...] = (), listen_host: str = "127.0.0.1", alert_log: str | None = None,
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), ready_timeout: float = 2 * PATIENCE) -> None:
         """`listen_host`: where it listens (e.g. `[::]`); the test reaches it on 127.0.0.1 anyway.
-        `prefix` runs the agent through a wrapper (setpriv: reduced capabilities)."""
+        `prefix` runs the agent through a wrapper (setpriv: reduced capabilities). It is ready once
+        every probe has loaded: `ready_timeout` (seconds) as long as that may take."""
         port = free_port()
         self.config_path = workdir / f"aiprobe-{port}.toml"
         self.alert_log = Path(alert_log or workdir / f"alerts-{port}.jsonl")
@@ -79,7 +80,7 @@ class Agent(Server):
         self.target = f"127.0.0.1:{port}"
         super().__init__([*prefix, AIPROBE, "agent", "--config", str(self.config_path), *args],
                          f"{'https' if https else 'http'}://{self.target}", "/healthz",
-                         workdir / f"agent-{port}.log", env=env)
+                         workdir / f"agent-{port}.log", env=env, ready_timeout=ready_timeout)
 
     @property
     def port(self) -> int:

@@ -42,7 +42,7 @@ from aiprobe.probes.connections.probe import (
 )
 from aiprobe.probes.connections.records import ConnectionsSnapshot, Listener, ReuseportGroup
 from aiprobe.probes.netstat.probe import read_tcp_counters
-from helpers import CLOCK_TOLERANCE, PATIENCE, VethPair, make_veth_pair, remove_veth_pair, run, wait_until
+from helpers import CLOCK_TOLERANCE, PATIENCE, VethPair, accepting, make_veth_pair, remove_veth_pair, run, wait_until
 
 SOCK_DIAG_ONLY = (STRATEGIES[-1],)
 ACCEPTS = ("fentry", "kprobe")  # the strategies that time accepts
@@ -508,11 +508,11 @@ def test_reuseport_imbalance_fires_naming_the_worker_that_never_accepts() -> Non
     the other and never accepts. The kernel's hash sends the child about half the connections; the
     group's ratio is 2 (all accepts on one of two sockets) and the rule names the child's pid."""
     rules = {"reuseport_imbalance": RuleConfig(threshold=1.5, clear=1.2, for_seconds=0)}
-    with socket.socket() as accepting:
-        accepting.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        accepting.bind(("127.0.0.1", 0))
-        accepting.listen(64)
-        port = accepting.getsockname()[1]
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        port = listener.getsockname()[1]
         stuck = subprocess.Popen([sys.executable, "-c", STUCK_WORKER, str(port)], stdout=subprocess.PIPE, text=True)
         try:
             assert stuck.stdout is not None and stuck.stdout.readline().strip() == "ready"
@@ -522,30 +522,24 @@ def test_reuseport_imbalance_fires_naming_the_worker_that_never_accepts() -> Non
                 if agent.readings.probes["connections"].strategy not in ACCEPTS:
                     pytest.skip(f"{agent.readings.probes['connections'].strategy} does not count accepts")
                 agent.refresh()
-                threading.Thread(target=_accept_forever, args=(accepting,), daemon=True).start()
-                clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
-                try:
-                    def fired() -> bool:
-                        agent.refresh()
-                        document = agent.snapshot()
-                        return any(alert["rule"] == "reuseport_imbalance" and alert["state"] == "firing"
-                                   and alert["evidence"]["stuck_pids"] == [stuck.pid]
-                                   for alert in document["alerts"])
-                    assert wait_until(fired, interval=0.5)
-                    (group,) = [g for g in agent.snapshot()["reuseport_groups"] if g["local_port"] == port]
-                    assert group["sockets"] == 2 and group["imbalance_ratio"] == pytest.approx(2.0)
-                finally:
-                    for client in clients:
-                        client.close()
+                with accepting(listener, socket.socket.close):
+                    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+                    try:
+                        def fired() -> bool:
+                            agent.refresh()
+                            document = agent.snapshot()
+                            return any(alert["rule"] == "reuseport_imbalance" and alert["state"] == "firing"
+                                       and alert["evidence"]["stuck_pids"] == [stuck.pid]
+                                       for alert in document["alerts"])
+                        assert wait_until(fired, interval=0.5)
+                        (group,) = [g for g in agent.snapshot()["reuseport_groups"] if g["local_port"] == port]
+                        assert group["sockets"] == 2 and group["imbalance_ratio"] == pytest.approx(2.0)
+                    finally:
+                        for client in clients:
+                            client.close()
         finally:
             stuck.kill()
             stuck.wait()
-
-
-def _accept_forever(server: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while True:
-            server.accept()[0].close()
 
 
 # --- path quality of accepted connections, against the kernel's tcp_info as `ss -ti` prints it ---
@@ -566,20 +560,26 @@ def server_sockets_info(port: int) -> list[tuple[float, int]]:
 @contextlib.contextmanager
 def serving(address: str, payload: int) -> Iterator[tuple[int, list[socket.socket]]]:
     """A server at `address` sending `payload` bytes to each connection it accepts (each in a thread of
-    its own) and keeping it open; yields its port and the connections accepted so far."""
+    its own) and keeping it open; yields its port and the connections accepted so far. At exit the
+    connections are shut down (waking a send blocked on them) and the threads joined."""
     accepted: list[socket.socket] = []
-    with socket.create_server((address, 0), backlog=64) as server:
-        def serve() -> None:
-            with contextlib.suppress(OSError):
-                while True:
-                    accepted.append(server.accept()[0])
-                    threading.Thread(target=_send_quietly, args=(accepted[-1], payload), daemon=True).start()
-        threading.Thread(target=serve, daemon=True).start()
+    senders: list[threading.Thread] = []
+
+    def serve(conn: socket.socket) -> None:
+        accepted.append(conn)
+        senders.append(threading.Thread(target=_send_quietly, args=(conn, payload), daemon=True))
+        senders[-1].start()
+
+    with socket.create_server((address, 0), backlog=64) as server, accepting(server, serve):
         try:
             yield server.getsockname()[1], accepted
         finally:
             for conn in accepted:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
                 conn.close()
+            for sender in senders:
+                sender.join(PATIENCE)
 
 
 def _send_quietly(conn: socket.socket, payload: int) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from aiprobe import features
-from aiprobe.loader import BpfObject
+from aiprobe.loader import BpfObject, object_btf
 from aiprobe.probes.cuda import probe as cuda
+from aiprobe.probes.sendlat import loops
 from aiprobe.registry import ProbeSpec, specs
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
@@ -72,6 +73,21 @@ def _package_of(spec: ProbeSpec) -> str:
     return spec.factory.__module__.removeprefix("aiprobe.").rpartition(".")[0]
 
 
+def _unprefixed(maps: set[str]) -> set[str]:
+    """Map names without the object's name that libbpf puts before its sections' (sendlat.rodata)."""
+    return {name[name.find("."):] if "." in name else name for name in maps}
+
+
+def test_the_bounded_loop_build_of_sendlat_is_the_same_object_with_shorter_walks() -> None:
+    """Kernels without bpf_loop run sendlat.bpf.o built with bounded loops (bpf/loop.h): the same
+    programs and maps, so every strategy and part runs on it; each walk reads at most what bpf_loop's does."""
+    (maps, programs), (bounded_maps, bounded_programs) = contents(loops.OBJECT), contents(loops.BOUNDED_OBJECT)
+    assert (_unprefixed(bounded_maps), bounded_programs) == (_unprefixed(maps), programs)
+    looped, bounded = (object_btf(name).enum_values("walk_bound") for name in (loops.OBJECT, loops.BOUNDED_OBJECT))
+    assert looped.keys() == bounded.keys()
+    assert all(0 < bounded[walk] <= looped[walk] for walk in looped)
+
+
 @pytest.mark.parametrize("spec", [s for s in specs() if s.bpf_object], ids=lambda s: s.name)
 def test_probe_names_exist_in_its_object(spec) -> None:
     maps, programs = contents(spec.bpf_object)
@@ -90,7 +106,8 @@ def test_the_scan_sees_lookups() -> None:
 
 def test_cuda_strategies_and_entry_points_exist_in_its_object() -> None:
     _, programs = contents(cuda.SPEC.bpf_object)
-    wanted = {p for s in cuda.STRATEGIES for p in s.programs} | {e.program for e in cuda.ENTRY_POINTS}
+    strategies = cuda.STRATEGIES + tuple(map(cuda.without_fetch_atomics, cuda.STRATEGIES))
+    wanted = {p for s in strategies for p in s.programs} | {e.program for e in cuda.ENTRY_POINTS}
     assert wanted - programs == set()
 
 

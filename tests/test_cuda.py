@@ -34,6 +34,7 @@ from aiprobe.probes.cuda.probe import (
     CudaProbe,
     LibraryScanner,
     gpus_of,
+    loaded_program,
     mapped_cuda_libraries,
     process_record,
 )
@@ -240,20 +241,26 @@ def test_close_detaches_everything_and_stops_scanning(cuda_libs, drivers) -> Non
     driver = Driver(cuda_libs.libdir, 2, 2, 2)
     drivers.append(driver)
     _wait_attached(probe, driver.library)
-    ours = {link.fd for link in probe.loaded.obj.links}
-    ids = {fd_id(fd, "link_id") for fd in ours}
-    assert len(ids) > 2
+    ours = _attached({fd_id(program.fd, "prog_id") for program in probe.loaded.obj.programs.values()
+                      if program.fd >= 0})
+    assert len(ours) > 2
     probe.close()
     probe.close()  # harmless twice
-    assert not [t for t in threading.enumerate() if t.name == "aiprobe-cuda-scan"]
-    assert wait_until(lambda: not ids & link_ids())
+    assert not [t for t in threading.enumerate() if t.name == "aiprobe-cuda_scan"]
+    assert wait_until(lambda: not _attached(ours))
     driver.go()
 
 
+def _attached(programs: set[int]) -> set[int]:
+    """Of these program ids, those the kernel lists attached: through a BPF link, or a perf event
+    (kprobes, uprobes and tracepoints had no BPF link before 5.15: `bpftool perf` lists those)."""
+    listed = bpftool_json("link", "show") + bpftool_json("perf", "show")
+    return {entry["prog_id"] for entry in listed if entry.get("prog_id") in programs}
+
+
 def _sched_links(probe: CudaProbe, sched: Strategy) -> int:
-    """Links of the strategy's scheduler programs, as the kernel lists them."""
-    ids = {fd_id(probe.loaded.obj.programs[name].fd, "prog_id") for name in sched.programs}
-    return sum(1 for link in bpftool_json("link", "show") if link.get("prog_id") in ids)
+    """The strategy's scheduler programs (the variants this kernel loaded) the kernel lists attached."""
+    return len(_attached({fd_id(loaded_program(probe.loaded.obj, name).fd, "prog_id") for name in sched.programs}))
 
 
 @pytest.mark.bpf
@@ -638,6 +645,29 @@ def test_threads_that_exit_leave_exact_monotonic_counts_in_bounded_maps(cuda_lib
     assert len(readings) >= 3
     for earlier, later in itertools.pairwise(readings):
         assert all(b >= a for a, b in zip(earlier, later, strict=True)), (earlier, later)
+
+
+SYNC_WAVES, SYNC_WIDTH, WAVE_SYNC_US = 5, 8, 40_000
+
+
+@pytest.mark.bpf
+def test_a_process_sync_time_for_streams_is_the_union_of_its_threads_syncs(cuda_libs, drivers) -> None:
+    """Map cuda_sync_time, which streams reads, holds the time at least one of the process's threads was
+    inside a synchronization. Each wave's threads sync at once: about one sync per wave, far less than
+    their sum. Kernels without atomic fetch instructions count under a lock, with the same truths."""
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.libdir, "threads", SYNC_WAVES, SYNC_WIDTH, 0, sync_us=WAVE_SYNC_US)
+        drivers.append(driver)
+        _wait_attached(probe, driver.library)
+        started = time.monotonic()
+        driver.go()
+        elapsed = time.monotonic() - started
+        union = probe.loaded.obj.maps["cuda_sync_time"].lookup(driver.pid)
+        [process] = [p for p in probe.read().processes if p.pid == driver.pid]
+    assert (union.inside, union.since_ns) == (0, 0)  # every thread left: no interval open
+    assert process.syncs == SYNC_WAVES * SYNC_WIDTH
+    assert SYNC_WAVES * WAVE_SYNC_US / 1e6 <= union.total_ns / 1e9 <= elapsed
+    assert union.total_ns / 1e9 < process.sync_seconds_sum / 2
 
 
 @pytest.mark.host_only  # the rescan of mapped files, in user space

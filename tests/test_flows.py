@@ -35,7 +35,17 @@ from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
 from aiprobe.probes.flows import probe as flows_probe
 from aiprobe.probes.flows.hooks import SNAPSHOT_FLOWS
-from aiprobe.probes.flows.probe import DIRECTIONS, MIN_RATE_WINDOW_NS, SPEC, TC_HANDLES, TC_PRIORITY, FlowsProbe
+from aiprobe.probes.flows.probe import (
+    DIRECTIONS,
+    MIN_RATE_WINDOW_NS,
+    SPEC,
+    TC_HANDLES,
+    TC_PRIORITY,
+    XDP_PROGRAM,
+    FlowsProbe,
+    enable_xdp,
+    xdp_multi_buffer,
+)
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot
 from aiprobe.top_views import header_lines
 from fixtures import flows_frames as frames
@@ -185,6 +195,7 @@ SEGMENTATION_OFFLOADS = ("tcp-segmentation-offload", "generic-segmentation-offlo
 
 def test_veth_peer_keeps_tso_and_gso_while_attached_and_xdp_is_refused_on_veth(veth: VethPair, tc_kind: str) -> None:
     with FlowsProbe([veth.host], xdp_interfaces=["*"]) as probe:
+        assert probe.loaded is not None and probe.loaded.obj.programs[XDP_PROGRAM].fd >= 0  # loaded where opted in
         (state,) = probe.attachments()
         assert (state.ingress, state.egress) == (tc_kind, tc_kind)
         assert state.xdp_refused.startswith("XDP refused on veth") and "TSO" in state.xdp_refused
@@ -209,39 +220,67 @@ def test_xdp_refused_on_virtual_devices_with_a_reason() -> None:
     assert "(loopback)" in xdp_refusal(link(None, loopback=True))
 
 
-JUMBO_PAYLOAD = 8000
+JUMBO_MTU = 9000  # a frame longer than a page: multi-buffer on a veth's XDP path
 
 
-def test_xdp_program_attaches_at_mtu_9000_and_counts_whole_jumbo_frames(veth: VethPair) -> None:
-    """xdp.frags: the kernel refuses a single-buffer program where the MTU exceeds a page (the
-    refusal below). Native XDP on a veth is what attaching to a NIC is, minus the NIC."""
-    run(["ip", "link", "set", veth.host, "mtu", "9000"])
-    veth.ns_run(["ip", "link", "set", veth.peer, "mtu", "9000"])
+@pytest.mark.parametrize("mtu", [1500, JUMBO_MTU])
+def test_xdp_program_attaches_and_counts_whole_frames_at_mtu(veth: VethPair, mtu: int) -> None:
+    """Native XDP on a veth is what attaching to a NIC is, minus the NIC. At MTU 9000 the kernel
+    refuses a single-buffer program (the refusal below): flows' takes multi-buffer frames, where
+    the kernel has them."""
+    if mtu == JUMBO_MTU and not xdp_multi_buffer():
+        pytest.skip("this kernel lacks XDP multi-buffer (BPF_F_XDP_HAS_FRAGS, bpf_xdp_get_buff_len): "
+                    "no XDP program attaches at an MTU above a page")
+    run(["ip", "link", "set", veth.host, "mtu", str(mtu)])
+    veth.ns_run(["ip", "link", "set", veth.peer, "mtu", str(mtu)])
     # Nothing but the test's datagrams may arrive: no IPv6 chatter, no ARP either way.
     veth.ns_run(["sysctl", "-qw", f"net.ipv6.conf.{veth.peer}.disable_ipv6=1"])
     host_mac = Path(f"/sys/class/net/{veth.host}/address").read_text().strip()
     peer_mac = veth.ns_run(["cat", f"/sys/class/net/{veth.peer}/address"]).stdout.strip()
     veth.ns_run(["ip", "neigh", "replace", veth.host_ip4, "lladdr", host_mac, "dev", veth.peer, "nud", "permanent"])
     run(["ip", "neigh", "replace", veth.peer_ip4, "lladdr", peer_mac, "dev", veth.host, "nud", "permanent"])
-    with BpfObject("features", programs=["probe_xdp"]) as single_buffer:
-        single_buffer.load()
-        with pytest.raises(BpfError):
-            single_buffer.programs["probe_xdp"].attach_xdp(veth.host_ifindex, "native")
-    with BpfObject("flows", programs=["flows_xdp"]) as obj:
+    if mtu == JUMBO_MTU:
+        with BpfObject("features", programs=["probe_xdp"]) as single_buffer:
+            single_buffer.load()
+            with pytest.raises(BpfError):
+                single_buffer.programs["probe_xdp"].attach_xdp(veth.host_ifindex, "native")
+    payload = mtu - 100
+    with BpfObject("flows", programs=[]) as obj:
+        enable_xdp(obj)
         obj.load()
-        obj.programs["flows_xdp"].attach_xdp(veth.host_ifindex, "native")
+        obj.programs[XDP_PROGRAM].attach_xdp(veth.host_ifindex, "native")
         before = (_stat(veth.host, "rx_packets"), _stat(veth.host, "rx_bytes"))
         veth.ns_run([sys.executable, "-c", "import socket, sys\n"
                      "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                      "for _ in range(5): s.sendto(bytes(int(sys.argv[2])), (sys.argv[1], 9))",
-                     veth.host_ip4, str(JUMBO_PAYLOAD)])
+                     veth.host_ip4, str(payload)])
         packets = _stat(veth.host, "rx_packets") - before[0]
         rx_bytes = _stat(veth.host, "rx_bytes") - before[1]
         ((_, counters),) = [(k, c) for k, c in obj.maps["flows"].items() if k.protocol == 17]
-    frame = 14 + 20 + 8 + JUMBO_PAYLOAD
+    frame = 14 + 20 + 8 + payload
     assert (counters.packets, counters.bytes) == (5, 5 * frame)
     # veth's XDP path counts received bytes after the Ethernet header was pulled: 14 bytes short per frame.
     assert packets == 5 and rx_bytes == 5 * (frame - 14)
+
+
+def test_an_xdp_program_the_kernel_refuses_leaves_both_directions_at_tc(
+        veth: VethPair, tc_kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """As a kernel without XDP multi-buffer refuses BPF_F_XDP_HAS_FRAGS: here a load flag no kernel
+    knows, so every kernel refuses the XDP program for real."""
+    def refused_xdp(obj: BpfObject) -> None:
+        enable_xdp(obj)
+        obj.programs[XDP_PROGRAM].flags |= 1 << 30
+
+    monkeypatch.setattr(flows_probe, "enable_xdp", refused_xdp)
+    with FlowsProbe([veth.host], xdp_interfaces=["*"]) as probe, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        (state,) = probe.attachments()
+        assert (state.ingress, state.egress) == (tc_kind, tc_kind)
+        assert state.xdp_refused.startswith("the XDP program did not load")
+        assert programs_on(veth.host) == OUR_TC_PROGRAMS
+        sock.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        assert wait_until(lambda: any(f.direction == "egress" and f.remote_port == 9 for f in probe.read().flows))
+    assert "the XDP program did not load" in caplog.text
 
 
 # --- wire segments: /proc/net/snmp and the interface counters, with TSO/GSO on ---

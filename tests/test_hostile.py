@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 from aiprobe.containers import cgroup2_root
 from fixtures.cuda_fake import build
-from helpers import VethPair, free_port, programs_on, run, unique, wait_until
+from helpers import VethPair, accepting, free_port, programs_on, run, unique, wait_until
 from servers import AIPROBE, Agent, http_get
 from test_agent import tcp_sink
 
@@ -294,12 +293,6 @@ def test_a_squatted_listen_port_is_retried_until_free(tmp_path: Path) -> None:
     assert "Traceback" not in log.read_text()
 
 
-def accept_and_close(server: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # until the test closes it
-        while True:
-            server.accept()[0].close()
-
-
 def run_churn(cbuild, port: int, first: int, count: int) -> None:
     churn = cbuild("churn_senders", "churn_senders.c")
     subprocess.run([str(churn), str(first), str(count), str(port)], check=True, timeout=120)
@@ -307,10 +300,9 @@ def run_churn(cbuild, port: int, first: int, count: int) -> None:
 
 def test_five_thousand_short_lived_senders_keep_series_and_memory_flat(tmp_path: Path, cbuild) -> None:
     sink = socket.create_server(("127.0.0.1", 0), backlog=4096)
-    threading.Thread(target=accept_and_close, args=(sink,), daemon=True).start()
     limit, idle = 50, 20  # idle outlasts the churn on a slow host, so the last batches still have series
     config = f'probes = ["sendlat"]\nmax_process_labels = {limit}\nidle_series_seconds = {idle}\n'
-    with Agent(tmp_path, config) as agent:
+    with sink, accepting(sink, socket.socket.close), Agent(tmp_path, config) as agent:
         port = sink.getsockname()[1]
         run_churn(cbuild, port, 0, 200)  # warm up: caches, first series, allocator arenas
         time.sleep(2)
@@ -332,7 +324,6 @@ def test_five_thousand_short_lived_senders_keep_series_and_memory_flat(tmp_path:
         assert healthz_within_1s(agent)
         agent.stop(timeout=30)  # detaching waits for the kernel (RCU), seconds on a loaded host
     assert agent.process.returncode == 0
-    sink.close()
 
 
 XDP_HOLDER = """

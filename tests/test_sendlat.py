@@ -19,12 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiprobe.btf import decode
+from aiprobe.btf import decode, kernel_enum_names
 from aiprobe.config import Config
 from aiprobe.containers import cgroup2_root
 from aiprobe.daemon import Agent
 from aiprobe.histogram import EXPORTED_BOUNDS, exported_buckets, hist_slots, kernel_buckets, quantile
 from aiprobe.loader import ProbeUnavailable, Strategy
+from aiprobe.probes.sendlat import loops
+from aiprobe.probes.sendlat import probe as sendlat_probe
 from aiprobe.probes.sendlat.hooks import send_stall
 from aiprobe.probes.sendlat.probe import (
     MAX_SAMPLE_EVERY,
@@ -163,6 +165,18 @@ def test_falls_back_through_strategies_and_says_why() -> None:
 
 
 @pytest.mark.bpf
+def test_runs_the_build_whose_loops_the_kernel_has() -> None:
+    """bpf_loop's build where the kernel has the helper (its BTF names it), the bounded-loop build
+    elsewhere, whose shorter walks the streams and requests parts state there."""
+    has_loop = "BPF_FUNC_loop" in kernel_enum_names("bpf_func_id")
+    assert loops.has_bpf_loop() == has_loop
+    with SendLatencyProbe() as probe:
+        assert probe.loaded is not None
+        assert probe.loaded.obj.name == (loops.OBJECT if has_loop else loops.BOUNDED_OBJECT)
+    assert bool(loops.bounded_walks()) != has_loop
+
+
+@pytest.mark.bpf
 @pytest.mark.parametrize("strategy", SPEC.strategies, ids=lambda s: s.name)
 def test_each_strategy_counts_sends_where_the_kernel_allows(strategy, peer: str) -> None:
     try:
@@ -174,6 +188,54 @@ def test_each_strategy_counts_sends_where_the_kernel_allows(strategy, peer: str)
         sent = send(peer, to, 25, 200)
         [record] = records_of(single.read(), sent.pid)
     assert (record.count, record.bytes) == (25, 5000)
+
+
+@pytest.mark.bpf
+def test_threads_kept_by_thread_id_count_exactly_and_leave_with_their_threads(
+        peer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where tracing programs lack task storage (before 5.12) thread state lives in a hash by thread id,
+    whose entries go as their threads exit; chosen here on any kernel, it counts as task storage does."""
+    monkeypatch.setattr(sendlat_probe, "threads_by_tid", lambda: True)
+    with SendLatencyProbe() as probe, sink(peer, "127.0.0.1") as to:
+        assert probe.loaded is not None
+        threads = probe.loaded.obj.maps["threads"]
+        assert threads.max_entries == sendlat_probe.THREAD_ENTRIES
+        sent = send(peer, to, 25, 200)
+        [record] = records_of(probe.read(), sent.pid)
+        assert (record.count, record.bytes) == (25, 5000)
+        assert sent.pid not in {key.value for key in threads.keys()}
+
+
+@pytest.mark.bpf
+def test_sockets_kept_by_address_time_requests_and_leave_with_their_connections(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where BTF programs lack socket storage (before 5.11) per-socket state lives in hashes by socket
+    address, whose entries go as their connections close; chosen here on any kernel, a request is
+    counted on both ends as with socket storage."""
+    monkeypatch.setattr(sendlat_probe, "sockets_by_address", lambda: True)
+    with SendLatencyProbe(stall_threshold_ms=250) as probe, socket.create_server(("127.0.0.1", 0)) as server:
+        assert probe.loaded is not None
+        maps = probe.loaded.obj.maps
+        assert {name: maps[name].max_entries for name in sendlat_probe.SOCKET_ENTRIES} == sendlat_probe.SOCKET_ENTRIES
+
+        def entries() -> dict[str, set[bytes]]:
+            return {name: {bytes(key) for key in maps[name].keys()} for name in sendlat_probe.SOCKET_ENTRIES}
+
+        with socket.create_connection(server.getsockname()) as client:
+            accepted, _ = server.accept()
+            with accepted:
+                client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                accepted.recv(100)
+                accepted.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
+                assert client.recv(100).endswith(b"hi")
+                open_entries = entries()
+                assert open_entries["stream_sockets"] and open_entries["client_sockets"]
+        requests = probe.parts()["requests"].read()
+        assert [(r.method, r.status_code, r.count) for r in requests.http if r.pid == os.getpid()] == [("GET", 200, 1)]
+        assert [(r.method, r.status_code, r.count) for r in requests.clients if r.pid == os.getpid()] == \
+            [("GET", 200, 1)]
+        # Other connections of the host may come and go meanwhile: those of this one's time are gone.
+        assert wait_until(lambda: not any(open_entries[name] & keys for name, keys in entries().items()))
 
 
 @pytest.mark.bpf
@@ -359,8 +421,9 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
     finally:
         server.kill()
         server.wait()
-    # Its sends never block; its socket stayed unwritable while the client did not read.
-    assert record.bytes == ASYNCIO_BYTES and record.p99_seconds < 0.05
+    # Its sends never block (a blocked one would last the pause; an emulated guest beside others has
+    # stretched one that did not block to 0.11 s); its socket stayed unwritable while the client did not read.
+    assert record.bytes == ASYNCIO_BYTES and record.p99_seconds < PAUSE_SECONDS / 10
     if probe.strategy == "kprobe":  # as its span says: socket storage is for BTF programs
         assert record.unwritable_count == 0 and "no unwritable time" in probe.status().span
         return
@@ -464,8 +527,9 @@ def test_survives_a_sender_killed_mid_send(probe: SendLatencyProbe, peer: str) -
     with sink(peer, "127.0.0.1", pause_ms=10_000) as stalled:
         sender = subprocess.Popen(sender_cmd(peer, stalled, 1, 64_000_000),
                                   stdout=subprocess.DEVNULL)
-        # It sleeps in its send: blocked on the full socket buffer.
-        assert wait_until(lambda: Path(f"/proc/{sender.pid}/wchan").read_text() == "wait_woken")
+        # It sleeps in its send, blocked on the full socket buffer: its kernel stack says so (wchan names
+        # no function before 5.16 where the kernel unwinds with ORC, as Debian's 5.10 does).
+        assert wait_until(lambda: "sk_stream_wait_memory" in Path(f"/proc/{sender.pid}/stack").read_text())
         sender.kill()
         sender.wait()
     with sink(peer, "127.0.0.1") as to:

@@ -22,7 +22,7 @@ from aiprobe.loader import ProbeUnavailable
 from aiprobe.probes.flows.settings import FlowsSettings
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
 from aiprobe.probes.sendlat.streams import StreamsProbe
-from aiprobe.registry import Face, Probe, catalog, face, faces, owner, plan, selected, strategies_named
+from aiprobe.registry import Face, Probe, catalog, face, faces, owner, plans, selected, strategies_named
 from exported_histograms import STREAM_HISTOGRAMS, assert_histograms_consistent
 from fixtures.sendlat_peer import build, sender_cmd, sink
 from helpers import PATIENCE, VethPair
@@ -34,6 +34,9 @@ from helpers import PATIENCE, VethPair
 ALWAYS = {"cuda": "uprobe", "sched": "tp_btf", "netstat": "procfs"}
 EXPECTED = {
     # no TCX before 6.6
+    # connections on 5.10: no bpf_get_func_ret (5.17) for its fexit programs
+    (5, 10): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "clsact",
+              "connections": "kprobe", **ALWAYS},
     # connections on 6.1: Debian's seven-argument tcp_v4_syn_recv_sock takes no trampoline
     (6, 1): {"sendlat": "fentry", "streams": "fentry", "requests": "fentry", "flows": "clsact",
              "connections": "kprobe", **ALWAYS},
@@ -114,7 +117,8 @@ def test_each_probe_picks_the_strategy_expected_on_this_kernel(veth: VethPair, k
     if expected is None:
         pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to EXPECTED")
     # What `aiprobe check` offers, then what the agent's probes and their parts run.
-    assert {name: plan(face(name), kernel_features).strategy for name in expected} == expected
+    planned = {plan.probe: plan.strategy for plan in plans(kernel_features, Config())}
+    assert {name: planned[name] for name in expected} == expected
     with running_probes(probes_config(veth, ("flows", "sendlat", "cuda", "connections"))) as running:
         assert {name: running[name].status().strategy for name in expected} == \
             expected

@@ -1,4 +1,4 @@
-"""`aiprobe check`: what this kernel can do, and which strategy each probe would run."""
+"""`aiprobe check`: what this kernel can do, and which strategy each probe will run."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import click
 
 from .. import __version__, libbpf
 from ..cli import AiprobeError, emit_json, friendly_errors, json_option, require_privileges
+from ..config import Config
 from ..features import probe_features
-from ..registry import ProbePlan, faces, plan
+from ..registry import ProbePlan, faces, plans
 from ..system import kernel_release, prepare_mounts
 
 
@@ -48,17 +49,18 @@ def _print_text(report: dict[str, Any], plans: list[ProbePlan], notes: dict[str,
 @json_option
 @friendly_errors
 def command(as_json: bool) -> None:
-    """Print the kernel capability matrix and the strategy each probe would use."""
+    """Print the kernel capability matrix and the strategy each probe will run: each probe's own
+    object loaded and attached as the agent (at its default config) loads it."""
     require_privileges()
     features = probe_features()
-    plans = [plan(face, features) for face in faces()]
+    planned = plans(features, Config())
     report = {
         "version": __version__,
         "kernel": kernel_release(),
         "libbpf": libbpf.version(),
         "features": {name: f.as_dict() for name, f in features.items()},
         "mounts": {name: vars(m) for name, m in prepare_mounts().items()},
-        "probes": {p.probe: p.as_dict() for p in plans},
+        "probes": {p.probe: p.as_dict() for p in planned},
     }
     # What each probe adds about this host (the XDP hooks other programs hold).
     notes = {key: note for face in faces() if face.check_notes for key, note in face.check_notes().items()}
@@ -66,6 +68,6 @@ def command(as_json: bool) -> None:
     if as_json:
         emit_json(report)
     else:
-        _print_text(report, plans, notes)
-    if not any(p.available for p in plans):
+        _print_text(report, planned, notes)
+    if not any(p.available for p in planned):
         raise AiprobeError("no probe can run on this host")

@@ -12,10 +12,12 @@ plain emulation otherwise.
 
 The emulated guests run side by side, each on one host thread (see EMULATION), after this host's run.
 
-Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [-- PYTEST ARGS]  (default: the modules of
-tests/helpers.py's KERNEL_MODULES, -m "kernels and (bpf or kernel_facing)"; naming the modules spares the
-guests the imports of the rest of the suite, minutes under emulation). `--repeat N` runs the
-selection N times in one boot, to find flakes before CI does; every failure names its round.
+Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [--guest-cpu PERCENT] [-- PYTEST ARGS]
+(default: the modules of tests/helpers.py's KERNEL_MODULES, -m "kernels and (bpf or kernel_facing)";
+naming the modules spares the guests the imports of the rest of the suite, minutes under emulation).
+`--repeat N` runs the selection N times in one boot, to find flakes before CI does; every failure
+names its round. `--guest-cpu 50` runs each guest half the time (a machine twice as slow for the
+guests): the bounds must hold there too.
 Exit status 1 when a test failed or a kernel did not report.
 """
 
@@ -34,9 +36,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -51,11 +55,24 @@ from helpers import KERNEL_MODULES  # noqa: E402  (the one list of what runs on 
 # The rest needs no kernel of its own: make test runs it.
 DEFAULT_SELECTION = (*(f"tests/{module}.py" for module in sorted(KERNEL_MODULES)),
                      "-m", "kernels and (bpf or kernel_facing)")
-# Every step is bounded, so a hang is a failure with the stacks of what hung (guest.sh: hung.log),
-# never a stalled CI. Emulation is ~10x slower than the host; `aiprobe check` takes 45-150 s there.
-CHECK_SECONDS = 360
-PYTEST_SECONDS = 1200  # per round of the selection
-BOOT_SECONDS = 180
+# Every step is bounded by its progress, never by its total, so a hang is a failure with the stacks
+# of what hung (guest.sh: hung.log), never a stalled CI, and a slow machine that keeps finishing tests
+# is never stopped. Each bound is over twice the slowest seen under emulation on a machine more than
+# twice as slow: a 6.12 guest beside four others on 2 cores (2026-12-06), whose round took 3,129 s
+# where CI's take 685-1,160 s. `aiprobe check` as a whole took 89 s there (45-150 s in CI).
+CHECK_SECONDS = 600
+# A round's collection, and each of its tests (setup, call and teardown: tests/conftest.py marks each
+# start and end). The slowest there: test_check's agent plan, 256 s (its setup runs `aiprobe check`,
+# then the agent); flows' wire segments, 140 s; the rest under 125 s.
+TEST_SECONDS = 600
+BOOT_SECONDS = 300  # from qemu's start to guest.sh's: ~40 s
+# The host's own bound on the guest's progress (results/progress), for a guest whose own watchdog
+# failed: guest.sh's bound (a minute more for a round's), then time for its dump of the stacks.
+STALLED_SECONDS = max(CHECK_SECONDS, TEST_SECONDS + 60) + 120
+STALLED = "the guest made no progress"
+# The whole run's bound, a backstop far beyond normal (a round takes 700-1,200 s in CI, 3,129 s beside
+# four other guests): the progress bounds end a hang long before it; CI's own limit is 90 minutes.
+ROUND_BACKSTOP_SECONDS = 3600
 # Those bounds are the guest's own timers: a guest that froze whole (once in CI, silent on its console:
 # no lockup, RCU-stall or hung-task report; 9p's waits are killable, which the hung-task detector
 # skips) stops them too. guest.sh rewrites a heartbeat every 10 s; when it stops this long, the host
@@ -74,14 +91,20 @@ EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p", "--qemu-opts=-a
 
 @dataclass(frozen=True)
 class Series:
-    """A kernel series: package names matching `pattern`; the highest `(\\d+)` group is the newest."""
+    """A kernel series: package names matching `pattern`; the highest `(\\d+)` group is the newest.
+    `suite`: a Debian suite this host's apt sources lack, resolved and downloaded through lists of its
+    own under build/kernels/apt/ (the host's apt configuration is left as it is)."""
 
     label: str
     pattern: str
+    suite: str = ""
 
 
+# Debian 11's 5.10 stands in for the 5.x fleets (Amazon Linux 2's 5.10, Ubuntu 22.04's 5.15): it lacks
+# everything 5.15 lacks (bpf_loop, bpf_get_func_ret, TCX, XDP multi-buffer) and task storage too.
 # Debian 12's stock kernel and its newer series (bookworm-backports' successor, in bookworm itself).
 MATRIX = (
+    Series("Debian 11 stock", r"linux-image-5\.10\.0-(\d+)-amd64", suite="bullseye"),
     Series("Debian 12 stock", r"linux-image-6\.1\.0-(\d+)-amd64"),
     Series("Debian 12 6.12", r"linux-image-6\.12\.(\d+)\+deb12-amd64"),
 )
@@ -114,21 +137,45 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
 # ---- kernels: resolve, download, unpack ----
 
 
+def apt_options(suite: str) -> list[str]:
+    """apt's options for `suite` ("" for this host's own sources): its sources list, package lists and
+    downloads in build/kernels/apt/<suite>/, made on first use, signed by Debian's archive keys."""
+    if not suite:
+        return []
+    state = CACHE / "apt" / suite
+    sources = state / "sources.list"
+    if not sources.exists():
+        (state / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+        (state / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+        signed = "[signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]"
+        sources.write_text(f"deb {signed} http://deb.debian.org/debian {suite} main\n"
+                           f"deb {signed} http://deb.debian.org/debian-security {suite}-security main\n")
+    return [f"-oDir::Etc::SourceList={sources}", "-oDir::Etc::SourceParts=/dev/null",
+            f"-oDir::State::Lists={state / 'lists'}", f"-oDir::Cache::Archives={state / 'archives'}",
+            f"-oDir::Cache::pkgcache={state / 'pkgcache.bin'}",
+            f"-oDir::Cache::srcpkgcache={state / 'srcpkgcache.bin'}"]
+
+
 def newest_package(series: Series) -> str:
     """The highest-numbered package of the series that apt knows, updating the lists once if none."""
+    options = apt_options(series.suite)
+    prefix = series.pattern.split("\\.")[0]  # linux-image-5 or linux-image-6: apt's own prefix match
     for attempt in range(2):
-        names = run(["apt-cache", "pkgnames", "linux-image-6."]).stdout.split()
+        names = run(["apt-cache", *options, "pkgnames", prefix]).stdout.split()
         matches = [(int(m.group(1)), name) for name in names if (m := re.fullmatch(series.pattern, name))]
         if matches:
             return max(matches)[1]
         if attempt == 0:
-            log("no package of the series in apt's lists; apt-get update")
-            run(["apt-get", "update", "-qq"])
+            suite = f" for {series.suite}" if series.suite else ""
+            log(f"no package of the series in apt's lists{suite}; apt-get update")
+            run(["apt-get", *options, "update", "-qq"])
     raise SystemExit(f"test-kernels: no package matches {series.pattern} (check `apt-cache policy`)")
 
 
-def unpacked_kernel(package: str) -> Path:
-    """build/kernels/<release>/boot/vmlinuz-<release>, downloaded and unpacked once."""
+def unpacked_kernel(series: Series) -> Path:
+    """build/kernels/<release>/boot/vmlinuz-<release> of the series' newest package, downloaded and
+    unpacked once."""
+    package = newest_package(series)
     release = package.removeprefix("linux-image-")
     tree = CACHE / release
     image = tree / "boot" / f"vmlinuz-{release}"
@@ -138,7 +185,7 @@ def unpacked_kernel(package: str) -> Path:
     debs.mkdir(parents=True, exist_ok=True)
     if not list(debs.glob(f"{package}_*.deb")):
         log(f"downloading {package}")
-        run(["apt-get", "download", "-q", package], cwd=debs)
+        run(["apt-get", *apt_options(series.suite), "download", "-q", package], cwd=debs)
     [deb] = sorted(debs.glob(f"{package}_*.deb"))[-1:]
     log(f"unpacking {deb.name}")
     shutil.rmtree(tree, ignore_errors=True)
@@ -166,15 +213,18 @@ def vng_env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{VNG.parent}:{os.environ['PATH']}"}
 
 
-def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], results: Path | None = None) -> str:
-    """Run vng in a session of its own until it ends: "" then. Otherwise why it was stopped: it
-    outlived `timeout`, or its heartbeat in `results` stopped (see FROZEN_SECONDS; report_frozen
-    asks a frozen guest where it is first). Stopping kills the whole session (qemu included: killing
-    vng alone would leave a guest running behind the next one)."""
+def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], results: Path | None = None,
+           cpu_share: float = 1.0) -> str:
+    """Run vng in a session of its own (`cpu_share` of the time: see throttled) until it ends: "" then.
+    Otherwise why it was stopped: it outlived `timeout`, its heartbeat in `results` stopped (see
+    FROZEN_SECONDS), or its progress (STALLED_SECONDS); report_frozen asks such a guest where it is
+    first. Stopping kills the whole session (qemu included: killing vng alone would leave a guest
+    running behind the next one)."""
     vm = subprocess.Popen(cmd, env=vng_env(), stdin=subprocess.DEVNULL, stdout=output,
                           stderr=subprocess.STDOUT, start_new_session=True, text=True)
-    why = wait_for_vm(vm, timeout, results)
-    if why.startswith(FROZE) and results:
+    with throttled(vm, cpu_share):
+        why = wait_for_vm(vm, timeout, results)
+    if why.startswith((FROZE, STALLED)) and results:
         report_frozen(vm, qmp, results)
     for sig in (signal.SIGTERM, signal.SIGKILL) if why else ():
         with contextlib.suppress(ProcessLookupError):
@@ -186,16 +236,55 @@ def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], res
 
 
 def wait_for_vm(vm: subprocess.Popen, timeout: float, results: Path | None) -> str:
-    deadline = time.monotonic() + timeout
-    heartbeat = results / "heartbeat" if results else None
+    started = time.time()
     while vm.poll() is None:
-        if time.monotonic() > deadline:
+        if time.time() - started > timeout:
             return f"no result within {timeout:.0f} s"
-        with contextlib.suppress(OSError):
-            if heartbeat and time.time() - heartbeat.stat().st_mtime > FROZEN_SECONDS:
-                return f"{FROZE}: no heartbeat for {FROZEN_SECONDS} s"
+        if results and (why := stuck(results, started)):
+            return why
         time.sleep(5)
     return ""
+
+
+def stuck(results: Path, started: float) -> str:
+    """Why the guest seems stuck, from the files it rewrites (their times are this host's: 9p), or "".
+    Before guest.sh writes its progress, the guest is booting."""
+    with contextlib.suppress(OSError):
+        if time.time() - (results / "heartbeat").stat().st_mtime > FROZEN_SECONDS:
+            return f"{FROZE}: no heartbeat for {FROZEN_SECONDS} s"
+    try:
+        if time.time() - (results / "progress").stat().st_mtime > STALLED_SECONDS:
+            return f"{STALLED} for {STALLED_SECONDS} s (its own watchdog did not end the step)"
+    except FileNotFoundError:
+        if time.time() - started > BOOT_SECONDS:
+            return f"the guest did not start guest.sh within {BOOT_SECONDS} s"
+    return ""
+
+
+@contextlib.contextmanager
+def throttled(vm: subprocess.Popen, cpu_share: float) -> Iterator[None]:
+    """The VM's session stopped for (1 - cpu_share) of every 100 ms, as cpulimit does it (SIGSTOP,
+    SIGCONT): a machine that much slower for the guest, whatever else runs beside it."""
+    if cpu_share >= 1:
+        yield
+        return
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.wait(0.1 * cpu_share):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(vm.pid, signal.SIGSTOP)
+            done.wait(0.1 * (1 - cpu_share))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(vm.pid, signal.SIGCONT)
+
+    cycler = threading.Thread(target=cycle, daemon=True)
+    cycler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        cycler.join()
 
 
 def report_frozen(vm: subprocess.Popen, qmp: Path, results: Path) -> None:
@@ -262,18 +351,20 @@ def results_dir(name: str) -> Path:
 
 @dataclass(frozen=True)
 class Selection:
-    """What every kernel runs: pytest's arguments, `rounds` times in a row."""
+    """What every kernel runs: pytest's arguments, `rounds` times in a row; each guest gets `cpu_share`
+    of the time (--guest-cpu)."""
 
     pytest_args: list[str]
     rounds: int
+    cpu_share: float = 1.0
 
     def guest_args(self, results: Path) -> list[str]:
-        return [str(results), str(CHECK_SECONDS), str(PYTEST_SECONDS), str(self.rounds), *self.pytest_args]
+        return [str(results), str(CHECK_SECONDS), str(TEST_SECONDS), str(self.rounds), *self.pytest_args]
 
     @property
     def vm_timeout(self) -> float:
-        """Every step's own bound, and the boot: a guest that never runs guest.sh."""
-        return CHECK_SECONDS + PYTEST_SECONDS * self.rounds + BOOT_SECONDS
+        """The backstop: boot, `aiprobe check` and each round at its most."""
+        return BOOT_SECONDS + CHECK_SECONDS + ROUND_BACKSTOP_SECONDS * self.rounds
 
 
 def run_in_vm(image: Path, accel: tuple[str, ...], selection: Selection) -> tuple[Path, float, str]:
@@ -285,7 +376,7 @@ def run_in_vm(image: Path, accel: tuple[str, ...], selection: Selection) -> tupl
     started = time.monotonic()
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
-        problem = run_vm(cmd, qmp_socket(image), selection.vm_timeout, console, results)
+        problem = run_vm(cmd, qmp_socket(image), selection.vm_timeout, console, results, selection.cpu_share)
     return results, time.monotonic() - started, problem
 
 
@@ -440,10 +531,14 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the selection N times in one boot (finds flakes; counts add up over the rounds)")
     parser.add_argument("pytest_args", nargs="*", help=f"pytest arguments (default: {shlex.join(DEFAULT_SELECTION)})")
+    parser.add_argument("--guest-cpu", type=int, default=100, metavar="PERCENT",
+                        help="run each guest PERCENT of the time (50: a machine twice as slow for the guests)")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat takes a number of rounds, 1 or more")
-    selection = Selection(args.pytest_args or list(DEFAULT_SELECTION), args.repeat)
+    if not 0 < args.guest_cpu <= 100:
+        parser.error("--guest-cpu takes a percentage, 1 to 100")
+    selection = Selection(args.pytest_args or list(DEFAULT_SELECTION), args.repeat, args.guest_cpu / 100)
     wanted = lambda name: not args.kernel or any(k in name for k in args.kernel)  # noqa: E731
 
     results = []
@@ -456,7 +551,7 @@ def main() -> int:
         read_results(result, path)
         results.append(result)
     fetching = time.monotonic()
-    images = [unpacked_kernel(package) for package in map(newest_package, MATRIX) if wanted(package)]
+    images = [unpacked_kernel(series) for series in MATRIX if wanted(series.pattern.replace("\\", ""))]
     if images:
         log(f"kernels ready in {time.monotonic() - fetching:.0f} s")
     results += run_guests(images, selection)

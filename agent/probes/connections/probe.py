@@ -19,15 +19,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ... import libbpf, sockdiag
-from ...btf import Btf
+from ... import sockdiag
+from ...btf import kernel_enum_names
 from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile, slot_of_microseconds
 from ...libbpf import BpfError
 from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels, load_first
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import process_name
-from ...registry import Probe, ProbeSpec, strategies_named
+from ...registry import Loading, Probe, ProbeSpec, strategies_named
 from .hooks import ConnectionsHooks
 from .records import ConnectionsSnapshot, Listener, ReuseportGroup
 from .rules import ACCEPT_QUEUE_SATURATED, REUSEPORT_IMBALANCE
@@ -87,11 +87,7 @@ def _from_config(config: Config) -> ConnectionsProbe:
 
 def kernel_drop_reasons() -> list[str]:
     """The kernel's enum skb_drop_reason, from its BTF."""
-    handle = libbpf.new_ptr("btf__load_vmlinux_btf")
-    try:
-        return Btf(handle).enum_names("skb_drop_reason")
-    finally:
-        libbpf.lib().btf__free(handle)
+    return kernel_enum_names("skb_drop_reason")
 
 
 def _configure(obj: BpfObject, strategy: Strategy) -> None:
@@ -294,6 +290,9 @@ class ConnectionsProbe(Probe):
                 if not any(s.name == SOCK_DIAG for s in self._strategies):
                     raise
                 self._skipped, self._diag_only = exc.reasons, True
+
+    def loading(self) -> Loading:
+        return Loading(self._strategies, _configure)
 
     @property
     def strategy(self) -> str | None:

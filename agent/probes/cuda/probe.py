@@ -48,14 +48,15 @@ from ...btf import decode
 from ...budget import CpuBudget
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from ...libbpf import BpfError
-from ...loader import BpfObject, Link, Map, Strategy, load_first
+from ...loader import BpfObject, Link, Map, Program, Strategy, load_first
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, printable
 from ...procfs import StartTimes, start_ticks
-from ...registry import Face, Probe, ProbeSpec, strategies_named
+from ...registry import Face, Loading, Probe, ProbeSpec, strategies_named
 from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 from . import sched
+from .atomics import fetch_atomics
 from .hooks import CudaHooks
 from .records import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 from .rules import CUDA_CONTEXT_SWITCH_STORM, GPU_TIME_SLICED
@@ -138,6 +139,28 @@ ENTRY_POINTS = DRIVER_ENTRY_POINTS + RUNTIME_ENTRY_POINTS
 UPROBE_PROGRAMS = tuple(dict.fromkeys(entry.program for entry in ENTRY_POINTS))
 _UPROBE_SPAN = ("libcuda.so and libcudart.so entry points (launches, graph launches, syncs, context changes, "
                 "cold-start calls)")
+
+# The programs that move a thread into or out of its process's synchronizations come twice (bpf/cuda.bpf.c,
+# SYNC_PROGRAMS): with atomic fetch instructions, and as NAME_locked for kernels without them.
+SYNC_PROGRAMS = frozenset({
+    "uprobe_sync_stream", "uprobe_sync_device", "uprobe_sync_event", "uretprobe_sync_exit",
+    *(f"{s.name}_sched_process_exit" for s in sched.STRATEGIES),
+})
+LOCKED = "_locked"
+
+
+def without_fetch_atomics(strategy: Strategy) -> Strategy:
+    """The strategy with the synchronization programs that need no atomic fetch instructions."""
+    return replace(strategy, programs=tuple(f"{name}{LOCKED}" if name in SYNC_PROGRAMS else name
+                                            for name in strategy.programs))
+
+
+def loaded_program(obj: BpfObject, name: str) -> Program:
+    """Program `name`, or its variant without atomic fetch instructions where that one is loaded."""
+    variant: Program | None = obj.programs.get(f"{name}{LOCKED}")
+    program: Program = variant if variant is not None and variant.autoload else obj.programs[name]
+    return program
+
 
 # The uprobes with each scheduler strategy in turn, then without a scheduler side at all.
 STRATEGIES = (
@@ -444,8 +467,8 @@ def attach_sites(obj: BpfObject, sites: Sequence[UprobeSite]) -> list[Link]:
     links: list[Link] = []
     try:
         for site in sites:
-            links.append(obj.programs[site.program].attach_uprobe(site.path, offset=site.offset,
-                                                                  retprobe=site.retprobe))
+            links.append(loaded_program(obj, site.program).attach_uprobe(site.path, offset=site.offset,
+                                                                         retprobe=site.retprobe))
     except BpfError:
         detach_links(obj, links)
         raise
@@ -789,7 +812,7 @@ class CudaProbe(Probe):
 
     def start(self) -> None:
         self._started_ns = time.monotonic_ns()
-        self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=self._configure,
+        self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._kernel_strategies(), configure=self._configure,
                                  attach=self._attach_scheduler)
         self._launch_probes = LaunchProbes(self.loaded.obj, self._cpu_budget, self._duty_period)
         # Shared with streams (bpf/cuda_sync.h), the map may outlive an earlier cuda probe, whose open
@@ -813,11 +836,18 @@ class CudaProbe(Probe):
                 return {}
             return {key.value: value.kernel_launches for key, value in self.loaded.obj.maps["processes"].items()}
 
+    def loading(self) -> Loading:
+        return Loading(self._kernel_strategies(), self._configure, self._attach_scheduler)
+
+    def _kernel_strategies(self) -> tuple[Strategy, ...]:
+        """The strategies, with the programs this kernel takes (atomic fetch instructions or not)."""
+        return tuple(self._strategies) if fetch_atomics() else tuple(map(without_fetch_atomics, self._strategies))
+
     def _attach_scheduler(self, obj: BpfObject, strategy: Strategy) -> None:
         """Attach the strategy's scheduler programs, so a strategy that cannot attach gives way to the
         next; the first rescan detaches them while no process drives the GPU. Uprobes attach per
         library as they are found."""
-        programs = [name for name in strategy.programs if name not in UPROBE_PROGRAMS]
+        programs = [loaded_program(obj, name).name for name in strategy.part.programs] if strategy.part else []
         self._sched_links = sched.SchedulerLinks(obj, programs, self._sched_linger)
         self._sched_links.attach()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
@@ -47,12 +48,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import libbpf
 from ...features import network_features
-from ...libbpf import BpfError
+from ...libbpf import KERNEL_ENOTSUPP, BpfError
 from ...loader import (
     BpfObject,
     Link,
+    Loaded,
     Map,
+    ProbeUnavailable,
     Program,
     Strategy,
     enum_labels,
@@ -65,7 +69,7 @@ from ...metrics import Family, Series
 from ...model import Identity, MapUsage, ProbeStatus
 from ...names import ip_text
 from ...netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
-from ...registry import Probe, ProbeSpec
+from ...registry import Loading, Probe, ProbeSpec
 from ...supervisor import ATTACHMENTS, Backoff, attach_reason
 from .hooks import SNAPSHOT_FLOWS, FlowsHooks
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
@@ -80,9 +84,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-XDP_PROGRAM = "flows_xdp"
+XDP_PROGRAM = "flows_xdp"  # loaded only where interfaces opted in to XDP (FlowsProbe's xdp_interfaces)
 TC_PROGRAM_OF = {"ingress": "flows_ingress", "egress": "flows_egress"}  # kernel names: 15 chars at most
-PROGRAMS = (*TC_PROGRAM_OF.values(), XDP_PROGRAM)
+PROGRAMS = tuple(TC_PROGRAM_OF.values())
 
 
 def _from_config(config: Config) -> Probe:
@@ -228,6 +232,44 @@ def xdp_refusal(link: LinkInfo) -> str:
     return ""
 
 
+# uapi/linux/bpf.h
+BPF_PROG_TYPE_SCHED_CLS = 3
+BPF_PROG_TYPE_XDP = 6
+BPF_FUNC_KTIME_GET_COARSE_NS = 160
+BPF_FUNC_XDP_GET_BUFF_LEN = 188
+BPF_F_XDP_HAS_FRAGS = 1 << 5
+CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns()'s clock, which Python's time lacks
+
+
+@functools.cache
+def _kernel_has_helper(prog_type: int, helper: int) -> bool:
+    """A real load (libbpf's probe) of a program of that type calling the helper."""
+    return bool(libbpf.lib().libbpf_probe_bpf_helper(prog_type, helper, None) == 1)
+
+
+def xdp_multi_buffer() -> bool:
+    """Whether this kernel runs XDP programs on multi-buffer frames (5.18+): bpf_xdp_get_buff_len came
+    with BPF_F_XDP_HAS_FRAGS."""
+    return _kernel_has_helper(BPF_PROG_TYPE_XDP, BPF_FUNC_XDP_GET_BUFF_LEN)
+
+
+def flow_clock() -> int:
+    """The clock the programs stamp flows with (bpf/flows.bpf.c), and reads write as flows_clock:
+    CLOCK_MONOTONIC_COARSE, or CLOCK_MONOTONIC where the kernel lacks bpf_ktime_get_coarse_ns (5.11)."""
+    coarse = _kernel_has_helper(BPF_PROG_TYPE_SCHED_CLS, BPF_FUNC_KTIME_GET_COARSE_NS)
+    return CLOCK_MONOTONIC_COARSE if coarse else time.CLOCK_MONOTONIC
+
+
+def enable_xdp(obj: BpfObject) -> None:
+    """Load the XDP program too, taking multi-buffer frames where the kernel has them: only then
+    does the kernel let it attach where the MTU exceeds a page. Without, it counts single-buffer
+    frames (bpf/flows.bpf.c) and attaches up to a page's MTU."""
+    program = obj.programs[XDP_PROGRAM]
+    program.autoload = True
+    if xdp_multi_buffer():
+        program.flags |= BPF_F_XDP_HAS_FRAGS
+
+
 def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:
     prog_id = xdp_program_id(ifindex)
     if prog_id is None:
@@ -369,15 +411,16 @@ class _Attached:
     links: list[Link]
 
 
-def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: bool) -> _Attached:
+def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_refused: str | None) -> _Attached:
+    """`xdp_refused`: None where XDP is not wanted, else why it may not count ingress ("" if it may)."""
     state = InterfaceAttachment(link.name, link.index)
     if not link.ethernet:
         state.error = "not an Ethernet interface: frames carry no Ethernet header"
         return _Attached(state, [])
     failures: _Failures = []
     links = [_attach_tc(obj, link, tc_mode, "egress", state, failures)]
-    if xdp_wanted:
-        state.xdp_refused = xdp_refusal(link)
+    if xdp_refused is not None:
+        state.xdp_refused = xdp_refused
         if not state.xdp_refused:
             links.append(_attach_xdp(obj.programs[XDP_PROGRAM], link, state, failures))
     if state.ingress is None:
@@ -389,7 +432,6 @@ def _attach_interface(obj: BpfObject, link: LinkInfo, tc_mode: str, xdp_wanted: 
 
 # --- accounting between reads ---
 
-CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns()'s clock, which Python's time lacks
 FIRST_SEEN = VALUE_FIELDS.index("first_seen_ns")
 
 
@@ -406,7 +448,7 @@ class _Ledger:
     """What read() remembers besides the flows: when reads began, and counts of what left the table
     and the unattributed table."""
 
-    # CLOCK_MONOTONIC_COARSE as each read began, oldest first, back to the latest one an idle timeout
+    # flow_clock() as each read began, oldest first, back to the latest one an idle timeout
     # old: each read writes it as the programs' flows_clock, what a frame stamps as last_seen.
     started: deque[int] = field(default_factory=deque)
     retired_failures: int = 0
@@ -430,7 +472,7 @@ class _Ledger:
 
 
 class FlowsProbe(Probe):
-    """XDP ingress + tc egress flow accounting on the selected interfaces."""
+    """tc (or opt-in XDP) ingress + tc egress flow accounting on the selected interfaces."""
 
     spec = SPEC
 
@@ -470,6 +512,8 @@ class FlowsProbe(Probe):
         # (interface, direction) -> its rates' baseline (CLOCK_MONOTONIC, bytes, packets) and latest rates
         self._rated: dict[Identity, tuple[int, int, int, tuple[float, float]]] = {}
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
+        self._xdp_unloaded = ""  # why the XDP program is not loaded although interfaces opted in to it
+        self._atomic_pop = True  # lookup-and-delete on the flow table (hash maps: 5.14+)
 
     # --- life cycle ---
 
@@ -477,11 +521,7 @@ class FlowsProbe(Probe):
         watcher = LinkWatcher(self._on_link, self._on_removed)
         links = watcher.start()
         try:
-            self.loaded = load_first(
-                SPEC.name, SPEC.bpf_object, self._strategies,
-                configure=lambda obj, _s: setattr(obj.maps["flows"], "max_entries", self.max_flows),
-                attach=lambda obj, strategy: self._attach_initial(obj, strategy, links),
-            )
+            self.loaded = self._load(links)
         except BaseException:
             watcher.stop()
             raise
@@ -492,6 +532,36 @@ class FlowsProbe(Probe):
         self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
         watcher.run_in_background()
+
+    def _load(self, links: list[LinkInfo]) -> Loaded:
+        """The tc programs, and the XDP one where interfaces opted in to it. An XDP program this
+        kernel refuses leaves ingress at tc: it never takes the tc hooks down with it."""
+        try:
+            return self._load_first(links, xdp=bool(self.filter.xdp))
+        except ProbeUnavailable as exc:
+            if not self.filter.xdp:
+                raise
+            self._xdp_unloaded = f"the XDP program did not load ({exc}); ingress counted at tc"
+            log.warning("%s", self._xdp_unloaded)
+            return self._load_first(links, xdp=False)
+
+    def _load_first(self, links: list[LinkInfo], xdp: bool) -> Loaded:
+        loading = self.loading(links, xdp)
+        return load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=loading.configure,
+                          attach=loading.attach)
+
+    def loading(self, links: list[LinkInfo] | None = None, xdp: bool | None = None) -> Loading:
+        """How it loads, attaching to `links` (none: the hook is tried in a throwaway netns, as
+        `aiprobe check` loads it), with the XDP program (None: where interfaces opted in to it)."""
+        with_xdp = bool(self.filter.xdp) if xdp is None else xdp
+
+        def configure(obj: BpfObject, _strategy: Strategy) -> None:
+            obj.maps["flows"].max_entries = self.max_flows
+            if with_xdp:
+                enable_xdp(obj)
+
+        return Loading(self._strategies, configure,
+                       lambda obj, strategy: self._attach_initial(obj, strategy, links or []))
 
     def _attach_initial(self, obj: BpfObject, strategy: Strategy, links: list[LinkInfo]) -> None:
         wanted = [link for link in links if link.up and self.filter.wants(link)]
@@ -532,7 +602,8 @@ class FlowsProbe(Probe):
                     log.info("attached to %s", self._attached[link.index].state.describe())
 
     def _attach(self, obj: BpfObject, link: LinkInfo, tc_mode: str) -> _Attached:
-        attached = _attach_interface(obj, link, tc_mode, self.filter.wants_xdp(link))
+        xdp_refused = (self._xdp_unloaded or xdp_refusal(link)) if self.filter.wants_xdp(link) else None
+        attached = _attach_interface(obj, link, tc_mode, xdp_refused)
         if _retryable(attached.state):
             self._backoff.failed(link.index, time.monotonic())
         else:
@@ -645,7 +716,7 @@ class FlowsProbe(Probe):
         now_ns = time.monotonic_ns()
         # One past the coarse tick: a flow made in this tick before the write has that tick as its
         # first_seen (and last_seen), which must read as earlier than any frame stamped after the write.
-        started = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE) + 1
+        started = time.clock_gettime_ns(flow_clock()) + 1
         with self._lock:
             names = {index: a.state.interface for index, a in self._attached.items()}
             attachments = [a.state for a in self._attached.values()]
@@ -711,12 +782,27 @@ class FlowsProbe(Probe):
         table = self._table
         finals = np.zeros(len(keys), table.value_dtype)
         for i, key in enumerate(keys):
-            final = flows_map.pop(key)
+            final = self._pop(flows_map, key)
             if final is not None:
                 finals[i] = np.frombuffer(bytes(final), table.value_dtype, 1)[0]
             elif key in table.slots:  # deleted by someone else meanwhile: as last read
                 finals[i] = table.values[table.slots[key]]
         table.retire(keys, finals)
+
+    def _pop(self, flows_map: Map, key: bytes) -> Any:
+        """A flow's counters as it is deleted. Before 5.14 (no lookup-and-delete on hash maps) a lookup,
+        then a delete: a frame counted between the two is lost, which the flows deleted here (idle, or
+        the stalest) all but never have."""
+        if self._atomic_pop:
+            try:
+                return flows_map.pop(key)
+            except BpfError as exc:
+                if exc.errno != KERNEL_ENOTSUPP:
+                    raise
+                self._atomic_pop = False
+        final = flows_map.lookup(key)
+        flows_map.delete(key)
+        return final
 
     def _records(self, names: dict[int, str], interval: float) -> list[tuple[bytes, int, FlowRecord]]:
         """Records of the flows the table picks for `top` (the fastest, then idle ones so a long-lived

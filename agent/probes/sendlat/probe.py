@@ -17,16 +17,28 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import btf
+from ... import btf, libbpf
 from ...budget import CpuBudget
+from ...features import helper_available, sk_storage_in_tracing
 from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile
-from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy, enum_labels, load_first
+from ...loader import (
+    BpfObject,
+    Lazy,
+    Loaded,
+    ProbeUnavailable,
+    RingRecords,
+    Strategy,
+    attach_all,
+    enum_labels,
+    load_first,
+)
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
 from ...procfs import StartTimes
-from ...registry import Face, Probe, ProbeSpec, Unavailable, strategies_named
+from ...registry import Face, Loading, Probe, ProbeSpec, Unavailable, strategies_named
 from .hooks import SendLatencyHooks
+from .loops import OBJECT, object_name
 from .records import FlowSendStats, ProcessSendLatency, SendLatencySnapshot, SlowSend
 from .requests import PART as REQUESTS
 from .requests import RequestsProbe  # counted by the stream logic when responses end (bpf/requests.h)
@@ -39,10 +51,26 @@ from .view import PROCESS_COLUMNS
 if TYPE_CHECKING:
     from ...config import Config
 
-OBJECT = "sendlat"
 # Slow sends kept between two reads; beyond this they count as lost (a reader that stopped reading).
 MAX_PENDING_SLOW_SENDS = 65536
 _STATS_MAPS = ("procs", "flows")
+# Where tracing programs cannot use task storage (before 5.12) each thread's state is an entry of a
+# preallocated hash by thread id (bpf/sendlat.bpf.c, threads_by_tid), emptied as threads exit by this
+# program: room for this many threads (128 bytes each, 2 MiB).
+THREAD_EXIT = "sendlat_thread_exit"
+THREAD_ENTRIES = 16384
+# Where BTF programs cannot use socket storage (before 5.11) per-socket state is an entry of a
+# preallocated hash by socket address (bpf/sk_state.h), deleted as its connection closes (by
+# sendlat_socket_close for `sockets`, by streams_set_state for the others): room per map, and what it
+# takes (entry: value and 8-byte key, plus ~48 bytes of the kernel's; 8.2 MiB in all).
+SOCKET_CLOSE = "sendlat_socket_close"
+SOCKET_ENTRIES = {
+    "stream_sockets": 8192,  # accepted connections in flight (776 bytes each: 6.7 MiB)
+    "client_sockets": 16384,  # connections the host opened (40 bytes each: 1.5 MiB)
+    "sockets": 4096,  # sockets unwritable at once (8 bytes each: 0.25 MiB)
+}
+# Indexes of the `counters` array (enum sendlat_counter in bpf/sendlat.h).
+_LOST_EVENTS, _PROCS_FULL, _THREADS_FULL = range(3)
 
 
 def _error_label(name: str) -> str:
@@ -58,6 +86,18 @@ SEND_ERRORS = enum_labels(OBJECT, "send_error", "SEND_ERROR_", _error_label)
 def _no_waits() -> list[tuple[float, int]]:
     """The unwritable histogram of a process whose sockets never filled."""
     return exported_buckets(kernel_buckets([0] * hist_slots()))
+
+
+def threads_by_tid() -> bool:
+    """Whether thread state must live in a hash by thread id: tracing programs may not use task
+    storage here (tried: the helper's load, by libbpf)."""
+    return not helper_available(libbpf.BPF_PROG_TYPE_RAW_TRACEPOINT, libbpf.BPF_FUNC_TASK_STORAGE_GET)
+
+
+def sockets_by_address() -> bool:
+    """Whether per-socket state must live in hashes by socket address: BTF programs may not use socket
+    storage here (tried: a tiny program's load)."""
+    return not sk_storage_in_tracing().available
 
 
 def _error_count(name: str) -> Any:
@@ -133,7 +173,8 @@ SPEC = ProbeSpec(
                "1 send in this many per thread is timed now (1: all); the CPU budget sets it.",
                SendLatencySnapshot, "sample_every"),
         Family("aiprobe_tcp_sends_uncounted_total", "counter",
-               "TCP sends not counted: their process found the per-process table full.",
+               "TCP sends not counted: their process found the per-process table full (or, on kernels whose "
+               "tracing programs lack task storage, their thread the per-thread table).",
                SendLatencySnapshot, "uncounted_sends"),
         Family("aiprobe_tcp_socket_unwritable_seconds", "histogram",
                "How long sockets stayed unwritable: from a send that found the buffer full (EAGAIN, or a short "
@@ -224,6 +265,18 @@ def _slow_send(event: dict[str, Any]) -> SlowSend:
     )
 
 
+def _attach(obj: BpfObject, strategy: Strategy) -> None:
+    """Every `procs` index made free and, where threads or sockets are hashes, their exits and closes
+    followed, before the first send is seen."""
+    free = obj.maps["free_procs"]
+    for index in range(obj.maps["procs"].max_entries):
+        free.push(index)
+    for name in (THREAD_EXIT, SOCKET_CLOSE):
+        if obj.programs[name].autoload:
+            obj.programs[name].attach()
+    attach_all(obj, strategy)
+
+
 class SendLatencyProbe(Probe):
     """TCP send latency of every process (or of `pid` only). Slow sends (>= threshold_ms) are kept
     from one `read()` to the next; call `poll()` in between to see them as they happen."""
@@ -260,7 +313,7 @@ class SendLatencyProbe(Probe):
     def start(self) -> None:
         if self.loaded is not None:
             return
-        self.loaded = load_first(SPEC.name, OBJECT, self._strategies, configure=self._configure)
+        self.loaded = load_first(SPEC.name, object_name(), self._strategies, configure=self._configure, attach=_attach)
         try:
             self._slow_sends = RingRecords(self.loaded.obj, "slow_sends", "slow_send_event", _slow_send,
                                            MAX_PENDING_SLOW_SENDS)
@@ -292,9 +345,20 @@ class SendLatencyProbe(Probe):
         faces = {STREAMS.name: self._streams, REQUESTS.name: self._requests}
         return {name: face for name, face in faces.items() if face is not None}
 
+    def loading(self) -> Loading:
+        return Loading(self._strategies, self._configure, _attach, bpf_object=object_name())
+
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
+        by_tid, by_address = threads_by_tid(), sockets_by_address()
         obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0,
-                       count_flows=self.per_flow)
+                       count_flows=self.per_flow, threads_by_tid=by_tid, sockets_by_address=by_address)
+        if by_tid:
+            obj.maps["threads"].retype(libbpf.BPF_MAP_TYPE_HASH, 0, THREAD_ENTRIES)
+            obj.programs[THREAD_EXIT].autoload = True
+        if by_address:
+            for name, entries in SOCKET_ENTRIES.items():
+                obj.maps[name].retype(libbpf.BPF_MAP_TYPE_HASH, 0, entries, key_size=8)
+            obj.programs[SOCKET_CLOSE].autoload = True
 
     def set_sample_every(self, every: int) -> None:
         """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
@@ -337,7 +401,7 @@ class SendLatencyProbe(Probe):
             flows=flows,
             slow_sends=slow_sends,
             lost_events=self.events_lost(),
-            uncounted_sends=obj.maps["counters"].lookup(1).value,
+            uncounted_sends=sum(obj.maps["counters"].lookup(i).value for i in (_PROCS_FULL, _THREADS_FULL)),
             sample_every=self.sample_every,
         )
 
@@ -372,7 +436,7 @@ class SendLatencyProbe(Probe):
         dropped = self._slow_sends.dropped if self._slow_sends is not None else 0
         if self.loaded is None:
             return dropped
-        return int(self.loaded.obj.maps["counters"].lookup(0).value) + dropped
+        return int(self.loaded.obj.maps["counters"].lookup(_LOST_EVENTS).value) + dropped
 
     def status(self) -> ProbeStatus:
         """As every probe's, and while over its CPU budget, how much of the traffic it times."""
@@ -383,7 +447,8 @@ class SendLatencyProbe(Probe):
 
     def map_usage(self) -> list[MapUsage]:
         """Sizes as of the last read (per-thread and per-socket state lives with the thread and the
-        socket: no map to fill)."""
+        socket, or on kernels without that storage in hashes emptied as they go: THREAD_ENTRIES,
+        SOCKET_ENTRIES)."""
         if self.loaded is None:
             return []
         maps = self.loaded.obj.maps

@@ -24,6 +24,7 @@ from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
 from ...registry import Part, Probe
 from .hooks import RequestsHooks
+from .loops import bounded_walks
 from .records import (
     METHODS,
     PROTOCOLS,
@@ -207,6 +208,7 @@ PART = Part(
                 "status codes, methods, durations (OpenTelemetry's HTTP and RPC server and HTTP client metrics)",
     strategies=STRATEGIES,
     order=26,
+    limitations=bounded_walks,
     settings=RequestsSettings,
     command="aiprobe.probes.sendlat.requests_command:command",
     metrics=(

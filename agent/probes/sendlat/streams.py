@@ -21,6 +21,7 @@ from ...names import comm_text, ip_text
 from ...procfs import StartTimes
 from ...registry import Part, Probe
 from .hooks import StreamsHooks
+from .loops import bounded_walks
 from .records import CAUSES, PROTOCOLS, TLS_VERSIONS, StreamEndpoint, StreamsSnapshot, StreamStall, TlsHandshakes
 from .rules import TOKEN_STREAMS_STALLING
 from .settings import StreamsSettings
@@ -241,6 +242,7 @@ PART = Part(
     description="token streams: time to first byte, chunk gaps and stalls of every response a TCP server writes",
     strategies=STRATEGIES,
     order=25,
+    limitations=bounded_walks,
     settings=StreamsSettings,
     command="aiprobe.probes.sendlat.streams_command:command",
     metrics=(
