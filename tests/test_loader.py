@@ -13,6 +13,7 @@ import pytest
 from aiprobe.features import libc_path
 from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, ProbeUnavailable, Strategy, load_first
+from aiprobe.probes.sendlat.probe import place_state
 from helpers import fd_id, link_ids, prog_ids, wait_until
 
 pytestmark = pytest.mark.bpf
@@ -65,6 +66,7 @@ def test_batch_lookup_of_big_values_takes_several_batches_and_misses_nothing() -
     """sendlat's `unwritable` holds 3.5 KiB histograms: a batch's buffer is bounded, so 700 entries
     take several batches."""
     with BpfObject("sendlat", programs=[]) as obj:  # its maps alone: no hook every kernel has
+        place_state(obj)  # thread and socket storage where the kernel has them for tracing programs
         obj.load()
         waits = obj.maps["unwritable"]
         for index in range(700):
