@@ -83,6 +83,9 @@ def test_tls_handshake_runs_from_the_client_hello_to_the_client_finished(
         server.join(timeout=PATIENCE)
     handshakes = [h for h in probe.read().tls_handshakes if h.pid == os.getpid() and h.port == port]
     assert [(h.tls_version, h.count) for h in handshakes] == [(label, 1)]
-    assert handshakes[0].sum_seconds == pytest.approx(truth, rel=CLOCK_TOLERANCE)
+    # The server reads the ClientHello after the client sent it and before the client holds its
+    # Finished, and reads that after the hold: the kernel's span holds the hold and lies in the
+    # client's bracket (an emulated guest beside others once delayed the hello's read by 80 ms).
+    assert HOLD_SECONDS <= handshakes[0].sum_seconds <= truth * (1 + CLOCK_TOLERANCE)
 
 

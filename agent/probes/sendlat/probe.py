@@ -100,10 +100,11 @@ def sockets_by_address() -> bool:
     return not sk_storage_in_tracing().available
 
 
-def place_state(obj: BpfObject) -> tuple[bool, bool]:
+def place_state(obj: BpfObject) -> None:
     """Before load: where tracing programs lack task or socket storage, their maps become preallocated
-    hashes, and the programs that empty them load. Whether threads, then sockets, are kept so."""
+    hashes, the programs read them so (rodata) and the programs that empty them load."""
     by_tid, by_address = threads_by_tid(), sockets_by_address()
+    obj.set_rodata(threads_by_tid=by_tid, sockets_by_address=by_address)
     if by_tid:
         obj.maps["threads"].retype(libbpf.BPF_MAP_TYPE_HASH, 0, THREAD_ENTRIES)
         obj.programs[THREAD_EXIT].autoload = True
@@ -111,7 +112,6 @@ def place_state(obj: BpfObject) -> tuple[bool, bool]:
         for name, entries in SOCKET_ENTRIES.items():
             obj.maps[name].retype(libbpf.BPF_MAP_TYPE_HASH, 0, entries, key_size=8)
         obj.programs[SOCKET_CLOSE].autoload = True
-    return by_tid, by_address
 
 
 def _error_count(name: str) -> Any:
@@ -363,9 +363,9 @@ class SendLatencyProbe(Probe):
         return Loading(self._strategies, self._configure, _attach, bpf_object=object_name())
 
     def _configure(self, obj: BpfObject, _strategy: Strategy) -> None:
-        by_tid, by_address = place_state(obj)
+        place_state(obj)
         obj.set_rodata(slow_threshold_ns=round(self.threshold_ms * 1e6), target_tgid=self.pid or 0,
-                       count_flows=self.per_flow, threads_by_tid=by_tid, sockets_by_address=by_address)
+                       count_flows=self.per_flow)
 
     def set_sample_every(self, every: int) -> None:
         """Time 1 send in `every` per thread from now on (1: all); counts and bytes stay exact."""
