@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import logging
 import os
 import threading
@@ -49,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import libbpf
-from ...features import network_features
+from ...features import helper_available, network_features
 from ...libbpf import KERNEL_ENOTSUPP, BpfError
 from ...loader import (
     BpfObject,
@@ -232,31 +231,19 @@ def xdp_refusal(link: LinkInfo) -> str:
     return ""
 
 
-# uapi/linux/bpf.h
-BPF_PROG_TYPE_SCHED_CLS = 3
-BPF_PROG_TYPE_XDP = 6
-BPF_FUNC_KTIME_GET_COARSE_NS = 160
-BPF_FUNC_XDP_GET_BUFF_LEN = 188
-BPF_F_XDP_HAS_FRAGS = 1 << 5
 CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns()'s clock, which Python's time lacks
-
-
-@functools.cache
-def _kernel_has_helper(prog_type: int, helper: int) -> bool:
-    """A real load (libbpf's probe) of a program of that type calling the helper."""
-    return bool(libbpf.lib().libbpf_probe_bpf_helper(prog_type, helper, None) == 1)
 
 
 def xdp_multi_buffer() -> bool:
     """Whether this kernel runs XDP programs on multi-buffer frames (5.18+): bpf_xdp_get_buff_len came
     with BPF_F_XDP_HAS_FRAGS."""
-    return _kernel_has_helper(BPF_PROG_TYPE_XDP, BPF_FUNC_XDP_GET_BUFF_LEN)
+    return helper_available(libbpf.BPF_PROG_TYPE_XDP, libbpf.BPF_FUNC_XDP_GET_BUFF_LEN)
 
 
 def flow_clock() -> int:
     """The clock the programs stamp flows with (bpf/flows.bpf.c), and reads write as flows_clock:
     CLOCK_MONOTONIC_COARSE, or CLOCK_MONOTONIC where the kernel lacks bpf_ktime_get_coarse_ns (5.11)."""
-    coarse = _kernel_has_helper(BPF_PROG_TYPE_SCHED_CLS, BPF_FUNC_KTIME_GET_COARSE_NS)
+    coarse = helper_available(libbpf.BPF_PROG_TYPE_SCHED_CLS, libbpf.BPF_FUNC_KTIME_GET_COARSE_NS)
     return CLOCK_MONOTONIC_COARSE if coarse else time.CLOCK_MONOTONIC
 
 
@@ -267,7 +254,7 @@ def enable_xdp(obj: BpfObject) -> None:
     program = obj.programs[XDP_PROGRAM]
     program.autoload = True
     if xdp_multi_buffer():
-        program.flags |= BPF_F_XDP_HAS_FRAGS
+        program.flags |= libbpf.BPF_F_XDP_HAS_FRAGS
 
 
 def _foreign_xdp_reason(ifindex: int, exc: BpfError) -> str:

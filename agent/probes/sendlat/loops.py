@@ -4,8 +4,6 @@ stop sooner. A kernel without bpf_loop refuses the first whole, so the choice is
 
 from __future__ import annotations
 
-import functools
-
 from ... import libbpf
 from ...features import helper_available
 from ...loader import object_btf
@@ -20,7 +18,6 @@ _WALKS = {
 }
 
 
-@functools.cache
 def has_bpf_loop() -> bool:
     """Whether programs may call bpf_loop here (tried: the helper's load, by libbpf)."""
     return helper_available(libbpf.BPF_PROG_TYPE_RAW_TRACEPOINT, libbpf.BPF_FUNC_LOOP)
