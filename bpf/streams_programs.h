@@ -216,7 +216,7 @@ static __always_inline __u8 http_write(struct stream_socket *s, const char *firs
 
 #define H2_WALK LOOP_BOUND(16, 8)	/* frame headers read per read or write */
 /* Of those, the frames carrying DATA or an end that a write times (at most H2_FRAMES). */
-#define H2_WRITE_FRAMES LOOP_BOUND(H2_FRAMES, 4)
+#define H2_WRITE_FRAMES LOOP_BOUND(H2_FRAMES, 2)
 
 /* The walks' bounds in this build (bpf/loop.h), which user space states where they are the bounded
  * ones (agent/probes/sendlat/loops.py). */

@@ -26,27 +26,6 @@ EXPECTED_HERE = {
 }
 
 
-@pytest.mark.bpf
-def test_check_json_reports_real_capabilities(aiprobe_cli: list[str]) -> None:
-    result = subprocess.run([*aiprobe_cli, "check", "--json"], capture_output=True, text=True, timeout=CHECK_PATIENCE)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    features = {name: f["available"] for name, f in report["features"].items()}
-    for name, available in EXPECTED_HERE.items():
-        assert features[name] is available, (name, report["features"][name])
-    kprobes_built = subprocess.run(["test", "-e", "/sys/bus/event_source/devices/kprobe"]).returncode == 0
-    if not kprobes_built:
-        assert features["kprobe"] is False
-        assert features["fentry"] is False
-        assert report["probes"]["sendlat"]["strategy"] == "tracepoint"
-        assert set(report["probes"]["sendlat"]["skipped"]) == {"fentry", "kprobe"}
-    assert set(report["probes"]) == {face.name for face in faces()}
-    assert report["probes"]["netstat"]["strategy"] == "procfs"
-    for probe in report["probes"].values():
-        assert probe["available"] == (probe["strategy"] is not None)
-        assert probe["available"] or probe["reason"]
-
-
 # A kernel warning or bug report: what fleets running with panic_on_warn reboot on.
 KERNEL_TROUBLE = re.compile(r"\b(WARNING|BUG)\b")
 # One from BPF: the verifier warns once a boot (WARN_ONCE), so an earlier load in the same boot (the
@@ -76,6 +55,7 @@ def kernel_log() -> list[tuple[bool, str]]:
 
 @dataclass
 class CheckedThenRun:
+    report: dict  # `aiprobe check --json`
     planned: dict[str, str]  # probe or part -> the strategy check planned ("none": none)
     running: dict[str, str]  # probe or part -> aiprobe_probe_up's strategy label
     log_before: list[str]  # what the kernel logged in this boot before the check
@@ -85,7 +65,8 @@ class CheckedThenRun:
 @pytest.fixture(scope="module")
 def checked_then_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CheckedThenRun]:
     """A marker in the kernel log, `aiprobe check --json`, then the agent at its defaults (its flows on
-    a veth pair of its own) until it exports every probe's aiprobe_probe_up, then stopped."""
+    a veth pair of its own) until it exports every probe's aiprobe_probe_up, then stopped. One check
+    for the module: it takes a minute or more in an emulated guest."""
     workdir = tmp_path_factory.mktemp("check")
     marker = f"aiprobe test_check {secrets.token_hex(8)}: check and agent start"
     with open("/dev/kmsg", "w") as kmsg:
@@ -94,7 +75,8 @@ def checked_then_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Check
     try:
         result = subprocess.run([AIPROBE, "check", "--json"], capture_output=True, text=True, timeout=CHECK_PATIENCE)
         assert result.returncode == 0, result.stderr
-        planned = {name: plan["strategy"] or "none" for name, plan in json.loads(result.stdout)["probes"].items()}
+        report = json.loads(result.stdout)
+        planned = {name: plan["strategy"] or "none" for name, plan in report["probes"].items()}
         running: dict[str, str] = {}
         with Agent(workdir, f'interfaces = ["{veth.host}"]\nexclude = []\n') as agent:
             def every_probe_exported() -> bool:
@@ -105,9 +87,28 @@ def checked_then_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Check
         log = kernel_log()
         at = log.index((False, marker))
         kernel = [[message for by_kernel, message in part if by_kernel] for part in (log[:at], log[at + 1:])]
-        yield CheckedThenRun(planned, running, *kernel)
+        yield CheckedThenRun(report, planned, running, *kernel)
     finally:
         remove_veth_pair(veth)
+
+
+@pytest.mark.bpf
+def test_check_json_reports_real_capabilities(checked_then_run: CheckedThenRun) -> None:
+    report = checked_then_run.report
+    features = {name: f["available"] for name, f in report["features"].items()}
+    for name, available in EXPECTED_HERE.items():
+        assert features[name] is available, (name, report["features"][name])
+    kprobes_built = subprocess.run(["test", "-e", "/sys/bus/event_source/devices/kprobe"]).returncode == 0
+    if not kprobes_built:
+        assert features["kprobe"] is False
+        assert features["fentry"] is False
+        assert report["probes"]["sendlat"]["strategy"] == "tracepoint"
+        assert set(report["probes"]["sendlat"]["skipped"]) == {"fentry", "kprobe"}
+    assert set(report["probes"]) == {face.name for face in faces()}
+    assert report["probes"]["netstat"]["strategy"] == "procfs"
+    for probe in report["probes"].values():
+        assert probe["available"] == (probe["strategy"] is not None)
+        assert probe["available"] or probe["reason"]
 
 
 @pytest.mark.bpf

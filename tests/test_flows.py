@@ -354,6 +354,7 @@ def _sent_segments(before: dict[str, int], after: dict[str, int]) -> int:
     return sum(after[k] - before[k] for k in ("Tcp.OutSegs", "Tcp.RetransSegs"))
 
 
+@pytest.mark.slow_truth  # iperf3 through TSO/GSO: the exact counts of test_udp_datagrams_* cover each kernel
 @pytest.mark.parametrize("data", ["egress", "ingress"])
 def test_wire_segments_match_snmp_and_interface_counters(namespaces: NamespacePair, data: str) -> None:
     """iperf3 through a veth with TSO/GSO on: the probe (in namespace a, on veth-a) counts every
@@ -708,6 +709,7 @@ def _our_handles(interface: str) -> list[str]:
                   if int(h, 16) in TC_HANDLES)
 
 
+@pytest.mark.slow_truth  # tc's netlink, alike on every kernel
 def test_clsact_instances_side_by_side_each_keep_counting_and_leave_nothing(veth: VethPair) -> None:
     """Two aiprobes on one interface under clsact (a kernel without TCX, `aiprobe flows` beside the
     agent): each has its own filter, neither takes the other's for a leftover, and the one that
@@ -723,6 +725,7 @@ def test_clsact_instances_side_by_side_each_keep_counting_and_leave_nothing(veth
     assert _our_handles(veth.host) == [] and programs_on(veth.host) == set()
 
 
+@pytest.mark.slow_truth  # tc's netlink, alike on every kernel
 def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(veth: VethPair, caplog) -> None:
     """A SIGKILLed aiprobe leaves its clsact filters (netlink attachments outlive their process; bpf_links
     do not): the next start removes them and only them, not a live aiprobe's, not another tool's."""
@@ -750,6 +753,7 @@ def test_clsact_leftover_of_a_killed_instance_is_removed_and_others_left_alone(v
     assert "pref 7 u32" in _filters(veth.host)
 
 
+@pytest.mark.slow_truth  # tc's netlink, alike on every kernel
 def test_clsact_exit_leaves_the_filter_of_another_instance_that_took_its_handle(veth: VethPair) -> None:
     """Someone removes an aiprobe's filters by hand and another aiprobe takes the freed handle: the
     first one's exit removes only filters that still run its own program."""

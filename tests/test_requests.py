@@ -16,9 +16,11 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import httpx
@@ -79,19 +81,28 @@ def app(server: str) -> Iterator[subprocess.Popen]:
         process.wait(timeout=30)
 
 
-def drive(process: subprocess.Popen, http2: bool) -> tuple[list[dict], list[int]]:
-    """The requests, on one connection; returns the app's account and the body sizes the client got."""
+class Driven(NamedTuple):
+    accounts: list[dict]  # the app's account of each response
+    bodies: list[int]  # the body sizes the client got
+    delayed_seconds: float  # the delayed requests by the client's clock, each from its send to its response
+
+
+def drive(process: subprocess.Popen, http2: bool) -> Driven:
+    """The requests, on one connection."""
     bodies = []
+    delayed_seconds = 0.0
     with httpx.Client(http1=not http2, http2=http2, base_url=f"http://127.0.0.1:{process.port}",
                       timeout=PATIENCE) as client:
         for status, count in ANSWERS.items():
             for _ in range(count):
                 bodies.append(len(client.get(f"/answer/{status}").content))
         for _ in range(DELAYED):
+            started = time.monotonic()
             bodies.append(len(client.put("/answer/503", params={"delay_ms": DELAY_MS}).content))
+            delayed_seconds += time.monotonic() - started
     total = sum(ANSWERS.values()) + DELAYED
     accounts = [json.loads(process.stdout.readline()) for _ in range(total)]
-    return accounts, bodies
+    return Driven(accounts, bodies, delayed_seconds)
 
 
 def served(probe: RequestsProbe, process: subprocess.Popen, total: int) -> RequestsSnapshot:
@@ -117,13 +128,17 @@ def by_status(records: list[HttpRequests]) -> Counter[int]:
     return counts
 
 
-def assert_delayed(records: list[HttpRequests], accounts: list[dict], method: str) -> None:
-    """The delayed responses' durations (their own entries) against the app's clock."""
-    app_seconds = sum(a["seconds"] for a in accounts if a["method"] == "PUT")
+def assert_delayed(records: list[HttpRequests], driven: Driven, method: str) -> None:
+    """The delayed responses' durations (their own entries) between the app's clock and the client's: the
+    server's span holds the app's handling and lies within the client's, from its send to the response
+    read. How far past the app's it lies is the server's own work around the handler, 10% of it under
+    emulation beside other guests (1.12 s of 1.01 s)."""
+    app_seconds = sum(a["seconds"] for a in driven.accounts if a["method"] == "PUT")
     delayed = [r for r in records if r.method == method]
     assert sum(r.count for r in delayed) == DELAYED and not any(r.durations_unknown for r in delayed)
     seconds = sum(r.duration_sum_seconds for r in delayed)
-    assert seconds == pytest.approx(app_seconds, rel=CLOCK_TOLERANCE), (seconds, app_seconds)
+    assert app_seconds * (1 - CLOCK_TOLERANCE) <= seconds <= driven.delayed_seconds * (1 + CLOCK_TOLERANCE), \
+        (app_seconds, seconds, driven.delayed_seconds)
 
 
 def exported_counts(records: list[HttpRequests]) -> dict[tuple[str, str], float]:
@@ -147,12 +162,13 @@ def test_count_requests_off_leaves_the_part_out_and_streams_on() -> None:
 
 def test_http1_statuses_methods_durations(probe: RequestsProbe) -> None:
     with app("uvicorn") as process:
-        accounts, bodies = drive(process, http2=False)
+        driven = drive(process, http2=False)
+    accounts, bodies = driven.accounts, driven.bodies
     records = served(probe, process, len(accounts)).http
     assert by_status(records) == Counter(a["status"] for a in accounts)
     assert {(r.method, r.status_code): r.count for r in records} == \
         Counter((a["method"], a["status"]) for a in accounts)
-    assert_delayed(records, accounts, "PUT")
+    assert_delayed(records, driven, "PUT")
     # uvicorn writes the headers, then the body: the body writes are the bodies the client received.
     assert sum(r.response_bytes for r in records) == sum(bodies)
     assert all(r.request_bytes for r in records) and all(r.protocol == "http" for r in records)
@@ -163,7 +179,8 @@ def test_http1_statuses_methods_durations(probe: RequestsProbe) -> None:
 
 def test_http2_status_from_hpack(probe: RequestsProbe) -> None:
     with app("hypercorn") as process:
-        accounts, _ = drive(process, http2=True)
+        driven = drive(process, http2=True)
+    accounts = driven.accounts
     records = served(probe, process, len(accounts)).http
     truth = Counter(a["status"] for a in accounts)
     counts = by_status(records)
@@ -172,7 +189,7 @@ def test_http2_status_from_hpack(probe: RequestsProbe) -> None:
     # a dynamic index after.
     assert counts == truth
     assert {r.method for r in records if r.status_code == 200} == {"GET"}  # static index 2
-    assert_delayed(records, accounts, "_OTHER")  # PUT is a literal: not read
+    assert_delayed(records, driven, "_OTHER")  # PUT is a literal: not read
 
 
 def test_http2_lost_table_reads_unknown(probe: RequestsProbe) -> None:
@@ -188,10 +205,11 @@ def test_http2_lost_table_reads_unknown(probe: RequestsProbe) -> None:
     assert by_status(served(probe, process, len(paths)).http) == Counter({200: 2, 429: 1, 503: 1, 0: 3})
 
 
+@pytest.mark.slow_truth  # a read's summary of the records that test_http1_* checks
 def test_endpoint_summary(probe: RequestsProbe) -> None:
     """One endpoint per server: its counts by status class, against the app's."""
     with app("uvicorn") as process:
-        accounts, _ = drive(process, http2=False)
+        accounts = drive(process, http2=False).accounts
     endpoint, = served(probe, process, len(accounts)).endpoints
     statuses = Counter(a["status"] for a in accounts)
     assert (endpoint.count, endpoint.server_errors, endpoint.throttled, endpoint.client_errors) == \
@@ -277,13 +295,14 @@ def alert_events(agent: Agent, rule: str, port: int) -> list[dict]:
     return [e for e in events if e["rule"] == rule and e["evidence"].get("port") == port]
 
 
+@pytest.mark.slow_truth  # the agent and Prometheus' rules over the records test_http*_ check
 def test_agent_exports_otel_metrics_and_fires_the_error_rules(tmp_path: Path) -> None:
     """Through a real agent: /metrics has the app's counts under OpenTelemetry's names, and 5xx and 429
     shares far above their thresholds fire http_server_errors and http_throttled, their evidence naming
     the port, the process and the status counts (since start: exact)."""
     with Agent(tmp_path, 'probes = ["sendlat"]\n') as agent, app("uvicorn") as process:
         assert wait_until(lambda: agent.snapshot()["probes"].get("requests", {}).get("up"), timeout=PATIENCE)
-        accounts, _ = drive(process, http2=False)
+        accounts = drive(process, http2=False).accounts
         statuses = Counter(str(a["status"]) for a in accounts)
         for rule in ("http_server_errors", "http_throttled"):
             assert wait_until(lambda rule=rule: any(e["state"] == "firing" for e in alert_events(

@@ -15,6 +15,9 @@ The emulated guests run side by side, each on one host thread (see EMULATION), a
 Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [--guest-cpu PERCENT] [-- PYTEST ARGS]
 (default: the modules of tests/helpers.py's KERNEL_MODULES, -m "kernels and (bpf or kernel_facing)";
 naming the modules spares the guests the imports of the rest of the suite, minutes under emulation).
+The slow truths (marker `slow_truth`: end-to-end truths whose kernel paths lighter tests cover on
+every kernel) run on this host and on the guests whose Series says so, not on the others: the
+emulated guests share two cores, and the oldest kernels load the most (the bounded-loop build).
 `--repeat N` runs the selection N times in one boot, to find flakes before CI does; every failure
 names its round. `--guest-cpu 50` runs each guest half the time (a machine twice as slow for the
 guests): the bounds must hold there too.
@@ -53,8 +56,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers import KERNEL_MODULES  # noqa: E402  (the one list of what runs on every kernel)
 
 # The rest needs no kernel of its own: make test runs it.
-DEFAULT_SELECTION = (*(f"tests/{module}.py" for module in sorted(KERNEL_MODULES)),
-                     "-m", "kernels and (bpf or kernel_facing)")
+MODULES = tuple(f"tests/{module}.py" for module in sorted(KERNEL_MODULES))
+KERNEL_TESTS = (*MODULES, "-m", "kernels and (bpf or kernel_facing)")
+WITHOUT_SLOW_TRUTHS = (*MODULES, "-m", "kernels and (bpf or kernel_facing) and not slow_truth")
 # Every step is bounded by its progress, never by its total, so a hang is a failure with the stacks
 # of what hung (guest.sh: hung.log), never a stalled CI, and a slow machine that keeps finishing tests
 # is never stopped. Each bound is over twice the slowest seen under emulation on a machine more than
@@ -93,27 +97,44 @@ EMULATION = ("--disable-kvm", "--disable-microvm", "--force-9p", "--qemu-opts=-a
 class Series:
     """A kernel series: package names matching `pattern`; the highest `(\\d+)` group is the newest.
     `suite`: a Debian suite this host's apt sources lack, resolved and downloaded through lists of its
-    own under build/kernels/apt/ (the host's apt configuration is left as it is)."""
+    own under build/kernels/apt/ (the host's apt configuration is left as it is). `slow_truths`:
+    whether its guest runs the slow truths too (see the module's docstring)."""
 
     label: str
     pattern: str
     suite: str = ""
+    slow_truths: bool = False
 
 
 # Debian 11's 5.10 stands in for the 5.x fleets (Amazon Linux 2's 5.10, Ubuntu 22.04's 5.15): it lacks
 # everything 5.15 lacks (bpf_loop, bpf_get_func_ret, TCX, XDP multi-buffer) and task storage too.
 # Debian 12's stock kernel and its newer series (bookworm-backports' successor, in bookworm itself).
+# 5.10 and 6.1 run the same truths (the slow ones are left to 6.12 and this host): every strategy of
+# every probe still runs on some kernel, and the most loaded guest, 5.10, no longer sets CI's time.
 MATRIX = (
     Series("Debian 11 stock", r"linux-image-5\.10\.0-(\d+)-amd64", suite="bullseye"),
     Series("Debian 12 stock", r"linux-image-6\.1\.0-(\d+)-amd64"),
-    Series("Debian 12 6.12", r"linux-image-6\.12\.(\d+)\+deb12-amd64"),
+    Series("Debian 12 6.12", r"linux-image-6\.12\.(\d+)\+deb12-amd64", slow_truths=True),
 )
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A series' kernel, unpacked: what a guest boots."""
+
+    series: Series
+    image: Path
+
+    @property
+    def release(self) -> str:
+        return self.image.name.removeprefix("vmlinuz-")
 
 
 @dataclass
 class Result:
     kernel: str
     how: str  # host, kvm or emulated
+    slow_truths: bool  # whether it ran them (Series.slow_truths)
     seconds: float = 0.0
     strategies: dict[str, str] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)
@@ -351,15 +372,16 @@ def results_dir(name: str) -> Path:
 
 @dataclass(frozen=True)
 class Selection:
-    """What every kernel runs: pytest's arguments, `rounds` times in a row; each guest gets `cpu_share`
-    of the time (--guest-cpu)."""
+    """What every kernel runs: pytest's arguments (none: KERNEL_TESTS, without the slow truths where a
+    kernel leaves them out), `rounds` times in a row; each guest gets `cpu_share` of the time (--guest-cpu)."""
 
     pytest_args: list[str]
     rounds: int
     cpu_share: float = 1.0
 
-    def guest_args(self, results: Path) -> list[str]:
-        return [str(results), str(CHECK_SECONDS), str(TEST_SECONDS), str(self.rounds), *self.pytest_args]
+    def guest_args(self, results: Path, slow_truths: bool) -> list[str]:
+        tests = self.pytest_args or (KERNEL_TESTS if slow_truths else WITHOUT_SLOW_TRUTHS)
+        return [str(results), str(CHECK_SECONDS), str(TEST_SECONDS), str(self.rounds), *tests]
 
     @property
     def vm_timeout(self) -> float:
@@ -367,12 +389,12 @@ class Selection:
         return BOOT_SECONDS + CHECK_SECONDS + ROUND_BACKSTOP_SECONDS * self.rounds
 
 
-def run_in_vm(image: Path, accel: tuple[str, ...], selection: Selection) -> tuple[Path, float, str]:
+def run_in_vm(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> tuple[Path, float, str]:
     """Boot the kernel, run guest.sh; its results directory, the wall time, and a problem if any."""
-    release = image.name.removeprefix("vmlinuz-")
-    results = results_dir(release)
+    image = kernel.image
+    results = results_dir(kernel.release)
     cmd = vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
-              "--", shlex.join([str(GUEST), *selection.guest_args(results)]))
+              "--", shlex.join([str(GUEST), *selection.guest_args(results, kernel.series.slow_truths)]))
     started = time.monotonic()
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
@@ -383,7 +405,7 @@ def run_in_vm(image: Path, accel: tuple[str, ...], selection: Selection) -> tupl
 def run_on_host(selection: Selection) -> tuple[Path, float, str]:
     results = results_dir(f"host-{os.uname().release}")
     started = time.monotonic()
-    subprocess.run(["sh", str(GUEST), *selection.guest_args(results)], stdin=subprocess.DEVNULL)
+    subprocess.run(["sh", str(GUEST), *selection.guest_args(results, slow_truths=True)], stdin=subprocess.DEVNULL)
     return results, time.monotonic() - started, ""
 
 
@@ -470,8 +492,9 @@ def read_junit(result: Result, suite: ET.Element, round_: int) -> bool:
 
 def print_table(results: list[Result]) -> None:
     probes = list(dict.fromkeys(name for r in results for name in r.strategies))  # in `aiprobe check`'s order
-    headers = ["kernel", "run", "seconds", *probes, "passed", "failed", "skipped"]
-    rows = [[r.kernel, r.how, f"{r.seconds:.0f}", *(r.strategies.get(p, "?") for p in probes),
+    headers = ["kernel", "run", "truths", "seconds", *probes, "passed", "failed", "skipped"]
+    rows = [[r.kernel, r.how, "all" if r.slow_truths else "no slow", f"{r.seconds:.0f}",
+             *(r.strategies.get(p, "?") for p in probes),
              *(str(r.outcomes[k]) for k in ("passed", "failed", "skipped"))] for r in results]
     widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
     for row in [headers, *rows]:
@@ -496,32 +519,33 @@ def never_run(results: list[Result]) -> set[str]:
     return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
 
 
-def boot(image: Path, accel: tuple[str, ...], selection: Selection) -> Result:
-    result = Result(image.name.removeprefix("vmlinuz-"), "emulated" if accel else "kvm")
+def boot(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> Result:
+    slow_truths = kernel.series.slow_truths or bool(selection.pytest_args)  # pytest's arguments: as given
+    result = Result(kernel.release, "emulated" if accel else "kvm", slow_truths)
     log(f"{result.kernel}: booting ({result.how}) and running the selection")
-    path, result.seconds, result.problem = run_in_vm(image, accel, selection)
+    path, result.seconds, result.problem = run_in_vm(kernel, accel, selection)
     read_results(result, path)
     log(f"{result.kernel}: done in {result.seconds:.0f} s")
     return result
 
 
-def boot_until_it_reports(image: Path, accel: tuple[str, ...], selection: Selection) -> Result:
-    result = boot(image, accel, selection)
+def boot_until_it_reports(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> Result:
+    result = boot(kernel, accel, selection)
     if result.died:
         # Twice in CI an emulated guest died or froze mid-run without a word; a second boot tells
         # such a flake from a kernel that cannot run the suite. The first boot's logs are still printed.
         log(f"{result.kernel}: {result.problem}; booting it once more")
-        first_boot, result = result, boot(image, accel, selection)
+        first_boot, result = result, boot(kernel, accel, selection)
         result.first_boot = first_boot
     return result
 
 
-def run_guests(images: list[Path], selection: Selection) -> list[Result]:
+def run_guests(kernels: list[Kernel], selection: Selection) -> list[Result]:
     """Every kernel booted at once: an emulated guest runs on one host thread (EMULATION), so two
     of them share CI's two cores instead of waiting for each other."""
-    accel = () if images and kvm_works(images[0]) else EMULATION
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(images))) as pool:
-        return list(pool.map(lambda image: boot_until_it_reports(image, accel, selection), images))
+    accel = () if kernels and kvm_works(kernels[0].image) else EMULATION
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(kernels))) as pool:
+        return list(pool.map(lambda kernel: boot_until_it_reports(kernel, accel, selection), kernels))
 
 
 def main() -> int:
@@ -530,7 +554,9 @@ def main() -> int:
                         help="only kernels whose package name contains this ('host' for this host)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the selection N times in one boot (finds flakes; counts add up over the rounds)")
-    parser.add_argument("pytest_args", nargs="*", help=f"pytest arguments (default: {shlex.join(DEFAULT_SELECTION)})")
+    parser.add_argument("pytest_args", nargs="*",
+                        help=f"pytest arguments for every kernel (default: {shlex.join(KERNEL_TESTS)}, where "
+                             "kernels that leave the slow truths out add `and not slow_truth`)")
     parser.add_argument("--guest-cpu", type=int, default=100, metavar="PERCENT",
                         help="run each guest PERCENT of the time (50: a machine twice as slow for the guests)")
     args = parser.parse_args()
@@ -538,7 +564,7 @@ def main() -> int:
         parser.error("--repeat takes a number of rounds, 1 or more")
     if not 0 < args.guest_cpu <= 100:
         parser.error("--guest-cpu takes a percentage, 1 to 100")
-    selection = Selection(args.pytest_args or list(DEFAULT_SELECTION), args.repeat, args.guest_cpu / 100)
+    selection = Selection(args.pytest_args, args.repeat, args.guest_cpu / 100)
     wanted = lambda name: not args.kernel or any(k in name for k in args.kernel)  # noqa: E731
 
     results = []
@@ -546,15 +572,15 @@ def main() -> int:
     # The host first: it also leaves compiled fixtures and bytecode that the guests' overlays reuse.
     if wanted("host"):
         log(f"this host ({os.uname().release}): running the selection")
-        result = Result(os.uname().release, "host")
+        result = Result(os.uname().release, "host", slow_truths=True)
         path, result.seconds, result.problem = run_on_host(selection)
         read_results(result, path)
         results.append(result)
     fetching = time.monotonic()
-    images = [unpacked_kernel(series) for series in MATRIX if wanted(series.pattern.replace("\\", ""))]
-    if images:
+    kernels = [Kernel(series, unpacked_kernel(series)) for series in MATRIX if wanted(series.pattern.replace("\\", ""))]
+    if kernels:
         log(f"kernels ready in {time.monotonic() - fetching:.0f} s")
-    results += run_guests(images, selection)
+    results += run_guests(kernels, selection)
     print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
     print_table(results)
     unexercised = never_run(results) if len(results) > 1 else set()
