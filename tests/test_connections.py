@@ -43,6 +43,7 @@ from aiprobe.probes.connections.probe import (
 from aiprobe.probes.connections.records import ConnectionsSnapshot, Listener, ReuseportGroup
 from aiprobe.probes.netstat.probe import read_tcp_counters
 from helpers import CLOCK_TOLERANCE, PATIENCE, VethPair, accepting, make_veth_pair, remove_veth_pair, run, wait_until
+from test_strategies import EXPECTED, kernel_series
 
 SOCK_DIAG_ONLY = (STRATEGIES[-1],)
 ACCEPTS = ("fentry", "kprobe")  # the strategies that time accepts
@@ -310,23 +311,19 @@ def test_a_full_accept_queue_fires_accept_queue_saturated_naming_port_and_proces
 
 # --- against the kernel's hooks ---
 
-# The strategy each kernel of `make test-kernels` (and this host, 6.18) must run. Debian's 6.1 gives
-# tcp_v{4,6}_syn_recv_sock a seventh argument (opt_child_init, backported), and 6.1's x86 trampoline
-# takes at most six: fentry cannot attach there (ENOTSUPP, 524), kprobes can.
-EXPECTED = {(6, 1): "kprobe", (6, 12): "fentry", (6, 18): "tracepoint"}
-
-
 @pytest.mark.bpf
 def test_the_probe_runs_the_strategy_expected_on_this_kernel() -> None:
-    series = tuple(int(part) for part in os.uname().release.split(".")[:2])
-    if series not in EXPECTED:
-        pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to EXPECTED")
+    """The strategy tests/test_strategies.py's EXPECTED names for this kernel, each before it skipped with
+    its reason (Debian's 6.1: a seven-argument tcp_v{4,6}_syn_recv_sock, which its trampoline cannot take)."""
+    expected = EXPECTED.get(kernel_series(), {}).get("connections")
+    if expected is None:
+        pytest.skip(f"no expectation for kernel {os.uname().release}: add its series to test_strategies' EXPECTED")
     with ConnectionsProbe() as probe:
-        assert probe.strategy == EXPECTED[series]
+        assert probe.strategy == expected
         names = [s.name for s in STRATEGIES]
-        assert list(probe.skipped) == names[:names.index(EXPECTED[series])]
+        assert list(probe.skipped) == names[:names.index(expected)]
         assert all(probe.skipped.values())
-        assert probe.status().up and probe.status().strategy == EXPECTED[series]
+        assert probe.status().up and probe.status().strategy == expected
 
 
 def started(name: str) -> ConnectionsProbe:
