@@ -239,13 +239,15 @@ def vng_env() -> dict[str, str]:
 
 def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], results: Path | None = None,
            cpu_share: float = 1.0) -> str:
-    """Run vng in a session of its own (`cpu_share` of the time: see throttled) until it ends: "" then.
+    """Run vng in a process group of its own (`cpu_share` of the time: see throttled) until it ends: "" then.
     Otherwise why it was stopped: it outlived `timeout`, its heartbeat in `results` stopped (see
     FROZEN_SECONDS), or its progress (STALLED_SECONDS); report_frozen asks such a guest where it is
-    first. Stopping kills the whole session (qemu included: killing vng alone would leave a guest
+    first. Stopping kills the whole group (qemu included: killing vng alone would leave a guest
     running behind the next one)."""
+    # A group, not a session: a session is a scheduler autogroup of its own (sched_autogroup_enabled),
+    # where the guest's niceness (Series.nice) would weigh nothing against the other guests.
     vm = subprocess.Popen(cmd, env=vng_env(), stdin=subprocess.DEVNULL, stdout=output,
-                          stderr=subprocess.STDOUT, start_new_session=True, text=True)
+                          stderr=subprocess.STDOUT, process_group=0, text=True)
     with throttled(vm, cpu_share):
         why = wait_for_vm(vm, timeout, results)
     if why.startswith((FROZE, STALLED)) and results:
@@ -287,7 +289,7 @@ def stuck(results: Path, started: float) -> str:
 
 @contextlib.contextmanager
 def throttled(vm: subprocess.Popen, cpu_share: float) -> Iterator[None]:
-    """The VM's session stopped for (1 - cpu_share) of every 100 ms, as cpulimit does it (SIGSTOP,
+    """The VM's process group stopped for (1 - cpu_share) of every 100 ms, as cpulimit does it (SIGSTOP,
     SIGCONT): a machine that much slower for the guest, whatever else runs beside it."""
     if cpu_share >= 1:
         yield
