@@ -433,9 +433,10 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
     assert record.unwritable_sum_seconds == pytest.approx(paused, rel=CLOCK_TOLERANCE)
     assert_histograms_consistent([record], observed=["aiprobe_tcp_sendmsg_duration_seconds",
                                                      "aiprobe_tcp_socket_unwritable_seconds"])
-    # The agent's send-stall rule sees the stall through the unwritable time alone.
+    # The agent's send-stall rule sees the stall through the unwritable time alone: its value is the pause,
+    # not the sends' p99 (held to the bound above: a guest twice as slow stretched it to 55 ms).
     stall = send_stall(record, Agent(Config()), time.monotonic())
-    assert stall.evidence["send_p99_seconds"] < 0.05 < stall.value
+    assert stall.evidence["send_p99_seconds"] < PAUSE_SECONDS / 10 < stall.value
     assert stall.value == pytest.approx(paused, rel=0.30)
 
 
