@@ -12,12 +12,10 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import test_requests
 from aiprobe.probes.sendlat.records import ClientRequests, HttpRequests
@@ -25,7 +23,7 @@ from aiprobe.probes.sendlat.requests import RequestsProbe
 from exported_histograms import rendered
 from helpers import CLOCK_TOLERANCE, PATIENCE, free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from test_requests import ANSWERS, DELAY_MS, DELAYED, app
+from test_requests import ANSWERS, DELAY_MS, DELAYED, app, ask
 
 # The client side runs in the programs whose server side tests/test_requests.py checks on every kernel.
 pytestmark = [pytest.mark.bpf, pytest.mark.slow_truth]
@@ -46,21 +44,6 @@ http {{
     }}
 }}
 """
-
-
-def call(base_url: str) -> tuple[list[int], float]:
-    """The requests of tests/test_requests.py (delayed 503s asked with PUT), on one connection closed after
-    them; returns the statuses the client received, and the delayed requests' time by its clock."""
-    statuses = []
-    delayed = 0.0
-    with httpx.Client(base_url=base_url, timeout=PATIENCE) as client:
-        for status, count in ANSWERS.items():
-            statuses += [client.get(f"/answer/{status}").status_code for _ in range(count)]
-        for _ in range(DELAYED):
-            started = time.monotonic()
-            statuses.append(client.put("/answer/503", params={"delay_ms": DELAY_MS}).status_code)
-            delayed += time.monotonic() - started
-    return statuses, delayed
 
 
 def views(probe: RequestsProbe, server: subprocess.Popen, client_pid: int,
@@ -120,7 +103,7 @@ def test_httpx_client_matches_the_server(probe: RequestsProbe) -> None:
     """This process's requests to the app, client side, against the app's account and the server side."""
     total = sum(ANSWERS.values()) + DELAYED
     with app("uvicorn") as process:
-        statuses, _ = call(f"http://127.0.0.1:{process.port}")
+        statuses = ask(f"http://127.0.0.1:{process.port}").statuses
         truth = accounted(process, total)
     server, client = views(probe, process, os.getpid(), total)
     assert Counter(statuses) == Counter(status for _, status in truth.elements())
@@ -139,7 +122,7 @@ def test_nginx_upstream_view_matches_the_app(probe: RequestsProbe, tmp_path: Pat
     total = sum(ANSWERS.values()) + DELAYED
     with app("uvicorn") as process:
         with nginx(tmp_path, process.port) as proxy:
-            statuses, client_seconds = call(f"http://127.0.0.1:{proxy.port}")
+            statuses, _, client_seconds = ask(f"http://127.0.0.1:{proxy.port}")
         truth = accounted(process, total)
     server, upstream = views(probe, process, proxy.pid, total)
     assert Counter(statuses) == Counter(status for _, status in truth.elements())

@@ -81,28 +81,43 @@ def app(server: str) -> Iterator[subprocess.Popen]:
         process.wait(timeout=30)
 
 
-class Driven(NamedTuple):
-    accounts: list[dict]  # the app's account of each response
+class Asked(NamedTuple):
+    statuses: list[int]  # the statuses the client received
     bodies: list[int]  # the body sizes the client got
     delayed_seconds: float  # the delayed requests by the client's clock, each from its send to its response
 
 
-def drive(process: subprocess.Popen, http2: bool) -> Driven:
-    """The requests, on one connection."""
-    bodies = []
+class Driven(NamedTuple):
+    accounts: list[dict]  # the app's account of each response
+    bodies: list[int]
+    delayed_seconds: float
+
+
+def ask(base_url: str, http2: bool = False) -> Asked:
+    """The requests (delayed 503s asked with PUT), on one connection closed after them."""
+    statuses, bodies = [], []
     delayed_seconds = 0.0
-    with httpx.Client(http1=not http2, http2=http2, base_url=f"http://127.0.0.1:{process.port}",
-                      timeout=PATIENCE) as client:
+    with httpx.Client(http1=not http2, http2=http2, base_url=base_url, timeout=PATIENCE) as client:
         for status, count in ANSWERS.items():
             for _ in range(count):
-                bodies.append(len(client.get(f"/answer/{status}").content))
+                response = client.get(f"/answer/{status}")
+                statuses.append(response.status_code)
+                bodies.append(len(response.content))
         for _ in range(DELAYED):
             started = time.monotonic()
-            bodies.append(len(client.put("/answer/503", params={"delay_ms": DELAY_MS}).content))
+            response = client.put("/answer/503", params={"delay_ms": DELAY_MS})
             delayed_seconds += time.monotonic() - started
+            statuses.append(response.status_code)
+            bodies.append(len(response.content))
+    return Asked(statuses, bodies, delayed_seconds)
+
+
+def drive(process: subprocess.Popen, http2: bool) -> Driven:
+    """The requests to the app, with its account of them."""
+    asked = ask(f"http://127.0.0.1:{process.port}", http2)
     total = sum(ANSWERS.values()) + DELAYED
     accounts = [json.loads(process.stdout.readline()) for _ in range(total)]
-    return Driven(accounts, bodies, delayed_seconds)
+    return Driven(accounts, asked.bodies, asked.delayed_seconds)
 
 
 def served(probe: RequestsProbe, process: subprocess.Popen, total: int) -> RequestsSnapshot:

@@ -137,7 +137,7 @@ class Kernel:
 class Result:
     kernel: str
     how: str  # host, kvm or emulated
-    slow_truths: bool  # whether it ran them (this host, or pytest's arguments as given)
+    slow_truths: bool  # whether it ran them (Selection.slow_truths)
     seconds: float = 0.0
     strategies: dict[str, str] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)
@@ -384,8 +384,12 @@ class Selection:
     rounds: int
     cpu_share: float = 1.0
 
-    def guest_args(self, results: Path, slow_truths: bool) -> list[str]:
-        tests = self.pytest_args or (KERNEL_TESTS if slow_truths else WITHOUT_SLOW_TRUTHS)
+    def slow_truths(self, on_host: bool) -> bool:
+        """Whether a kernel runs them: this host does, a guest only with pytest's arguments as given."""
+        return on_host or bool(self.pytest_args)
+
+    def guest_args(self, results: Path, on_host: bool) -> list[str]:
+        tests = self.pytest_args or (KERNEL_TESTS if self.slow_truths(on_host) else WITHOUT_SLOW_TRUTHS)
         return [str(results), str(CHECK_SECONDS), str(TEST_SECONDS), str(self.rounds), *tests]
 
     @property
@@ -400,7 +404,7 @@ def run_in_vm(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> t
     results = results_dir(kernel.release)
     cmd = ["nice", "-n", str(kernel.series.nice),
            *vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
-                "--", shlex.join([str(GUEST), *selection.guest_args(results, slow_truths=False)]))]
+                "--", shlex.join([str(GUEST), *selection.guest_args(results, on_host=False)]))]
     started = time.monotonic()
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
@@ -411,7 +415,7 @@ def run_in_vm(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> t
 def run_on_host(selection: Selection) -> tuple[Path, float, str]:
     results = results_dir(f"host-{os.uname().release}")
     started = time.monotonic()
-    subprocess.run(["sh", str(GUEST), *selection.guest_args(results, slow_truths=True)], stdin=subprocess.DEVNULL)
+    subprocess.run(["sh", str(GUEST), *selection.guest_args(results, on_host=True)], stdin=subprocess.DEVNULL)
     return results, time.monotonic() - started, ""
 
 
@@ -526,7 +530,7 @@ def never_run(results: list[Result]) -> set[str]:
 
 
 def boot(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> Result:
-    result = Result(kernel.release, "emulated" if accel else "kvm", slow_truths=bool(selection.pytest_args))
+    result = Result(kernel.release, "emulated" if accel else "kvm", selection.slow_truths(on_host=False))
     log(f"{result.kernel}: booting ({result.how}) and running the selection")
     path, result.seconds, result.problem = run_in_vm(kernel, accel, selection)
     read_results(result, path)
@@ -577,7 +581,7 @@ def main() -> int:
     # The host first: it also leaves compiled fixtures and bytecode that the guests' overlays reuse.
     if wanted("host"):
         log(f"this host ({os.uname().release}): running the selection")
-        result = Result(os.uname().release, "host", slow_truths=True)
+        result = Result(os.uname().release, "host", selection.slow_truths(on_host=True))
         path, result.seconds, result.problem = run_on_host(selection)
         read_results(result, path)
         results.append(result)
