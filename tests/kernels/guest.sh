@@ -83,7 +83,10 @@ ip link set lo up
 (while :; do date +%s > "$RESULTS/heartbeat"; sleep 10; done) &
 heartbeat=$!
 trap 'kill "$heartbeat"' EXIT
-bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$RESULTS/check.json" 2> "$RESULTS/check.err"
+# test_check reads this check's report and, in the kernel log, what its loads logged after this line.
+export AIPROBE_CHECK_REPORT="$RESULTS/check.json"
+echo "aiprobe: check --json > $AIPROBE_CHECK_REPORT" > /dev/kmsg
+bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$AIPROBE_CHECK_REPORT" 2> "$RESULTS/check.err"
 rc=0
 # pytest-timeout fails a test that outlives TEST_SECONDS with its threads' stacks, and the round goes on;
 # a minute later the watchdog ends a round that even that could not stop (a hang in C, in collection).

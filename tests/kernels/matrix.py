@@ -57,8 +57,11 @@ from helpers import KERNEL_MODULES  # noqa: E402  (the one list of what runs on 
 
 # The rest needs no kernel of its own: make test runs it.
 MODULES = tuple(f"tests/{module}.py" for module in sorted(KERNEL_MODULES))
-KERNEL_TESTS = (*MODULES, "-m", "kernels and (bpf or kernel_facing)")
-WITHOUT_SLOW_TRUTHS = (*MODULES, "-m", "kernels and (bpf or kernel_facing) and not slow_truth")
+SELECTED = "kernels and (bpf or kernel_facing)"
+KERNEL_TESTS = (*MODULES, "-m", SELECTED)
+WITHOUT_SLOW_TRUTHS = (*MODULES, "-m", f"{SELECTED} and not slow_truth")
+# --with-suite: the rest of the suite, `make test` without the selection, on this host beside the guests.
+REST_OF_SUITE = ("make", "test", f"PYTEST_ARGS={shlex.join(['-m', f'not ({SELECTED})'])}")
 # Every step is bounded by its progress, never by its total, so a hang is a failure with the stacks
 # of what hung (guest.sh: hung.log), never a stalled CI, and a slow machine that keeps finishing tests
 # is never stopped. Each bound is over twice the slowest seen under emulation on a machine more than
@@ -114,6 +117,10 @@ class Series:
 # the slow truths then), and it ran alone for its last 9 minutes. So the other two yield it a core of
 # its own and share the other.
 YIELDS = 10  # niceness: CFS weighs such a process at a tenth of one at 0
+# Every guest's niceness while the rest of the suite runs beside them (--with-suite): weighed at 1.5%
+# of it, they take the CPU it leaves (about two thirds of CI's two cores through make test, by vmstat)
+# and still get a slice every few hundred ms, so no guest timer sees a CPU gone for seconds.
+BESIDE = 19
 MATRIX = (
     Series("Debian 11 stock", r"linux-image-5\.10\.0-(\d+)-amd64", suite="bullseye"),
     Series("Debian 12 stock", r"linux-image-6\.1\.0-(\d+)-amd64", nice=YIELDS),
@@ -152,6 +159,43 @@ class Result:
 
 def log(message: str) -> None:
     print(f"test-kernels: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Priorities:
+    """Each running guest's niceness: BESIDE while this host runs the rest of the suite beside the
+    guests, then its series' own, set for every thread of its process group at once."""
+
+    beside: bool
+    running: dict[int, int] = field(default_factory=dict)  # process group -> its series' niceness
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def first(self, own: int) -> int:
+        with self.lock:
+            return BESIDE if self.beside else own
+
+    @contextlib.contextmanager
+    def kept(self, group: int, own: int) -> Iterator[None]:
+        with self.lock:
+            self.running[group] = own
+            if not self.beside:  # started just before end_beside()
+                set_niceness(group, own)
+        try:
+            yield
+        finally:
+            with self.lock:
+                del self.running[group]
+
+    def end_beside(self) -> None:
+        with self.lock:
+            self.beside = False
+            for group, own in self.running.items():
+                set_niceness(group, own)
+
+
+def set_niceness(group: int, niceness: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.setpriority(os.PRIO_PGRP, group, niceness)  # PRIO_PGRP: each thread of each process
 
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
@@ -238,8 +282,9 @@ def vng_env() -> dict[str, str]:
 
 
 def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], results: Path | None = None,
-           cpu_share: float = 1.0) -> str:
-    """Run vng in a process group of its own (`cpu_share` of the time: see throttled) until it ends: "" then.
+           cpu_share: float = 1.0, niceness: tuple[Priorities, int] | None = None) -> str:
+    """Run vng in a process group of its own (`cpu_share` of the time: see throttled; `niceness`: where
+    its priority is kept, and its series' own) until it ends: "" then.
     Otherwise why it was stopped: it outlived `timeout`, its heartbeat in `results` stopped (see
     FROZEN_SECONDS), or its progress (STALLED_SECONDS); report_frozen asks such a guest where it is
     first. Stopping kills the whole group (qemu included: killing vng alone would leave a guest
@@ -248,7 +293,8 @@ def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], res
     # where the guest's niceness (Series.nice) would weigh nothing against the other guests.
     vm = subprocess.Popen(cmd, env=vng_env(), stdin=subprocess.DEVNULL, stdout=output,
                           stderr=subprocess.STDOUT, process_group=0, text=True)
-    with throttled(vm, cpu_share):
+    priority = niceness[0].kept(vm.pid, niceness[1]) if niceness else contextlib.nullcontext()
+    with throttled(vm, cpu_share), priority:
         why = wait_for_vm(vm, timeout, results)
     if why.startswith((FROZE, STALLED)) and results:
         report_frozen(vm, qmp, results)
@@ -398,17 +444,20 @@ class Selection:
         return BOOT_SECONDS + CHECK_SECONDS + ROUND_BACKSTOP_SECONDS * self.rounds
 
 
-def run_in_vm(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> tuple[Path, float, str]:
+def run_in_vm(kernel: Kernel, accel: tuple[str, ...], selection: Selection,
+              priorities: Priorities) -> tuple[Path, float, str]:
     """Boot the kernel, run guest.sh; its results directory, the wall time, and a problem if any."""
     image = kernel.image
     results = results_dir(kernel.release)
-    cmd = ["nice", "-n", str(kernel.series.nice),
+    own = kernel.series.nice
+    cmd = ["nice", "-n", str(priorities.first(own)),
            *vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
                 "--", shlex.join([str(GUEST), *selection.guest_args(results, on_host=False)]))]
     started = time.monotonic()
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
-        problem = run_vm(cmd, qmp_socket(image), selection.vm_timeout, console, results, selection.cpu_share)
+        problem = run_vm(cmd, qmp_socket(image), selection.vm_timeout, console, results, selection.cpu_share,
+                         (priorities, own))
     return results, time.monotonic() - started, problem
 
 
@@ -529,32 +578,45 @@ def never_run(results: list[Result]) -> set[str]:
     return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
 
 
-def boot(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> Result:
+def boot(kernel: Kernel, accel: tuple[str, ...], selection: Selection, priorities: Priorities) -> Result:
     result = Result(kernel.release, "emulated" if accel else "kvm", selection.slow_truths(on_host=False))
     log(f"{result.kernel}: booting ({result.how}) and running the selection")
-    path, result.seconds, result.problem = run_in_vm(kernel, accel, selection)
+    path, result.seconds, result.problem = run_in_vm(kernel, accel, selection, priorities)
     read_results(result, path)
     log(f"{result.kernel}: done in {result.seconds:.0f} s")
     return result
 
 
-def boot_until_it_reports(kernel: Kernel, accel: tuple[str, ...], selection: Selection) -> Result:
-    result = boot(kernel, accel, selection)
+def boot_until_it_reports(kernel: Kernel, accel: tuple[str, ...], selection: Selection,
+                          priorities: Priorities) -> Result:
+    result = boot(kernel, accel, selection, priorities)
     if result.died:
         # Twice in CI an emulated guest died or froze mid-run without a word; a second boot tells
         # such a flake from a kernel that cannot run the suite. The first boot's logs are still printed.
         log(f"{result.kernel}: {result.problem}; booting it once more")
-        first_boot, result = result, boot(kernel, accel, selection)
+        first_boot, result = result, boot(kernel, accel, selection, priorities)
         result.first_boot = first_boot
     return result
 
 
-def run_guests(kernels: list[Kernel], selection: Selection) -> list[Result]:
+def run_guests(kernels: list[Kernel], selection: Selection, priorities: Priorities) -> list[Result]:
     """Every kernel booted at once: an emulated guest runs on one host thread (EMULATION), so two
     of them share CI's two cores instead of waiting for each other."""
     accel = () if kernels and kvm_works(kernels[0].image) else EMULATION
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(kernels))) as pool:
-        return list(pool.map(lambda kernel: boot_until_it_reports(kernel, accel, selection), kernels))
+        return list(pool.map(lambda kernel: boot_until_it_reports(kernel, accel, selection, priorities),
+                             kernels))
+
+
+def run_rest_of_suite() -> tuple[int, str]:
+    """REST_OF_SUITE on this host, its output as it comes: its exit status, and that status and its time."""
+    log(f"this host: the rest of the suite, beside the guests: {shlex.join(REST_OF_SUITE)}")
+    started = time.monotonic()
+    status = subprocess.run(REST_OF_SUITE, cwd=ROOT, stdin=subprocess.DEVNULL).returncode
+    seconds = time.monotonic() - started
+    outcome = f"the rest of the suite ({shlex.join(REST_OF_SUITE)}): exit {status} after {seconds:.0f} s"
+    log(f"this host, {outcome}")
+    return status, outcome
 
 
 def main() -> int:
@@ -568,6 +630,9 @@ def main() -> int:
                              "the guests add `and not slow_truth`)")
     parser.add_argument("--guest-cpu", type=int, default=100, metavar="PERCENT",
                         help="run each guest PERCENT of the time (50: a machine twice as slow for the guests)")
+    parser.add_argument("--with-suite", action="store_true",
+                        help="after this host's selection, run the rest of the suite here (make test without "
+                             "the selection) while the guests run beside it at a niceness of 19 (CI does)")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat takes a number of rounds, 1 or more")
@@ -589,15 +654,22 @@ def main() -> int:
     kernels = [Kernel(series, unpacked_kernel(series)) for series in MATRIX if wanted(series.pattern.replace("\\", ""))]
     if kernels:
         log(f"kernels ready in {time.monotonic() - fetching:.0f} s")
-    results += run_guests(kernels, selection)
+    priorities = Priorities(beside=args.with_suite)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as background:
+        guests = background.submit(run_guests, kernels, selection, priorities)
+        suite_status, suite = run_rest_of_suite() if args.with_suite else (0, "")
+        priorities.end_beside()
+        results += guests.result()
     print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
     print_table(results)
+    if suite:
+        print(f"\nthis host, {suite}")
     unexercised = never_run(results) if len(results) > 1 else set()
     if unexercised:
         print("\nskipped on every kernel (no kernel of the matrix ran them):")
         for test in sorted(unexercised):
             print(f"  {test}")
-    return int(bool(unexercised) or any(r.problem or r.outcomes["failed"] for r in results))
+    return int(bool(suite_status) or bool(unexercised) or any(r.problem or r.outcomes["failed"] for r in results))
 
 
 if __name__ == "__main__":
