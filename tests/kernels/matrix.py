@@ -61,7 +61,7 @@ SELECTED = "kernels and (bpf or kernel_facing)"
 KERNEL_TESTS = (*MODULES, "-m", SELECTED)
 WITHOUT_SLOW_TRUTHS = (*MODULES, "-m", f"{SELECTED} and not slow_truth")
 # --with-suite: the rest of the suite, `make test` without the selection, on this host beside the guests.
-REST_OF_SUITE = ("make", "test", f"PYTEST_ARGS={shlex.join(['-m', f'not ({SELECTED})'])}")
+REST_OF_SUITE = f"make test PYTEST_ARGS='-m \"not ({SELECTED})\"'"
 # Every step is bounded by its progress, never by its total, so a hang is a failure with the stacks
 # of what hung (guest.sh: hung.log), never a stalled CI, and a slow machine that keeps finishing tests
 # is never stopped. Each bound is over twice the slowest seen under emulation on a machine more than
@@ -117,10 +117,11 @@ class Series:
 # the slow truths then), and it ran alone for its last 9 minutes. So the other two yield it a core of
 # its own and share the other.
 YIELDS = 10  # niceness: CFS weighs such a process at a tenth of one at 0
-# Every guest's niceness while the rest of the suite runs beside them (--with-suite): weighed at 1.5%
-# of it, they take the CPU it leaves (about two thirds of CI's two cores through make test, by vmstat)
-# and still get a slice every few hundred ms, so no guest timer sees a CPU gone for seconds.
-BESIDE = 19
+# While the rest of the suite runs beside them (--with-suite), each guest's niceness is this more than
+# its own (at most 19): 5.10 at 15, the others at 19, weighed at 3.5% and 1.5% of make test. So they
+# take the CPU it leaves (about two thirds of CI's two cores through make test, by vmstat), 5.10 over
+# half of it, and still get a slice every few hundred ms: no guest timer sees a CPU gone for seconds.
+BESIDE = 15
 MATRIX = (
     Series("Debian 11 stock", r"linux-image-5\.10\.0-(\d+)-amd64", suite="bullseye"),
     Series("Debian 12 stock", r"linux-image-6\.1\.0-(\d+)-amd64", nice=YIELDS),
@@ -163,8 +164,8 @@ def log(message: str) -> None:
 
 @dataclass
 class Priorities:
-    """Each running guest's niceness: BESIDE while this host runs the rest of the suite beside the
-    guests, then its series' own, set for every thread of its process group at once."""
+    """Each running guest's niceness: BESIDE more than its series' own while this host runs the rest
+    of the suite beside the guests, then its own, set for every thread of its process group at once."""
 
     beside: bool
     running: dict[int, int] = field(default_factory=dict)  # process group -> its series' niceness
@@ -172,7 +173,7 @@ class Priorities:
 
     def first(self, own: int) -> int:
         with self.lock:
-            return BESIDE if self.beside else own
+            return min(19, own + BESIDE) if self.beside else own
 
     @contextlib.contextmanager
     def kept(self, group: int, own: int) -> Iterator[None]:
@@ -610,11 +611,11 @@ def run_guests(kernels: list[Kernel], selection: Selection, priorities: Prioriti
 
 def run_rest_of_suite() -> tuple[int, str]:
     """REST_OF_SUITE on this host, its output as it comes: its exit status, and that status and its time."""
-    log(f"this host: the rest of the suite, beside the guests: {shlex.join(REST_OF_SUITE)}")
+    log(f"this host: the rest of the suite, beside the guests: {REST_OF_SUITE}")
     started = time.monotonic()
-    status = subprocess.run(REST_OF_SUITE, cwd=ROOT, stdin=subprocess.DEVNULL).returncode
+    status = subprocess.run(shlex.split(REST_OF_SUITE), cwd=ROOT, stdin=subprocess.DEVNULL).returncode
     seconds = time.monotonic() - started
-    outcome = f"the rest of the suite ({shlex.join(REST_OF_SUITE)}): exit {status} after {seconds:.0f} s"
+    outcome = f"the rest of the suite ({REST_OF_SUITE}): exit {status} after {seconds:.0f} s"
     log(f"this host, {outcome}")
     return status, outcome
 
