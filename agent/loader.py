@@ -29,7 +29,6 @@ _BATCH_CHUNK = 4096
 # fewer than _MIN_BATCH entries: a hash bucket must fit in one batch (else ENOSPC).
 _BATCH_BYTES = 1 << 20
 _MIN_BATCH = 64
-_ENOTSUPP = 524  # kernel-internal errno for 'operation not supported'
 _LOG_BUF_SIZE = 4 << 20
 # Maps that several objects declare alike (from one header) to share: an object declaring one reuses
 # (bpf_map__reuse_fd) the map of a loaded object that holds it, else makes its own for later ones to
@@ -349,6 +348,7 @@ class Map:
         # Per-CPU values sit at an 8-byte stride, one per possible CPU.
         self._stride = (self.value_size + 7) & ~7 if self.percpu else self.value_size
         self._batch_ok = True
+        self._atomic_pop = True  # lookup-and-delete on a hash map (5.14+)
 
     @staticmethod
     def _btf_type(btf: Btf | None, type_id: int, size: int) -> type:
@@ -433,8 +433,18 @@ class Map:
 
     def pop(self, key: Any) -> Any:
         """Delete an entry, returning its value as it was then (None when there was none): nothing
-        added between a lookup and the delete is lost. Hash maps, kernel >= 5.14."""
-        return self._value_of(libbpf.lib().bpf_map_lookup_and_delete_elem, key, "lookup and delete")
+        added between a lookup and the delete is lost. Before 5.14 (no lookup-and-delete on hash maps)
+        a lookup, then a delete, where an update between the two is lost."""
+        if self._atomic_pop:
+            try:
+                return self._value_of(libbpf.lib().bpf_map_lookup_and_delete_elem, key, "lookup and delete")
+            except BpfError as exc:
+                if exc.errno != libbpf.KERNEL_ENOTSUPP:
+                    raise
+                self._atomic_pop = False
+        value = self.lookup(key)
+        self.delete(key)
+        return value
 
     def delete(self, key: Any) -> bool:
         rc = libbpf.lib().bpf_map_delete_elem(self.fd, ctypes.byref(self._key(key)))
@@ -463,7 +473,7 @@ class Map:
 
     def _no_batches(self, exc: BpfError) -> None:
         """Falls back to one lookup per key for good when the kernel refused a batch lookup."""
-        if exc.errno not in (errno.EINVAL, _ENOTSUPP, errno.EOPNOTSUPP):
+        if exc.errno not in (errno.EINVAL, libbpf.KERNEL_ENOTSUPP, errno.EOPNOTSUPP):
             raise exc
         self._batch_ok = False
 

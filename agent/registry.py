@@ -74,16 +74,22 @@ LoadStep = Callable[[BpfObject, Strategy], None]
 
 @dataclass(frozen=True)
 class Loading:
-    """How a probe's start() loads its object, so `aiprobe check` plans from the same loads
-    (load_first's arguments): the chain it tries (None: the probe's strategies), what it sets before
-    each load, and its attach where that is global and harmless (tracepoints, kprobes, trampolines,
-    detached with the object). An attach to the host's own interfaces or libraries is left to the
-    probe's fallback for a host with none (a throwaway netns), never made on them."""
+    """How a probe's start() loads its object (load()), so `aiprobe check` plans from the same loads:
+    the chain it tries (None: the probe's strategies), what it sets before each load, and its attach
+    where that is global and harmless (tracepoints, kprobes, trampolines, detached with the object).
+    An attach to the host's own interfaces or libraries is left to the probe's fallback for a host
+    with none (a throwaway netns), never made on them."""
 
     strategies: tuple[Strategy, ...] | None = None
     configure: LoadStep | None = None
     attach: LoadStep = attach_all
     bpf_object: str | None = None  # the build of its object it opens on this kernel (None: its spec's)
+
+    def load(self, spec: ProbeSpec, strategies: tuple[Strategy, ...] | None = None) -> Loaded:
+        """load_first over `strategies` (None: its chain), as start() and check's trials load."""
+        chain = strategies or self.strategies or spec.strategies
+        return load_first(spec.name, self.bpf_object or spec.bpf_object, chain, configure=self.configure,
+                          attach=self.attach)
 
 
 class Probe:
@@ -335,8 +341,7 @@ def trial(spec: ProbeSpec, features: dict[str, Feature], config: Config) -> Tria
 
 def _load_failure(spec: ProbeSpec, strategy: Strategy, loading: Loading) -> str | None:
     try:
-        loaded = load_first(spec.name, loading.bpf_object or spec.bpf_object, (strategy,), configure=loading.configure,
-                            attach=loading.attach)
+        loaded = loading.load(spec, (strategy,))
     except ProbeUnavailable as exc:
         return "; ".join(exc.reasons.values())
     loaded.obj.close()

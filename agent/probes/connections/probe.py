@@ -23,7 +23,7 @@ from ... import sockdiag
 from ...btf import kernel_enum_names
 from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile, slot_of_microseconds
 from ...libbpf import BpfError
-from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels, load_first
+from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import process_name
@@ -85,24 +85,25 @@ def _from_config(config: Config) -> ConnectionsProbe:
     return ConnectionsProbe(strategies_named(SPEC, config.strategies.get(SPEC.name)))
 
 
-def kernel_drop_reasons() -> list[str]:
-    """The kernel's enum skb_drop_reason, from its BTF."""
-    return kernel_enum_names("skb_drop_reason")
-
-
 def _configure(obj: BpfObject, strategy: Strategy) -> None:
     """Before loading: count at this namespace's listeners only (those sock_diag lists, whose overflows
-    TcpExt ListenOverflows counts); the tracepoint strategy only where the kernel names listen overflows
-    as a drop reason (its program's relocation of that enumerator would fail to load less clearly)."""
+    TcpExt ListenOverflows counts); fentry only where the kernel has bpf_get_func_ret, the tracepoint
+    strategy only where it names listen overflows as a drop reason (either program's load would fail
+    there, its verifier's log naming neither)."""
     obj.set_rodata(netns_inum=os.stat("/proc/self/ns/net").st_ino)
-    if strategy.name != "tracepoint":
-        return
-    try:
-        reasons = kernel_drop_reasons()
-    except (OSError, KeyError) as exc:
-        raise BpfError(errno.EOPNOTSUPP, f"cannot read the kernel's drop reasons: {exc}") from None
-    if LISTEN_OVERFLOW_REASON not in reasons:
+    if strategy.name == "fentry" and "BPF_FUNC_get_func_ret" not in _kernel_enum("bpf_func_id"):
+        raise BpfError(errno.EOPNOTSUPP, "the kernel lacks bpf_get_func_ret (5.17), which reads the return "
+                                         "values of tcp_v{4,6}_syn_recv_sock and inet_csk_accept at fexit")
+    if strategy.name == "tracepoint" and LISTEN_OVERFLOW_REASON not in _kernel_enum("skb_drop_reason"):
         raise BpfError(errno.EOPNOTSUPP, f"the kernel has no drop reason {LISTEN_OVERFLOW_REASON} (6.15+)")
+
+
+def _kernel_enum(name: str) -> list[str]:
+    """The enumerators of the kernel's `enum name` (BTF): a strategy that needs them cannot run without."""
+    try:
+        return kernel_enum_names(name)
+    except (OSError, KeyError) as exc:
+        raise BpfError(errno.EOPNOTSUPP, f"cannot read the kernel's enum {name}: {exc}") from None
 
 
 class ListenerOwners:
@@ -285,7 +286,7 @@ class ConnectionsProbe(Probe):
         self._diag_only = not with_bpf
         if with_bpf:
             try:
-                self.loaded = load_first(SPEC.name, OBJECT, with_bpf, configure=_configure)
+                self.loaded = self.loading().load(SPEC, with_bpf)
             except ProbeUnavailable as exc:
                 if not any(s.name == SOCK_DIAG for s in self._strategies):
                     raise

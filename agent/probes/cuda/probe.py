@@ -48,7 +48,7 @@ from ...btf import decode
 from ...budget import CpuBudget
 from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from ...libbpf import BpfError
-from ...loader import BpfObject, Link, Map, Program, Strategy, load_first
+from ...loader import BpfObject, Link, Map, Program, Strategy
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, printable
@@ -812,8 +812,7 @@ class CudaProbe(Probe):
 
     def start(self) -> None:
         self._started_ns = time.monotonic_ns()
-        self.loaded = load_first(SPEC.name, SPEC.bpf_object, self._kernel_strategies(), configure=self._configure,
-                                 attach=self._attach_scheduler)
+        self.loaded = self.loading().load(SPEC)
         self._launch_probes = LaunchProbes(self.loaded.obj, self._cpu_budget, self._duty_period)
         # Shared with streams (bpf/cuda_sync.h), the map may outlive an earlier cuda probe, whose open
         # synchronizations would never close: counts start anew.

@@ -49,7 +49,7 @@ import numpy as np
 
 from ... import libbpf
 from ...features import helper_available, network_features
-from ...libbpf import KERNEL_ENOTSUPP, BpfError
+from ...libbpf import BpfError
 from ...loader import (
     BpfObject,
     Link,
@@ -59,7 +59,6 @@ from ...loader import (
     Program,
     Strategy,
     enum_labels,
-    load_first,
     program_name,
     tc_clsact_detach,
     tc_clsact_query,
@@ -500,7 +499,6 @@ class FlowsProbe(Probe):
         self._rated: dict[Identity, tuple[int, int, int, tuple[float, float]]] = {}
         self._backoff = Backoff()  # interfaces where a hook failed: tried again (a foreign XDP program may leave)
         self._xdp_unloaded = ""  # why the XDP program is not loaded although interfaces opted in to it
-        self._atomic_pop = True  # lookup-and-delete on the flow table (hash maps: 5.14+)
 
     # --- life cycle ---
 
@@ -524,18 +522,13 @@ class FlowsProbe(Probe):
         """The tc programs, and the XDP one where interfaces opted in to it. An XDP program this
         kernel refuses leaves ingress at tc: it never takes the tc hooks down with it."""
         try:
-            return self._load_first(links, xdp=bool(self.filter.xdp))
+            return self.loading(links, xdp=bool(self.filter.xdp)).load(SPEC)
         except ProbeUnavailable as exc:
             if not self.filter.xdp:
                 raise
             self._xdp_unloaded = f"the XDP program did not load ({exc}); ingress counted at tc"
             log.warning("%s", self._xdp_unloaded)
-            return self._load_first(links, xdp=False)
-
-    def _load_first(self, links: list[LinkInfo], xdp: bool) -> Loaded:
-        loading = self.loading(links, xdp)
-        return load_first(SPEC.name, SPEC.bpf_object, self._strategies, configure=loading.configure,
-                          attach=loading.attach)
+            return self.loading(links, xdp=False).load(SPEC)
 
     def loading(self, links: list[LinkInfo] | None = None, xdp: bool | None = None) -> Loading:
         """How it loads, attaching to `links` (none: the hook is tried in a throwaway netns, as
@@ -769,27 +762,14 @@ class FlowsProbe(Probe):
         table = self._table
         finals = np.zeros(len(keys), table.value_dtype)
         for i, key in enumerate(keys):
-            final = self._pop(flows_map, key)
+            # Before 5.14 a frame counted between its lookup and delete is lost, which the flows
+            # deleted here (idle, or the stalest) all but never have.
+            final = flows_map.pop(key)
             if final is not None:
                 finals[i] = np.frombuffer(bytes(final), table.value_dtype, 1)[0]
             elif key in table.slots:  # deleted by someone else meanwhile: as last read
                 finals[i] = table.values[table.slots[key]]
         table.retire(keys, finals)
-
-    def _pop(self, flows_map: Map, key: bytes) -> Any:
-        """A flow's counters as it is deleted. Before 5.14 (no lookup-and-delete on hash maps) a lookup,
-        then a delete: a frame counted between the two is lost, which the flows deleted here (idle, or
-        the stalest) all but never have."""
-        if self._atomic_pop:
-            try:
-                return flows_map.pop(key)
-            except BpfError as exc:
-                if exc.errno != KERNEL_ENOTSUPP:
-                    raise
-                self._atomic_pop = False
-        final = flows_map.lookup(key)
-        flows_map.delete(key)
-        return final
 
     def _records(self, names: dict[int, str], interval: float) -> list[tuple[bytes, int, FlowRecord]]:
         """Records of the flows the table picks for `top` (the fastest, then idle ones so a long-lived

@@ -30,7 +30,6 @@ from ...loader import (
     Strategy,
     attach_all,
     enum_labels,
-    load_first,
 )
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
@@ -327,7 +326,7 @@ class SendLatencyProbe(Probe):
     def start(self) -> None:
         if self.loaded is not None:
             return
-        self.loaded = load_first(SPEC.name, object_name(), self._strategies, configure=self._configure, attach=_attach)
+        self.loaded = self.loading().load(SPEC)
         try:
             self._slow_sends = RingRecords(self.loaded.obj, "slow_sends", "slow_send_event", _slow_send,
                                            MAX_PENDING_SLOW_SENDS)
