@@ -1,7 +1,8 @@
 #!/bin/sh
 # Runs inside a virtme-ng guest (see matrix.py), and on the host: this repository is an overlay
 # whose writes stay in the guest; RESULTS is the one directory shared read-write with the host.
-# Usage: guest.sh RESULTS CHECK_SECONDS TEST_SECONDS ROUNDS [PYTEST ARGS]. Leaves in RESULTS:
+# Usage: guest.sh RESULTS CHECK_SECONDS TEST_SECONDS ROUNDS [PYTEST ARGS]. Runs `aiprobe check`, then
+# (once RESULTS/hold is gone: matrix.py's Host) the tests. Leaves in RESULTS:
 # check.json and check.err (`aiprobe check --json`), junit-<round>.xml and pytest-<round>.log (the
 # selection, run ROUNDS times in a row to find flakes), failures-<round>.log (each failure as it
 # happened, also of a round that was stopped), rc (the last failing round's status), steps.log (each
@@ -87,6 +88,12 @@ trap 'kill "$heartbeat"' EXIT
 export AIPROBE_CHECK_REPORT="$RESULTS/check.json"
 echo "aiprobe: check --json > $AIPROBE_CHECK_REPORT" > /dev/kmsg
 bounded "$CHECK_SECONDS" "aiprobe check" .venv/bin/aiprobe check --json > "$AIPROBE_CHECK_REPORT" 2> "$RESULTS/check.err"
+# The host's own selection compiles the fixtures the tests reuse: matrix.py holds the tests until it ends.
+echo "waiting for the host's selection" > "$AIPROBE_PROGRESS"
+while [ -e "$RESULTS/hold" ]; do
+    touch "$AIPROBE_PROGRESS"  # waiting is progress: the host's own tests are bounded on their own
+    sleep 2
+done
 rc=0
 # pytest-timeout fails a test that outlives TEST_SECONDS with its threads' stacks, and the round goes on;
 # a minute later the watchdog ends a round that even that could not stop (a hang in C, in collection).

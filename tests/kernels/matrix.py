@@ -10,7 +10,8 @@ over 9p and sees this repository through an overlay whose writes stay in the gue
 its results directory is shared read-write. KVM is used when it works (nested KVM often does not),
 plain emulation otherwise.
 
-The emulated guests run side by side, each on one host thread (see EMULATION), after this host's run.
+The emulated guests run side by side, each on one host thread (see EMULATION), while this host runs
+its own selection and, with --with-suite, the rest of the suite (Host).
 
 Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [--guest-cpu PERCENT] [-- PYTEST ARGS]
 (default: the modules of tests/helpers.py's KERNEL_MODULES, -m "kernels and (bpf or kernel_facing)";
@@ -117,11 +118,13 @@ class Series:
 # the slow truths then), and it ran alone for its last 9 minutes. So the other two yield it a core of
 # its own and share the other.
 YIELDS = 10  # niceness: CFS weighs such a process at a tenth of one at 0
-# While the rest of the suite runs beside them (--with-suite), each guest's niceness is this more than
-# its own (at most 19): 5.10 at 15, the others at 19, weighed at 3.5% and 1.5% of make test. So they
-# take the CPU it leaves (about two thirds of CI's two cores through make test, by vmstat), 5.10 over
-# half of it, and still get a slice every few hundred ms: no guest timer sees a CPU gone for seconds.
+# While this host runs its own tests (Host), each guest's niceness is this more than its own (at most
+# 19): 5.10 at 15, the others at 19, weighed at 3.5% and 1.5% of a test's process. So they take the
+# CPU the host's tests leave (about two thirds of CI's two cores through make test, by vmstat), 5.10
+# over half of it, and still get a slice every few hundred ms: no guest timer sees a CPU gone for seconds.
 BESIDE = 15
+# In a guest's results while this host runs its selection: guest.sh waits for it to go before its tests.
+HOLD = "hold"
 MATRIX = (
     Series("Debian 11 stock", r"linux-image-5\.10\.0-(\d+)-amd64", suite="bullseye"),
     Series("Debian 12 stock", r"linux-image-6\.1\.0-(\d+)-amd64", nice=YIELDS),
@@ -163,23 +166,39 @@ def log(message: str) -> None:
 
 
 @dataclass
-class Priorities:
-    """Each running guest's niceness: BESIDE more than its series' own while this host runs the rest
-    of the suite beside the guests, then its own, set for every thread of its process group at once."""
+class Host:
+    """What this host runs while the guests boot: its own selection, whose end each guest awaits before
+    its tests (guest.sh waits while HOLD is in its results: the selection compiles the fixtures they
+    reuse), then the rest of the suite (--with-suite). Meanwhile each guest runs at BESIDE more than
+    its series' niceness; then at its own, set for every thread of its process group at once."""
 
-    beside: bool
-    running: dict[int, int] = field(default_factory=dict)  # process group -> its series' niceness
+    selecting: bool  # its selection runs, or is still to
+    busy: bool  # it runs its selection or the rest of the suite
+    held: set[Path] = field(default_factory=set)  # results directories with a HOLD
+    running: dict[int, int] = field(default_factory=dict)  # a guest's process group -> its series' niceness
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def first(self, own: int) -> int:
+    def hold(self, results: Path) -> None:
         with self.lock:
-            return min(19, own + BESIDE) if self.beside else own
+            if self.selecting:
+                (results / HOLD).touch()
+                self.held.add(results)
+
+    def selection_done(self) -> None:
+        with self.lock:
+            self.selecting = False
+            for results in self.held:
+                (results / HOLD).unlink(missing_ok=True)
+
+    def niceness(self, own: int) -> int:
+        with self.lock:
+            return min(19, own + BESIDE) if self.busy else own
 
     @contextlib.contextmanager
     def kept(self, group: int, own: int) -> Iterator[None]:
         with self.lock:
             self.running[group] = own
-            if not self.beside:  # started just before end_beside()
+            if not self.busy:  # started just before done()
                 set_niceness(group, own)
         try:
             yield
@@ -187,9 +206,10 @@ class Priorities:
             with self.lock:
                 del self.running[group]
 
-    def end_beside(self) -> None:
+    def done(self) -> None:
+        self.selection_done()
         with self.lock:
-            self.beside = False
+            self.busy = False
             for group, own in self.running.items():
                 set_niceness(group, own)
 
@@ -283,7 +303,7 @@ def vng_env() -> dict[str, str]:
 
 
 def run_vm(cmd: list[str], qmp: Path, timeout: float, output: int | IO[str], results: Path | None = None,
-           cpu_share: float = 1.0, niceness: tuple[Priorities, int] | None = None) -> str:
+           cpu_share: float = 1.0, niceness: tuple[Host, int] | None = None) -> str:
     """Run vng in a process group of its own (`cpu_share` of the time: see throttled; `niceness`: where
     its priority is kept, and its series' own) until it ends: "" then.
     Otherwise why it was stopped: it outlived `timeout`, its heartbeat in `results` stopped (see
@@ -446,27 +466,32 @@ class Selection:
 
 
 def run_in_vm(kernel: Kernel, accel: tuple[str, ...], selection: Selection,
-              priorities: Priorities) -> tuple[Path, float, str]:
+              host: Host) -> tuple[Path, float, str]:
     """Boot the kernel, run guest.sh; its results directory, the wall time, and a problem if any."""
     image = kernel.image
     results = results_dir(kernel.release)
     own = kernel.series.nice
-    cmd = ["nice", "-n", str(priorities.first(own)),
+    host.hold(results)
+    cmd = ["nice", "-n", str(host.niceness(own)),
            *vng(image, accel, "--overlay-rwdir", str(ROOT), "--rwdir", str(results), "--cwd", str(ROOT),
                 "--", shlex.join([str(GUEST), *selection.guest_args(results, on_host=False)]))]
     started = time.monotonic()
     # Appending: qemu's own messages and the guest's console share the file without overwriting.
     with (results / "console.log").open("a") as console:
         problem = run_vm(cmd, qmp_socket(image), selection.vm_timeout, console, results, selection.cpu_share,
-                         (priorities, own))
+                         (host, own))
     return results, time.monotonic() - started, problem
 
 
-def run_on_host(selection: Selection) -> tuple[Path, float, str]:
+def run_on_host(selection: Selection) -> Result:
+    log(f"this host ({os.uname().release}): running the selection")
+    result = Result(os.uname().release, "host", selection.slow_truths(on_host=True))
     results = results_dir(f"host-{os.uname().release}")
     started = time.monotonic()
     subprocess.run(["sh", str(GUEST), *selection.guest_args(results, on_host=True)], stdin=subprocess.DEVNULL)
-    return results, time.monotonic() - started, ""
+    result.seconds = time.monotonic() - started
+    read_results(result, results)
+    return result
 
 
 # ---- results ----
@@ -579,33 +604,33 @@ def never_run(results: list[Result]) -> set[str]:
     return set.intersection(*(r.skipped for r in results)) - set.union(*(r.passed for r in results))
 
 
-def boot(kernel: Kernel, accel: tuple[str, ...], selection: Selection, priorities: Priorities) -> Result:
+def boot(kernel: Kernel, accel: tuple[str, ...], selection: Selection, host: Host) -> Result:
     result = Result(kernel.release, "emulated" if accel else "kvm", selection.slow_truths(on_host=False))
     log(f"{result.kernel}: booting ({result.how}) and running the selection")
-    path, result.seconds, result.problem = run_in_vm(kernel, accel, selection, priorities)
+    path, result.seconds, result.problem = run_in_vm(kernel, accel, selection, host)
     read_results(result, path)
     log(f"{result.kernel}: done in {result.seconds:.0f} s")
     return result
 
 
 def boot_until_it_reports(kernel: Kernel, accel: tuple[str, ...], selection: Selection,
-                          priorities: Priorities) -> Result:
-    result = boot(kernel, accel, selection, priorities)
+                          host: Host) -> Result:
+    result = boot(kernel, accel, selection, host)
     if result.died:
         # Twice in CI an emulated guest died or froze mid-run without a word; a second boot tells
         # such a flake from a kernel that cannot run the suite. The first boot's logs are still printed.
         log(f"{result.kernel}: {result.problem}; booting it once more")
-        first_boot, result = result, boot(kernel, accel, selection, priorities)
+        first_boot, result = result, boot(kernel, accel, selection, host)
         result.first_boot = first_boot
     return result
 
 
-def run_guests(kernels: list[Kernel], selection: Selection, priorities: Priorities) -> list[Result]:
+def run_guests(kernels: list[Kernel], selection: Selection, host: Host) -> list[Result]:
     """Every kernel booted at once: an emulated guest runs on one host thread (EMULATION), so two
     of them share CI's two cores instead of waiting for each other."""
     accel = () if kernels and kvm_works(kernels[0].image) else EMULATION
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(kernels))) as pool:
-        return list(pool.map(lambda kernel: boot_until_it_reports(kernel, accel, selection, priorities),
+        return list(pool.map(lambda kernel: boot_until_it_reports(kernel, accel, selection, host),
                              kernels))
 
 
@@ -644,22 +669,21 @@ def main() -> int:
 
     results = []
     started = time.monotonic()
-    # The host first: it also leaves compiled fixtures and bytecode that the guests' overlays reuse.
-    if wanted("host"):
-        log(f"this host ({os.uname().release}): running the selection")
-        result = Result(os.uname().release, "host", selection.slow_truths(on_host=True))
-        path, result.seconds, result.problem = run_on_host(selection)
-        read_results(result, path)
-        results.append(result)
-    fetching = time.monotonic()
     kernels = [Kernel(series, unpacked_kernel(series)) for series in MATRIX if wanted(series.pattern.replace("\\", ""))]
     if kernels:
-        log(f"kernels ready in {time.monotonic() - fetching:.0f} s")
-    priorities = Priorities(beside=args.with_suite)
+        log(f"kernels ready in {time.monotonic() - started:.0f} s")
+    host = Host(selecting=wanted("host"), busy=wanted("host") or args.with_suite)
+    suite_status, suite = 0, ""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as background:
-        guests = background.submit(run_guests, kernels, selection, priorities)
-        suite_status, suite = run_rest_of_suite() if args.with_suite else (0, "")
-        priorities.end_beside()
+        guests = background.submit(run_guests, kernels, selection, host)
+        try:
+            if host.selecting:
+                results.append(run_on_host(selection))
+            host.selection_done()
+            if args.with_suite:
+                suite_status, suite = run_rest_of_suite()
+        finally:
+            host.done()
         results += guests.result()
     print(f"\naiprobe on {len(results)} kernels ({time.monotonic() - started:.0f} s in all):\n")
     print_table(results)

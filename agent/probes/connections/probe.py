@@ -99,10 +99,13 @@ def _configure(obj: BpfObject, strategy: Strategy) -> None:
 
 
 def _kernel_enum(name: str) -> list[str]:
-    """The enumerators of the kernel's `enum name` (BTF): a strategy that needs them cannot run without."""
+    """The enumerators of the kernel's `enum name` (BTF), none where it has no such enum; a strategy
+    that needs them cannot run where its BTF cannot be read."""
     try:
         return kernel_enum_names(name)
-    except (OSError, KeyError) as exc:
+    except KeyError:
+        return []
+    except OSError as exc:
         raise BpfError(errno.EOPNOTSUPP, f"cannot read the kernel's enum {name}: {exc}") from None
 
 
