@@ -13,7 +13,7 @@ plain emulation otherwise.
 The emulated guests run side by side, each on one host thread (see EMULATION), while this host runs
 its own selection and, with --with-suite, the rest of the suite (Host).
 
-Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [--guest-cpu PERCENT] [-- PYTEST ARGS]
+Usage: matrix.py [--kernel SUBSTRING]... [--repeat N] [--guest-cpu PERCENT] [--with-suite] [-- PYTEST ARGS]
 (default: the modules of tests/helpers.py's KERNEL_MODULES, -m "kernels and (bpf or kernel_facing)";
 naming the modules spares the guests the imports of the rest of the suite, minutes under emulation).
 The slow truths (marker `slow_truth`: end-to-end truths whose kernel paths lighter tests cover on
@@ -659,7 +659,7 @@ def main() -> int:
                         help="run each guest PERCENT of the time (50: a machine twice as slow for the guests)")
     parser.add_argument("--with-suite", action="store_true",
                         help="after this host's selection, run the rest of the suite here (make test without "
-                             "the selection) while the guests run beside it at a niceness of 19 (CI does)")
+                             "the selection) while the guests run beside it (see BESIDE; CI does)")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat takes a number of rounds, 1 or more")
