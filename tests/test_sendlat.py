@@ -412,11 +412,14 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
             connected = time.monotonic()
             time.sleep(PAUSE_SECONDS)
-            paused = time.monotonic() - connected
+            reading = time.monotonic()
+            paused = reading - connected
             received = 0
             while chunk := client.recv(1 << 20):
                 received += len(chunk)
+            done = time.monotonic()
         assert received == ASYNCIO_BYTES
+        full = float(server.stdout.readline().split()[1])  # the socket was full by then
         [record] = records_of(probe.read(), server.pid)
     finally:
         server.kill()
@@ -428,9 +431,12 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
         assert record.unwritable_count == 0 and "no unwritable time" in probe.status().span
         return
     assert record.unwritable_count >= 1
+    # Unwritable from the server's fill (before its longest wait) to the client's reads: past their start,
+    # within the connection. (A guest twice as slow took a quarter second of the pause to fill the socket.)
+    stalled, connection = (reading - full) * (1 - CLOCK_TOLERANCE), (done - connected) * (1 + CLOCK_TOLERANCE)
     longest = next(le for le, count in record.unwritable_histogram if count == record.unwritable_count)
-    assert paused * 0.9 <= longest <= paused * 1.3, record.unwritable_histogram
-    assert record.unwritable_sum_seconds == pytest.approx(paused, rel=CLOCK_TOLERANCE)
+    assert stalled <= longest <= connection * 1.3, record.unwritable_histogram
+    assert stalled <= record.unwritable_sum_seconds <= connection, (stalled, record.unwritable_sum_seconds, connection)
     assert_histograms_consistent([record], observed=["aiprobe_tcp_sendmsg_duration_seconds",
                                                      "aiprobe_tcp_socket_unwritable_seconds"])
     # The agent's send-stall rule sees the stall through the unwritable time alone: its value is the pause,
