@@ -54,6 +54,7 @@ class Catalog:
     chains: dict[str, tuple[str, ...]] = field(default_factory=dict)  # what `strategies` may force, by name
     hosts: dict[str, str] = field(default_factory=dict)  # parts that run on their probe's strategy -> the probe
     rules: dict[str, RuleConfig] = field(default_factory=dict)  # the declared rules' defaults
+    histograms: tuple[str, ...] = ()  # the histogram families with a bucket set `histogram_buckets` may replace
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,9 @@ class Config:
     # and how long a label set may go unseen before it leaves /metrics.
     max_process_labels: int = field(default=200, metadata=limits(1, 100_000, whole=True))
     idle_series_seconds: float = field(default=300.0, metadata=limits(1.0, 7 * 86_400.0))
+    # The probes' series a scrape may hold: past it, the least active label sets of the largest
+    # counter and histogram families fold into `other` (exporters/series_budget.py).
+    max_series: int = field(default=10_000, metadata=limits(100, 10_000_000, whole=True))
     # The kubelet's log directories, which name each pod and container (kubelet.py); absent outside
     # Kubernetes, where workloads have no namespace or pod.
     pod_logs: str = "/var/log/pods"
@@ -106,6 +110,8 @@ class Config:
     rules: dict[str, RuleConfig] = field(default_factory=dict)
     # probe -> the one strategy of its chain to run (default: the first the kernel allows)
     strategies: dict[str, str] = field(default_factory=dict)
+    # histogram family -> the `le` bounds (seconds) /metrics shows of it, in place of its own
+    histogram_buckets: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # Each probe's section, as set in the file (the others read as their defaults: `settings`).
     sections: tuple[Settings, ...] = ()
 
@@ -124,7 +130,10 @@ class Config:
         return replace(self, sections=(*(s for s in self.sections if type(s) not in kinds), *sections))
 
 
-_TOP_LEVEL = {f.name for f in fields(Config)} - {"rules", "strategies", "sections"}
+_TOP_LEVEL = {f.name for f in fields(Config)} - {"rules", "strategies", "histogram_buckets", "sections"}
+MAX_BUCKETS = 30
+# A bound of `histogram_buckets`, seconds: what the kernel's histograms can tell apart.
+BUCKET_LIMITS = (1e-6, 3600.0)
 _RULE_KEYS = {f.name for f in fields(RuleConfig)}
 _SEVERITIES = ("info", "warning", "critical")
 
@@ -256,6 +265,23 @@ def _validate_strategies(table: Any, catalog: Catalog) -> dict[str, str]:
     return dict(table)
 
 
+def _validate_buckets(table: Any, catalog: Catalog) -> dict[str, tuple[float, ...]]:
+    if not isinstance(table, dict):
+        raise ConfigError("histogram_buckets: expected a table of family = [bounds in seconds]")
+    buckets = {}
+    for name, bounds in table.items():
+        key = f"histogram_buckets.{name}"
+        if name not in catalog.histograms:
+            raise ConfigError(f"{key}: not a histogram with buckets (those: {', '.join(catalog.histograms)})")
+        if not isinstance(bounds, list) or not 0 < len(bounds) <= MAX_BUCKETS:
+            raise ConfigError(f"{key}: expected a list of 1 to {MAX_BUCKETS} bounds in seconds, got {bounds!r}")
+        checked = tuple(float(_check_number(key, bound, 0.0, BUCKET_LIMITS)) for bound in bounds)
+        if list(checked) != sorted(set(checked)):
+            raise ConfigError(f"{key}: expected ascending bounds, got {bounds!r}")
+        buckets[name] = checked
+    return buckets
+
+
 def from_dict(data: dict[str, Any], catalog: Catalog = Catalog()) -> Config:
     """The config a parsed file says, every key checked; what it leaves out is the default."""
     owners = {f.name: section for section in catalog.sections for f in fields(section)}  # type: ignore[arg-type]
@@ -269,6 +295,8 @@ def from_dict(data: dict[str, Any], catalog: Catalog = Catalog()) -> Config:
                                **{name: _validate_rule(name, table, catalog) for name, table in value.items()}}
         elif key == "strategies":
             values["strategies"] = _validate_strategies(value, catalog)
+        elif key == "histogram_buckets":
+            values[key] = _validate_buckets(value, catalog)
         elif key in _TOP_LEVEL:
             values[key] = _validate_top(key, value, catalog)
         elif key in owners:

@@ -59,6 +59,31 @@ _EXPORTED_UNITS = tuple(sorted({m << s for s in range(3, 25) for m in (16, 20, 2
 EXPORTED_BOUNDS = tuple(_units_to_seconds(u) for u in _EXPORTED_UNITS)
 
 
+def _ms_bounds(*milliseconds: float) -> tuple[float, ...]:
+    return tuple(_units_to_seconds(round(ms * UNITS_PER_MS)) for ms in milliseconds)
+
+
+# What /metrics shows of each family (at most 20 series per label set, as Beyla's 15 duration bounds):
+# edges among EXPORTED_BOUNDS, so every count stays exact, and the shipped rules' thresholds among them.
+# Sends, waits for a GPU or a CPU, RTTs: microseconds to a second, a bound per doubling.
+FAST_BOUNDS = _ms_bounds(0.015625, 0.03125, 0.0625, 0.125, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 512, 1024)
+# Requests and first bytes: Beyla's bounds, each moved to the nearest edge (75 ms: 80, 250 ms: 256, ...).
+REQUEST_BOUNDS = _ms_bounds(1, 2, 5, 10, 25, 50, 80, 100, 256, 512, 800, 1024, 2560, 5120, 10240)
+# Whole streams: tens of milliseconds to the last edge, 32.8 s.
+STREAM_BOUNDS = _ms_bounds(10, 25, 50, 100, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def nearest_exported(bound: float) -> float:
+    """The edge of EXPORTED_BOUNDS nearest `bound` (seconds) by ratio: where a configured bound goes."""
+    return min(EXPORTED_BOUNDS, key=lambda edge: abs(math.log(edge / bound)))
+
+
+@functools.cache
+def bucket_indices(bounds: tuple[float, ...]) -> tuple[int, ...]:
+    """Where each of `bounds` (among EXPORTED_BOUNDS) sits in exported_buckets()' list."""
+    return tuple(EXPORTED_BOUNDS.index(bound) for bound in bounds)
+
+
 @functools.cache
 def _upper_bounds(slots: int) -> tuple[float, ...]:
     """The upper bound (seconds) of each of `slots` slots, the last one +Inf."""
@@ -89,6 +114,12 @@ def _exported_slots(slots: int) -> operator.itemgetter[Any]:
     are those slots' upper bounds, the same floats (five histograms per endpoint and refresh)."""
     slot_by_upper = _slot_by_upper(slots)
     return operator.itemgetter(*(slot_by_upper[units] for units in _EXPORTED_UNITS))
+
+
+@functools.cache
+def no_observations() -> list[tuple[float, int]]:
+    """exported_buckets() of a histogram that holds nothing yet (a listener nothing reached)."""
+    return exported_buckets(kernel_buckets([0] * hist_slots()))
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:

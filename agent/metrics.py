@@ -31,6 +31,8 @@ class Family:
       by record identity) summed per label set, so the series stays monotonic while records come
       and go; without it: the record's own (monotonic) value.
     histogram: `value` holds cumulative buckets and `sum_field` their sum; always per identity.
+      `buckets`: the `le` bounds /metrics shows of exported_buckets()' (aiprobe.histogram; the config's
+      `histogram_buckets` may set others); empty: the record's own buckets as they are.
     `expand` turns one record into one sample per (label value, getter) under label `expand_label`.
     `series`, given the config, makes a stateful function from the records to the family's series,
     for a family the rules above cannot say (flows: the top K and `other`).
@@ -44,6 +46,7 @@ class Family:
     labels: tuple[tuple[str, Getter], ...] = ()  # (label, getter)
     scale: float = 1.0
     sum_field: str = ""
+    buckets: tuple[float, ...] = ()
     per_identity: bool = False
     expand_label: str = ""
     expand: Sequence[tuple[str, Getter]] = ()  # a loader.Lazy where the label values come from BTF

@@ -263,6 +263,7 @@ def catalog() -> Catalog:
                 if len(face.strategies) > 1 and not owner(face).follows(face)},
         hosts={face.name: owner(face).name for face in faces() if owner(face).follows(face)},
         rules={rule.name: rule.default for rule in rules()},
+        histograms=tuple(family.name for face in faces() for family in face.metrics if family.buckets),
     )
 
 

@@ -1,6 +1,6 @@
-"""The agent's own cost as the flow table grows: CPU (user+sys seconds per wall second), RSS and the
-time one /metrics scrape takes, with 0, 1k, 10k, 100k live UDP flows and the table full at its
-default size (up to where the agent starts evicting) through a watched veth, each flow sent one
+"""The agent's own cost as the flow table grows: CPU (user+sys seconds per wall second), RSS, the
+time one /metrics scrape takes and the series it serves, with 0, 1k, 10k, 100k live UDP flows and the
+table full at its default size (up to where the agent starts evicting) through a watched veth, each flow sent one
 datagram a second (as a gateway's connections keep their flows live) by flow_sender.c, built here
 with cc; it says how many datagrams a second it managed. The windows span several of the agent's
 paced reads of the whole table (MAX_READ_SECONDS apart at most).
@@ -11,7 +11,8 @@ expire. The traffic comes from a namespace of this benchmark's own, into the hos
 Then a second agent (sendlat only: send latency, streams and requests) with 1k and 10k processes, each
 sending a byte a second on a TCP connection over loopback (process_senders.c), then with 1k stream
 endpoints, ports of one process each answering a request a second with an SSE write
-(stream_endpoints.c).
+(stream_endpoints.c). Last, a busy node, with a third agent at its defaults (every probe): 200
+processes sending a byte a second under 40 names, and 30 stream endpoints, every fifth answering 503.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ FULL = int(EVICT_ABOVE * FlowsSettings.max_flows) - 1_000  # room left for the I
 FLOW_LEVELS = (0, 1_000, 10_000, 12_000, 100_000, FULL)  # 12k: issue 30's 2% bound
 PROCESS_SENDERS = Path(__file__).with_name("process_senders.c")  # processes sending a byte a second
 STREAM_ENDPOINTS = Path(__file__).with_name("stream_endpoints.c")  # ports answering a request a second
-SENDLAT_LEVELS = (  # (program, its N, the level's label); the endpoints last: their series stay idle_series_seconds
-    (PROCESS_SENDERS, 1_000, "1000 processes sending (sendlat)"),
-    (PROCESS_SENDERS, 10_000, "10000 processes sending (sendlat)"),
-    (STREAM_ENDPOINTS, 1_000, "1000 stream endpoints (sendlat: streams, requests)"),
+SENDLAT_LEVELS = (  # (program, its arguments, the level's label); the endpoints last: their series stay
+    (PROCESS_SENDERS, ["1000"], "1000 processes sending (sendlat)"),  # idle_series_seconds
+    (PROCESS_SENDERS, ["10000"], "10000 processes sending (sendlat)"),
+    (STREAM_ENDPOINTS, ["1000"], "1000 stream endpoints (sendlat: streams, requests)"),
 )
+BUSY_NODE = ((PROCESS_SENDERS, ["200", "40"]), (STREAM_ENDPOINTS, ["30", "5"]))
 SETTLE_SECONDS = MAX_READ_SECONDS + 2  # the new flows' first reads over before measuring
 WINDOW_SECONDS = 2 * MAX_READ_SECONDS
 SCRAPES = 5
@@ -51,15 +53,16 @@ FLOW_SENDER = Path(__file__).with_name("flow_sender.c")  # each second, one data
 PORTS = 50_000
 
 
-def _scrape_seconds(port: int) -> float:
-    """How long one scrape took; NaN where the agent answered none (said in the table, not raised)."""
+def _scrape(port: int) -> tuple[float, bytes]:
+    """How long one scrape took, and what it served; NaN where the agent answered none (said in the
+    table, not raised)."""
     started = time.perf_counter()
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-            response.read()
+            text = response.read()
     except (OSError, http.client.HTTPException):
-        return math.nan
-    return time.perf_counter() - started
+        return math.nan, b""
+    return time.perf_counter() - started, text
 
 
 def _build(workdir: str, source: Path) -> str:
@@ -68,22 +71,23 @@ def _build(workdir: str, source: Path) -> str:
     return built
 
 
-def _level(agent: psutil.Process, port: int, label: str, sender: list[str] | None) -> list[Result]:
-    """The agent's cost while `sender` runs (a program that prints "ready" once it is sending, and
-    may print its datagrams per second once stopped)."""
-    process = subprocess.Popen(sender, stdout=subprocess.PIPE, text=True) if sender else None
+def _level(agent: psutil.Process, port: int, label: str, *senders: list[str]) -> list[Result]:
+    """The agent's cost while `senders` run (programs that print "ready" once they are sending; the
+    first may print its datagrams per second once stopped)."""
+    processes = [subprocess.Popen(sender, stdout=subprocess.PIPE, text=True) for sender in senders]
     try:
-        if process is not None and process.stdout is not None:
-            process.stdout.readline()
+        for process in processes:
+            if process.stdout is not None:
+                process.stdout.readline()
         time.sleep(SETTLE_SECONDS)
         before, started = agent.cpu_times(), time.monotonic()
         time.sleep(WINDOW_SECONDS)
         after, elapsed = agent.cpu_times(), time.monotonic() - started
-        scrapes = [_scrape_seconds(port) for _ in range(SCRAPES)]
+        scrapes, served = zip(*(_scrape(port) for _ in range(SCRAPES)), strict=True)
         rss = agent.memory_info().rss
     finally:
         sent = ""
-        if process is not None:
+        for process in processes:
             process.terminate()
             if rate := process.communicate()[0].split():
                 sent = f"; sender {float(rate[-1]):.0f} datagrams/s"
@@ -95,7 +99,13 @@ def _level(agent: psutil.Process, port: int, label: str, sender: list[str] | Non
         Result("flow table", f"{label}: scrape", statistics.median(answered or [math.nan]) * 1e3, "ms",
                f"median of {len(answered)}, max {max(answered or [math.nan]) * 1e3:.0f} ms"
                + (f"; {SCRAPES - len(answered)} of {SCRAPES} unanswered" if len(answered) < SCRAPES else "")),
+        Result("flow table", f"{label}: series", float(_series(served[-1])), "series",
+               f"{len(served[-1]) / 1e6:.1f} MB of text"),
     ]
+
+
+def _series(text: bytes) -> int:
+    return sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
 
 
 def _flow_levels(workdir: str) -> list[Result]:
@@ -106,8 +116,8 @@ def _flow_levels(workdir: str) -> list[Result]:
         try:
             for flows in FLOW_LEVELS:
                 label = f"{flows} live flows" + (" (table full)" if flows == FULL else "")
-                command = ["ip", "netns", "exec", ns, sender, HOST_IP, str(flows), str(PORTS)] if flows else None
-                results += _level(psutil.Process(agent.pid), port, label, command)
+                commands = [["ip", "netns", "exec", ns, sender, HOST_IP, str(flows), str(PORTS)]] if flows else []
+                results += _level(psutil.Process(agent.pid), port, label, *commands)
         finally:
             _stop(agent)
     return results
@@ -118,13 +128,24 @@ def _sendlat_levels(workdir: str) -> list[Result]:
     port = _free_port()
     agent = _start_agent(workdir, 'probes = ["sendlat"]\n', port)
     try:
-        for source, count, label in SENDLAT_LEVELS:
-            results += _level(psutil.Process(agent.pid), port, label, [_build(workdir, source), str(count)])
+        for source, arguments, label in SENDLAT_LEVELS:
+            results += _level(psutil.Process(agent.pid), port, label, [_build(workdir, source), *arguments])
     finally:
         _stop(agent)
     return results
 
 
+def _busy_node(workdir: str) -> list[Result]:
+    port = _free_port()
+    agent = _start_agent(workdir, "", port)
+    try:
+        return _level(psutil.Process(agent.pid), port, "busy node (every probe: 200 processes under 40 names, "
+                      "30 stream endpoints, 1 in 5 answering 503)",
+                      *([_build(workdir, source), *arguments] for source, arguments in BUSY_NODE))
+    finally:
+        _stop(agent)
+
+
 def run() -> list[Result]:
     with tempfile.TemporaryDirectory() as workdir:
-        return _flow_levels(workdir) + _sendlat_levels(workdir)
+        return _flow_levels(workdir) + _sendlat_levels(workdir) + _busy_node(workdir)

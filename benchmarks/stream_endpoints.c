@@ -2,8 +2,9 @@
    with one keep-alive connection from this process's client side that asks for a request a second
    (phases spread over the second); each answer is one SSE write (headers and an event), so each
    port is a stream endpoint of its own (sse) whose responses end at the next request: durations and
-   TTFBs, never a gap or a stall. Usage: stream_endpoints N; prints "ready" once every connection is
-   open, runs until SIGTERM. */
+   TTFBs, never a gap or a stall. Usage: stream_endpoints N [EVERY]: with EVERY, every EVERY-th port
+   answers 503 instead (a server shedding load); prints "ready" once every connection is open, runs
+   until SIGTERM. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <stdio.h>
@@ -14,6 +15,7 @@
 
 static const char REQUEST[] = "GET /events HTTP/1.1\r\nHost: bench\r\n\r\n";
 static const char RESPONSE[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: token\n\n";
+static const char UNAVAILABLE[] = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/event-stream\r\n\r\ndata: busy\n\n";
 
 /* A listener on a port of its own, a client connected to it and the accepted side; 0 on success. */
 static int open_endpoint(int *client, int *server) {
@@ -30,19 +32,20 @@ static int open_endpoint(int *client, int *server) {
     return *server < 0 ? -1 : 0;
 }
 
-/* One request and its answer on an endpoint's connection; 0 while both sides still talk. */
-static int exchange(int client, int server) {
-    char buffer[sizeof RESPONSE];
+/* One request and its answer (`response`, of `size` bytes) on an endpoint's connection; 0 while both
+   sides still talk. */
+static int exchange(int client, int server, const char *response, size_t size) {
+    char buffer[sizeof UNAVAILABLE];
     if (send(client, REQUEST, sizeof REQUEST - 1, 0) < 0 || recv(server, buffer, sizeof buffer, 0) <= 0 ||
-        send(server, RESPONSE, sizeof RESPONSE - 1, 0) < 0)
+        send(server, response, size, 0) < 0)
         return -1;
     return recv(client, buffer, sizeof buffer, 0) <= 0 ? -1 : 0;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2)
+    if (argc != 2 && argc != 3)
         return 2;
-    long count = atol(argv[1]);
+    long count = atol(argv[1]), every = argc == 3 ? atol(argv[2]) : 0;
     struct rlimit files;  /* three descriptors per endpoint: more than the usual soft limit of 1024 */
     getrlimit(RLIMIT_NOFILE, &files);
     files.rlim_cur = files.rlim_max;
@@ -56,7 +59,9 @@ int main(int argc, char **argv) {
     struct timespec pause = {0, 1000000000L / count};
     for (;;)
         for (long i = 0; i < count; i++) {
-            if (exchange(clients[i], servers[i]) < 0)
+            int shed = every > 0 && i % every == every - 1;
+            if (exchange(clients[i], servers[i], shed ? UNAVAILABLE : RESPONSE,
+                         shed ? sizeof UNAVAILABLE - 1 : sizeof RESPONSE - 1) < 0)
                 return 1;
             nanosleep(&pause, NULL);
         }

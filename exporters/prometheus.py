@@ -10,6 +10,8 @@ top K by rate with the rest summed per interface and direction into `remote_addr
 (aiprobe.probes.flows.probe.TopFlows).
 Counters stay monotonic while their sources (processes, flows) come and go: the delta engine
 (aiprobe.deltas) adds each record's increase, by record identity, to its label set.
+The probes' series stay within `max_series` (aiprobe.exporters.series_budget), and a histogram shows its
+family's bucket set (Family.buckets, or the config's `histogram_buckets`), never a label set that holds nothing.
 
 `python -m aiprobe.exporters.prometheus` prints the tables of docs/metrics.md.
 """
@@ -17,6 +19,7 @@ Counters stay monotonic while their sources (processes, flows) come and go: the 
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from array import array
@@ -26,6 +29,8 @@ from typing import Any
 
 from aiprobe.config import Config
 from aiprobe.deltas import Totals
+from aiprobe.exporters.series_budget import Folding, Row, most_kept
+from aiprobe.histogram import bucket_indices, nearest_exported
 from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
 from aiprobe.model import Readings
 from aiprobe.registry import faces
@@ -106,6 +111,14 @@ AGENT_FAMILIES: tuple[tuple[AgentFamily, AgentSamples], ...] = (
     (AgentFamily("aiprobe_alert_log_errors_total", "counter",
                  "Alert transitions that could not be written to alert_log (a full disk, a vanished file).", ()),
      lambda _collector, r: [([], r.alert_log_errors)]),
+    (AgentFamily("aiprobe_exported_series", "gauge",
+                 "Series of the probes' families in the last scrape, by the probe (or part) they come from.",
+                 ("probe",)), lambda collector, _r: [([probe], n) for probe, n in collector.series.items()]),
+    (AgentFamily("aiprobe_label_sets_folded_total", "counter",
+                 "Label sets of a family folded into its row whose labels all read \"other\", the probes' series "
+                 "having reached max_series.", ("family",)),
+     lambda collector, _r: [([view.family.name], view.folding.folded_total) for view in collector.views
+                            if view.folding.folded_total]),
     (AgentFamily("aiprobe_process_labels_folded_total", "counter",
                  "Process names summed into process=\"other\" because max_process_labels names were in use.", ()),
      lambda collector, _r: [([], collector.processes.folded_total)]),
@@ -130,15 +143,17 @@ def _getters(family: Family) -> list[Any]:
     return [getter for _, getter in family.expand] if family.expand else [family.value]
 
 
-def _values(family: Family, record: Any) -> array[float] | None:
-    """The numbers one record adds to its label set (histograms: sum, then bucket counts); None when
-    the probe could not fill them. An array: the delta engine keeps them per source until the next
-    refresh, thousands of sources under process churn."""
+def _values(family: Family, record: Any, shown: Sequence[int] = ()) -> array[float] | None:
+    """The numbers one record adds to its label set (histograms: sum, then the counts of the buckets
+    at `shown` and +Inf, or of all its buckets where the family has no bucket set); None when the probe
+    filled none. An array: the delta engine keeps them per source until the next refresh,
+    thousands of sources under process churn."""
     if family.kind == "histogram":
         buckets = value_of(record, family.value)
-        if buckets is None:
+        if not buckets:  # none filled (a process whose sockets never filled)
             return None
-        return array("d", [getattr(record, family.sum_field), *(count for _, count in buckets)])
+        counts = [buckets[i][1] for i in shown] + [buckets[-1][1]] if family.buckets else [c for _, c in buckets]
+        return array("d", [getattr(record, family.sum_field), *counts])
     values = [value_of(record, getter) for getter in _getters(family)]
     if any(value is None for value in values):
         return None
@@ -180,6 +195,11 @@ class Table:
     labels: Sequence[str]
     rows: list[tuple[Sequence[str], Sequence[float]]]
     bounds: Sequence[float] = ()
+
+    @property
+    def series(self) -> int:
+        """The series it writes: a histogram's rows each have their bounds, +Inf, _count and _sum."""
+        return len(self.rows) * (len(_le_labels(self.bounds)) + 2 if self.kind == "histogram" else 1)
 
     def metric(self) -> Metric:
         metric = _metric(self.name, self.kind, self.help, list(self.labels))
@@ -248,14 +268,26 @@ class ProcessLabels:
             del self._folded[next(iter(self._folded))]
 
 
+def shown_bounds(family: Family, config: Config) -> tuple[float, ...]:
+    """A histogram family's finite `le` bounds on /metrics: the config's `histogram_buckets`, each
+    moved to the nearest edge the agent keeps (its count stays exact), else the family's own."""
+    configured = config.histogram_buckets.get(family.name)
+    if configured is None:
+        return family.buckets
+    return tuple(sorted({nearest_exported(bound) for bound in configured}))
+
+
 class _FamilyView:
     """One Family rendered from one refresh's records, keeping what its counters need across refreshes."""
 
-    def __init__(self, family: Family, processes: ProcessLabels, config: Config) -> None:
-        self.family = family
+    def __init__(self, source: str, family: Family, processes: ProcessLabels, config: Config) -> None:
+        self.source = source
+        self.family: Family = family
         self.totals: Totals[tuple[str, ...]] = Totals(config.idle_series_seconds)
-        self.bounds: list[float] = []  # histogram bucket bounds (fixed per probe)
+        self.bounds = shown_bounds(family, config)  # a histogram's finite `le` bounds
+        self._shown = bucket_indices(self.bounds) if family.buckets else ()
         self.series = family.series(config) if family.series is not None else None
+        self.folding: Folding = Folding()
         self._processes = processes
         self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
 
@@ -266,20 +298,39 @@ class _FamilyView:
         i = self._process_index
         return (*values[:i], self._processes.label(values[i]), *values[i + 1:])
 
-    def render(self, records: list[Any]) -> Table:
+    @property
+    def by_identity(self) -> bool:
+        """Whether the delta engine sums it per label set (counters and histograms; flows choose their
+        own series): only those fold under the series budget, as a sum of gauges would mean nothing."""
+        return self.series is None and (self.family.per_identity or self.family.kind == "histogram")
+
+    @property
+    def series_per_row(self) -> int:
+        return series_of(self.family, self.bounds)
+
+    def rows(self, records: list[Any]) -> list[Row]:
+        """The family's label sets and their values from this refresh's records."""
         family = self.family
         if self.series is not None:
-            sums = self.series(records)
-        elif family.per_identity or family.kind == "histogram":
-            sums = self._per_identity(records)
-        else:
-            sums = self._summed(records)
-        if family.expand:
-            sums = [((*labels, extra), [value]) for labels, values in sums
-                    for (extra, _), value in zip(family.expand, values, strict=True)]
-        return Table(family.name, family.kind, family.help, family.label_names, list(sums), self.bounds)
+            return self.series(records)
+        if not self.by_identity:
+            return self._summed(records)
+        sums = self._per_identity(records)
+        if family.kind == "histogram":  # a label set nothing was observed in shows no histogram
+            return [(labels, values) for labels, values in sums if values[-1]]
+        return sums
 
-    def _summed(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
+    def table(self, rows: list[Row], keep: int | None) -> Table:
+        """The family's table of `rows`, label sets folded as the budget's `keep` says (None: none)."""
+        family = self.family
+        if self.by_identity:
+            rows = self.folding.apply(rows, keep)
+        if family.expand:
+            rows = [((*labels, extra), [value]) for labels, values in rows
+                    for (extra, _), value in zip(family.expand, values, strict=True)]
+        return Table(family.name, family.kind, family.help, family.label_names, list(rows), self.bounds)
+
+    def _summed(self, records: list[Any]) -> list[Row]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""
         sums: dict[tuple[str, ...], list[float]] = {}
         for record in records:
@@ -291,7 +342,7 @@ class _FamilyView:
                 current[i] += value
         return list(sums.items())
 
-    def _per_identity(self, records: list[Any]) -> list[tuple[tuple[str, ...], list[float]]]:
+    def _per_identity(self, records: list[Any]) -> list[Row]:
         """Counters and histograms through the delta engine."""
         self.absorb(records)
         return list(self.totals.sums.items())
@@ -299,15 +350,12 @@ class _FamilyView:
     def absorb(self, records: list[Any]) -> None:
         """Adds the records' increases to the delta engine's totals (counters and histograms; a
         record fed twice adds nothing the second time)."""
-        family = self.family
-        if self.series is not None or not (family.per_identity or family.kind == "histogram"):
+        if not self.by_identity:
             return
         for record in records:
-            values = _values(family, record)
+            values = _values(self.family, record, self._shown)
             if values is None:
                 continue
-            if family.kind == "histogram":
-                self.bounds = [le for le, _ in value_of(record, family.value)]
             self.totals.add(self._label_values(record), record.identity(), values)
         self.totals.end_round()
 
@@ -331,7 +379,9 @@ class AgentCollector(Collector):
         self._text: bytes | None = None  # the families' text, written at the first text() after a render
         self._rendered: Readings | None = None
         self.processes: ProcessLabels = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
-        self._views = [_FamilyView(family, self.processes, config)
+        self.series: dict[str, int] = {}  # series rendered last, by the probe (or part) they come from
+        self._max_series = config.max_series
+        self.views: list[_FamilyView] = [_FamilyView(face.name, family, self.processes, config)
                        for face in faces() for family in face.metrics
                        if family.option is None or family.option(config)]
 
@@ -362,15 +412,28 @@ class AgentCollector(Collector):
         """Adds one refresh's counters to the delta engine, scraped or not (feeding the same
         readings again, as the scrape that renders them does, adds nothing)."""
         with self._lock:
-            for view in self._views:
+            for view in self.views:
                 view.absorb(readings.of(view.family.record))
             self.processes.end_round()
 
     def _render(self, readings: Readings) -> list[Table]:
-        families = [view.render(readings.of(view.family.record)) for view in self._views]
+        rows = [view.rows(readings.of(view.family.record)) for view in self.views]
         self.processes.end_round()
+        keep = self._most_kept(rows)
+        families = [view.table(view_rows, keep) for view, view_rows in zip(self.views, rows, strict=True)]
+        self.series = dict.fromkeys((view.source for view in self.views), 0)
+        for view, table in zip(self.views, families, strict=True):
+            self.series[view.source] += table.series
         families = self._agent_families(AGENT_FAMILIES, readings) + families
         return families + self._agent_families(RULE_FAMILIES, readings)
+
+    def _most_kept(self, rows: list[list[Row]]) -> int | None:
+        """The most label sets a foldable family keeps within `max_series` (None: all of them)."""
+        fixed = sum(view.series_per_row * len(r) for view, r in zip(self.views, rows, strict=True)
+                    if not view.by_identity)
+        return most_kept([(view.folding.unfolded(r), view.series_per_row, view.folding.folds)
+                          for view, r in zip(self.views, rows, strict=True) if view.by_identity],
+                         self._max_series - fixed)
 
     def _agent_families(self, table: Iterable[tuple[AgentFamily, AgentSamples]], readings: Readings) -> list[Table]:
         return [Table(family.name, family.kind, family.help, family.labels,
@@ -388,15 +451,46 @@ def exposition(collector: AgentCollector, *, process_metrics: bool = True) -> Ca
     return lambda: collector.text() + generate_latest(registry)
 
 
+def series_of(family: Family, bounds: Sequence[float]) -> int:
+    """The most series one label set of a family can have (a histogram: its `bounds`, +Inf, _count
+    and _sum)."""
+    if family.kind == "histogram":
+        return len(bounds) + 3
+    return len(family.expand) if family.expand else 1
+
+
+def series_rows() -> list[str]:
+    """docs/metrics.md's series per entry: | source | entry (its record) | families | series |, from
+    the families a record feeds (flows, which choose their own series, apart)."""
+    rows = []
+    for face in faces():
+        by_record: dict[type, list[Family]] = {}
+        for family in face.metrics:
+            if family.option is None and family.series is None:
+                by_record.setdefault(family.record, []).append(family)
+        for record, families in by_record.items():
+            rows.append(f"| `{face.name}` | {_entry(record)} | {len(families)} | "
+                        f"{sum(series_of(family, family.buckets) for family in families)} |")
+    return rows
+
+
+def _entry(record: type) -> str:
+    """What a record is: its docstring's first words (to a period, a colon or a parenthesis), and its name."""
+    words = " ".join((record.__doc__ or "").split())
+    what = re.split(r"\. |:| \(", words)[0].rstrip(".")
+    return f"`{record.__name__}`" if what.startswith(record.__name__) else f"{what} (`{record.__name__}`)"
+
+
 def doc_tables() -> dict[str, list[str]]:
-    """The rows of docs/metrics.md's tables: the main one and the DCGM-compatible one."""
+    """The rows of docs/metrics.md's tables: the main one, the DCGM-compatible one and the series
+    per entry."""
     main = doc_rows("agent", (family for family, _ in AGENT_FAMILIES))
     dcgm: list[str] = []
     for face in faces():
         main += doc_rows(face.name, (f for f in face.metrics if f.option is None))
         dcgm += doc_rows(face.name, (f for f in face.metrics if f.option is not None))
     main += doc_rows("rules", (family for family, _ in RULE_FAMILIES))
-    return {"main": main, "dcgm": dcgm}
+    return {"main": main, "dcgm": dcgm, "series": series_rows()}
 
 
 if __name__ == "__main__":

@@ -37,6 +37,18 @@ def test_values_and_overrides() -> None:
     ({"rules": {"gpu_saturated": {"treshold": 1}}}, "rules.gpu_saturated.treshold"),
     ({"rules": {"gpu_saturated": {"severity": "page"}}}, "rules.gpu_saturated.severity"),
     ({"rules": {"gpu_saturated": {"enabled": "yes"}}}, "rules.gpu_saturated.enabled"),
+    ({"histogram_buckets": [0.1]}, "histogram_buckets"),
+    ({"histogram_buckets": {"aiprobe_tcp_send_bytes_total": [0.1]}}, "histogram_buckets.aiprobe_tcp_send_bytes_total"),
+    ({"histogram_buckets": {"http_server_request_body_size_bytes": [1]}},
+     "histogram_buckets.http_server_request_body_size_bytes"),
+    ({"histogram_buckets": {"http_server_request_duration_seconds": []}},
+     "histogram_buckets.http_server_request_duration_seconds"),
+    ({"histogram_buckets": {"http_server_request_duration_seconds": [0.5, 0.1]}},
+     "histogram_buckets.http_server_request_duration_seconds"),
+    ({"histogram_buckets": {"http_server_request_duration_seconds": [0.0]}},
+     "histogram_buckets.http_server_request_duration_seconds"),
+    ({"histogram_buckets": {"http_server_request_duration_seconds": ["1s"]}},
+     "histogram_buckets.http_server_request_duration_seconds"),
 ])
 def test_bad_keys_and_values_name_the_key(data: dict, names: str) -> None:
     with pytest.raises(ConfigError) as exc:

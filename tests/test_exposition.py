@@ -5,11 +5,15 @@ byte for byte, as generate_latest writes from the same families (Table.metric)."
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from aiprobe.config import from_dict
 from aiprobe.exporters.prometheus import AgentCollector, Table
+from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets, no_observations
 from aiprobe.model import Readings
+from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
+from aiprobe.registry import catalog, faces
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -49,3 +53,33 @@ def test_the_collector_writes_a_reading_once_and_a_new_reading_again() -> None:
     assert collector.text() is first  # a second scrape of the same reading: the same bytes
     readings[0] = Readings()
     assert collector.text() is not first and collector.text() == first
+
+
+def test_histograms_show_their_bucket_set_and_nothing_where_nothing_was_observed() -> None:
+    """19 series for a process's sends (16 bounds, +Inf, _count, _sum), whatever the kernel's 433 slots;
+    the config's bounds in place of them; no unwritable histogram for a process whose sockets never
+    filled, none at all for one that timed nothing."""
+    slots = [0] * hist_slots()
+    slots[100] = 3
+    sent = ProcessSendLatency(1, "sender", 0, 3, 30, 0.1, None, None, exported_buckets(kernel_buckets(slots)))
+    idle = ProcessSendLatency(2, "idle", 0, 0, 0, 0.0, None, None, no_observations(),
+                              unwritable_histogram=no_observations())
+    readings = Readings(records={"sendlat": SendLatencySnapshot("tracepoint", "", [sent, idle])})
+
+    def lines(config: dict[str, Any]) -> list[str]:
+        text = AgentCollector(from_dict(config, catalog()), build_info={}, source=lambda: readings).text().decode()
+        assert 'aiprobe_exported_series{probe="sendlat"}' in text
+        return [line for line in text.splitlines() if line.startswith("aiprobe_tcp_s") and "seconds" in line]
+
+    shown = lines({})
+    collector = AgentCollector(from_dict({}, catalog()), build_info={}, source=lambda: readings)
+    names = tuple(f.name.removesuffix("_total") for face in faces() if face.name == "sendlat" for f in face.metrics)
+    samples = [line for line in collector.text().decode().splitlines() if line.startswith(names)]
+    assert collector.series["sendlat"] == len(samples) > 19
+    assert len(shown) == 19 and all('process="sender"' in line for line in shown)
+    labels = '{container="host",namespace="",pod="",process="sender"}'
+    assert shown[-2:] == [f"aiprobe_tcp_sendmsg_duration_seconds_count{labels} 3.0",
+                          f"aiprobe_tcp_sendmsg_duration_seconds_sum{labels} 0.1"]
+    configured = lines({"histogram_buckets": {"aiprobe_tcp_sendmsg_duration_seconds": [0.001, 1]}})
+    assert [line.split('le="')[1].split('"')[0] for line in configured if "_bucket" in line] == \
+        ["0.001", "1.024", "+Inf"]

@@ -8,8 +8,21 @@ from pathlib import Path
 
 import psutil
 import pytest
-from aiprobe.histogram import buckets_to_json, hist_slots, kernel_buckets, quantile
+from aiprobe.config import from_dict
+from aiprobe.exporters.prometheus import shown_bounds
+from aiprobe.histogram import (
+    EXPORTED_BOUNDS,
+    FAST_BOUNDS,
+    REQUEST_BOUNDS,
+    STREAM_BOUNDS,
+    buckets_to_json,
+    exported_buckets,
+    hist_slots,
+    kernel_buckets,
+    quantile,
+)
 from aiprobe.procfs import StartTimes, start_ticks
+from aiprobe.registry import catalog, faces
 from exported_histograms import check_series
 
 
@@ -26,6 +39,29 @@ def test_quantile_without_observations_or_in_the_open_bucket() -> None:
     assert quantile([], 0.5) is None
     open_ended = kernel_buckets([0] * (hist_slots() - 1) + [4])
     assert quantile(open_ended, 0.5) == 65.536  # the open bucket's lower bound
+
+
+@pytest.mark.parametrize("bounds", [FAST_BOUNDS, REQUEST_BOUNDS, STREAM_BOUNDS])
+def test_a_bucket_set_is_kernel_edges_and_at_most_20_series(bounds: tuple[float, ...]) -> None:
+    assert set(bounds) <= set(EXPORTED_BOUNDS) and list(bounds) == sorted(bounds)
+    assert len(bounds) + 3 <= 20  # the finite bounds, +Inf, _count and _sum
+
+
+def test_every_histogram_of_kernel_slots_has_a_bucket_set() -> None:
+    """What /metrics shows of each family (a histogram of one bucket counts and sums, as sizes do)."""
+    timed = exported_buckets(kernel_buckets([1] * hist_slots()))
+    for family in (f for face in faces() for f in face.metrics if f.kind == "histogram"):
+        assert family.buckets or family.name.endswith("_bytes"), family.name
+    assert len(timed) == len(EXPORTED_BOUNDS) + 1
+
+
+def test_configured_buckets_move_to_the_nearest_kept_edge() -> None:
+    """0.25 s is no kernel edge: 0.256 s is (2^8 ms), so its count is exact; 0.1 s is one (1.5625 * 64 ms)."""
+    config = from_dict({"histogram_buckets": {"http_server_request_duration_seconds": [0.1, 0.25, 0.26, 1]}},
+                       catalog())
+    family = next(f for face in faces() for f in face.metrics if f.name == "http_server_request_duration_seconds")
+    assert shown_bounds(family, config) == (0.1, 0.256, 1.024)
+    assert shown_bounds(family, from_dict({}, catalog())) == REQUEST_BOUNDS
 
 
 def test_documents_write_the_open_bound_as_text() -> None:

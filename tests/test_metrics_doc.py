@@ -46,7 +46,7 @@ def every_kind_of_reading() -> Readings:
         records={
             "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, []),
             "sendlat": SendLatencySnapshot("tracepoint", "", [
-                ProcessSendLatency(1, "x", 0, 1, 5, 0.1, 0.1, 0.1, HISTOGRAM)]),
+                ProcessSendLatency(1, "x", 0, 1, 5, 0.1, 0.1, 0.1, HISTOGRAM, unwritable_histogram=HISTOGRAM)]),
             "cuda": CudaSnapshot([CudaProcess(1, "x", "lib", 1, 1, 1, 0.1, 0.1, HISTOGRAM, 0.1, 0.1, HISTOGRAM, 1,
                                               cold_start=ColdStart(0.1, 0.1, 1, 0.1, 1, 0.1, 0.2))],
                                  "tp_btf", [], [CudaContext(1, "x", "0x1", 0, "0", 1, 0, 1.0, True)],
@@ -69,7 +69,8 @@ def every_kind_of_reading() -> Readings:
 
 def exported() -> dict[str, tuple[str, set[str]]]:
     readings = every_kind_of_reading()
-    collector = AgentCollector(Config().with_settings(NvmlSettings(dcgm_compatible_metrics=True)),
+    # A budget the sample outgrows, so the families of the agent's own folding have samples too.
+    collector = AgentCollector(Config(max_series=100).with_settings(NvmlSettings(dcgm_compatible_metrics=True)),
                                build_info={"version": "0", "kernel": "k", "libbpf": "1.1"}, source=lambda: readings)
     out = {}
     for family in collector.collect():
@@ -110,3 +111,14 @@ def test_names_follow_prometheus_conventions() -> None:
         assert name.startswith(("aiprobe_", "http_server_", "rpc_server_", "http_client_")), name
         assert name.endswith("_total") == (kind == "counter"), name
         assert not re.search(r"_(ms|milliseconds|kb|mb|percent)(_|$)", name), name
+
+
+def test_the_readme_says_what_an_entry_costs_in_series() -> None:
+    """Its figures are the generated table's: a process's sends, a listener, an endpoint, a request key."""
+    readme = " ".join((DOC.parent.parent / "README.md").read_text().split())
+    said = re.search(r"about (\d+) per sending process name, (\d+) per listening port, (\d+) per streaming "
+                     r"endpoint and (\d+) per request", readme)
+    assert said, "README.md: what a node costs in series"
+    series = {re.findall(r"`(\w+)`", row)[-1]: int(row.split("|")[-2]) for row in doc_tables()["series"]}
+    assert [int(n) for n in said.groups()] == \
+        [series[name] for name in ("ProcessSendLatency", "Listener", "StreamEndpoint", "HttpRequests")]

@@ -11,7 +11,6 @@ namespace only: a pod with a network namespace of its own keeps its listeners th
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import socket
 import time
@@ -21,7 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from ... import sockdiag
 from ...btf import kernel_enum_names
-from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile, slot_of_microseconds
+from ...histogram import (
+    FAST_BOUNDS,
+    NS_PER_SECOND,
+    exported_buckets,
+    hist_slots,
+    kernel_buckets,
+    no_observations,
+    quantile,
+    slot_of_microseconds,
+)
 from ...libbpf import BpfError
 from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels
 from ...metrics import PROCESS_LABELS, Family
@@ -227,19 +235,13 @@ def _group_sizes(listeners: list[sockdiag.DiagSocket]) -> dict[tuple[int, str, i
     return sizes
 
 
-@functools.cache
-def _nothing_timed() -> list[tuple[float, int]]:
-    """The histogram of a listener whose hooks timed nothing yet."""
-    return exported_buckets(kernel_buckets([0] * hist_slots()))
-
-
 def _timed(record: Listener, name: str, hist: Any) -> None:
     """A `struct hist` of the listener's entry (None: no entry yet) into its fields `<name>_*`."""
     fine = kernel_buckets(hist.slots[:]) if hist is not None else []
     setattr(record, f"{name}_sum_seconds", hist.sum_ns / NS_PER_SECOND if hist is not None else 0.0)
     setattr(record, f"{name}_p50_seconds", quantile(fine, 0.5))
     setattr(record, f"{name}_p99_seconds", quantile(fine, 0.99))
-    setattr(record, f"{name}_histogram", exported_buckets(fine) if hist is not None else _nothing_timed())
+    setattr(record, f"{name}_histogram", exported_buckets(fine) if hist is not None else no_observations())
 
 
 def _path(record: Listener, quality: PathQuality) -> None:
@@ -407,7 +409,7 @@ SPEC = ProbeSpec(
         _listener("aiprobe_tcp_rtt_seconds", "histogram",
                   "Smoothed RTT (tcp_info tcpi_rtt) of a listener's ESTABLISHED connections, sampled at each agent "
                   "refresh: one observation per connection per refresh (sock_diag).",
-                  "rtt_histogram", sum_field="rtt_sum_seconds", per_identity=True),
+                  "rtt_histogram", sum_field="rtt_sum_seconds", per_identity=True, buckets=FAST_BOUNDS),
         _listener("aiprobe_listen_retransmitted_segments_total", "counter",
                   "Segments a listener's accepted connections retransmitted (tcp_info tcpi_total_retrans, from each "
                   "connection's first refresh on; what one retransmits after its last refresh before it closes is "
@@ -415,11 +417,13 @@ SPEC = ProbeSpec(
                   "retransmitted_segments", per_identity=True),
         _listener("aiprobe_accept_wait_seconds", "histogram",
                   "How long connections waited in the accept queue: handshake complete to accept() returning them.",
-                  "accept_wait_histogram", sum_field="accept_wait_sum_seconds", per_identity=True),
+                  "accept_wait_histogram", sum_field="accept_wait_sum_seconds", per_identity=True,
+                  buckets=FAST_BOUNDS),
         _listener("aiprobe_tcp_handshake_seconds", "histogram",
                   "Server side of TCP handshakes: the first SYN-ACK sent to the handshake complete (the client's "
                   "ACK, or with TCP_DEFER_ACCEPT its first data); connections from SYN cookies left out.",
-                  "handshake_histogram", sum_field="handshake_sum_seconds", per_identity=True),
+                  "handshake_histogram", sum_field="handshake_sum_seconds", per_identity=True,
+                  buckets=FAST_BOUNDS),
         Family("aiprobe_reuseport_imbalance_ratio", "gauge",
                "Listeners sharing an address and port (SO_REUSEPORT): the busiest socket's share of the connections "
                "accepted in the last 10 s over the mean share (1: even); absent without accepts.",

@@ -46,7 +46,7 @@ from typing import Any
 from ... import elf
 from ...btf import decode
 from ...budget import CpuBudget
-from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from ...histogram import FAST_BOUNDS, NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
 from ...libbpf import BpfError
 from ...loader import BpfObject, Link, Map, Program, Strategy
 from ...metrics import PROCESS_LABELS, Family
@@ -234,7 +234,7 @@ SPEC = ProbeSpec(
                "libcuda's).", CudaProcess, "runtime_launches", PROCESS_LABELS, per_identity=True),
         Family("aiprobe_cuda_sync_duration_seconds", "histogram",
                "Duration of synchronize calls (stream, context/device, event).", CudaProcess, "sync_histogram",
-               PROCESS_LABELS, sum_field="sync_seconds_sum", per_identity=True),
+               PROCESS_LABELS, sum_field="sync_seconds_sum", per_identity=True, buckets=FAST_BOUNDS),
         Family("aiprobe_cuda_syncs_total", "counter", "Synchronize calls by kind.", CudaProcess,
                labels=PROCESS_LABELS, per_identity=True, expand_label="kind", expand=_syncs("s")),
         Family("aiprobe_cuda_sync_seconds_total", "counter", "Time in synchronize calls by kind.", CudaProcess,

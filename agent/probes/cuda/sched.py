@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ...histogram import FAST_BOUNDS
 from ...libbpf import BpfError
 from ...loader import BpfObject, Link, Strategy
 from ...metrics import PROCESS_LABELS, Family
@@ -136,7 +137,8 @@ PART = Part(
     metrics=(
         Family("aiprobe_gpu_thread_runqueue_delay_seconds", "histogram",
                "Time GPU-driving threads waited runnable for a CPU (wakeup to on-CPU).", CudaProcess,
-               "runqueue_histogram", PROCESS_LABELS, sum_field="runqueue_delay_seconds_sum", per_identity=True),
+               "runqueue_histogram", PROCESS_LABELS, sum_field="runqueue_delay_seconds_sum", per_identity=True,
+               buckets=FAST_BOUNDS),
         Family("aiprobe_gpu_thread_involuntary_preemptions_total", "counter",
                "Times a GPU-driving thread was preempted while runnable.", CudaProcess, "involuntary_preemptions",
                PROCESS_LABELS, per_identity=True),

@@ -10,7 +10,6 @@ turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` pri
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import socket
 import time
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ... import btf, libbpf
 from ...budget import CpuBudget
 from ...features import helper_available, sk_storage_in_tracing
-from ...histogram import NS_PER_SECOND, exported_buckets, hist_slots, kernel_buckets, quantile
+from ...histogram import FAST_BOUNDS, NS_PER_SECOND, exported_buckets, kernel_buckets, no_observations, quantile
 from ...loader import (
     BpfObject,
     Lazy,
@@ -79,12 +78,6 @@ def _error_label(name: str) -> str:
 
 # Failed sends by error, as enum send_error (bpf/sendlat.h) names them.
 SEND_ERRORS = enum_labels(OBJECT, "send_error", "SEND_ERROR_", _error_label)
-
-
-@functools.cache
-def _no_waits() -> list[tuple[float, int]]:
-    """The unwritable histogram of a process whose sockets never filled."""
-    return exported_buckets(kernel_buckets([0] * hist_slots()))
 
 
 def threads_by_tid() -> bool:
@@ -177,7 +170,7 @@ SPEC = ProbeSpec(
         Family("aiprobe_tcp_sendmsg_duration_seconds", "histogram",
                "Duration of successful TCP sends (log-linear buckets; 1 in aiprobe_tcp_send_timing_sample_every "
                "timed).", ProcessSendLatency, "histogram", PROCESS_LABELS, sum_field="sum_seconds",
-               per_identity=True),
+               per_identity=True, buckets=FAST_BOUNDS),
         Family("aiprobe_tcp_sends_timed_total", "counter",
                "Successful TCP sends that were timed (all, or 1 in aiprobe_tcp_send_timing_sample_every per "
                "thread while the CPU budget is exceeded).", ProcessSendLatency, "timed", PROCESS_LABELS,
@@ -192,7 +185,8 @@ SPEC = ProbeSpec(
         Family("aiprobe_tcp_socket_unwritable_seconds", "histogram",
                "How long sockets stayed unwritable: from a send that found the buffer full (EAGAIN, or a short "
                "non-blocking send) to the next successful send on the socket.", ProcessSendLatency,
-               "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True),
+               "unwritable_histogram", PROCESS_LABELS, sum_field="unwritable_sum_seconds", per_identity=True,
+               buckets=FAST_BOUNDS),
     ),
     hooks=SendLatencyHooks(),
     process_columns=PROCESS_COLUMNS,
@@ -260,7 +254,7 @@ def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> Proce
         unwritable_count=waits.count if waits is not None else 0,
         unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
         unwritable_p99_seconds=quantile(waited, 0.99),
-        unwritable_histogram=exported_buckets(waited) if waits is not None else _no_waits(),
+        unwritable_histogram=exported_buckets(waited) if waits is not None else no_observations(),
     )
 
 

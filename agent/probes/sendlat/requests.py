@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, exported_buckets, kernel_buckets, quantile
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -215,6 +215,7 @@ PART = Part(
         Family("http_server_request_duration_seconds", "histogram",
                "Duration of HTTP requests served: the request's last read to the response's last write.",
                HttpRequests, "duration_histogram", HTTP_LABELS, sum_field="duration_sum_seconds", per_identity=True,
+               buckets=REQUEST_BOUNDS,
                doc_note="http_response_status_code is empty where the status was not readable (docs/requests.md)."),
         Family("http_server_request_body_size_bytes", "histogram",
                "Bytes read for HTTP requests served, headers included (count and sum only).", HttpRequests,
@@ -225,16 +226,17 @@ PART = Part(
         Family("rpc_server_duration_seconds", "histogram",
                "Duration of gRPC calls served: the request's last frame to the response's last write.",
                RpcRequests, "duration_histogram", RPC_LABELS, sum_field="duration_sum_seconds", per_identity=True,
+               buckets=REQUEST_BOUNDS,
                doc_note="rpc_grpc_status_code is empty where the trailers' grpc-status was not readable "
                         "(docs/requests.md)."),
         Family("http_client_request_duration_seconds", "histogram",
                "Duration of HTTP/1.x requests sent on connections the host opened: the request's first send to "
                "the response's last read.", ClientRequests, "duration_histogram", CLIENT_LABELS,
-               sum_field="duration_sum_seconds", per_identity=True),
+               sum_field="duration_sum_seconds", per_identity=True, buckets=REQUEST_BOUNDS),
         Family("aiprobe_http_client_time_to_first_byte_seconds", "histogram",
                "Time to first byte of HTTP/1.x requests sent: the request's first send to the response's first "
                "read.", ClientRequests, "ttfb_histogram", CLIENT_LABELS, sum_field="ttfb_sum_seconds",
-               per_identity=True,
+               per_identity=True, buckets=REQUEST_BOUNDS,
                doc_note="OpenTelemetry has no client time to first byte: aiprobe's own name (docs/requests.md)."),
     ),
     hooks=RequestsHooks(),

@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from ... import btf
-from ...histogram import NS_PER_SECOND, exported_buckets, kernel_buckets, quantile
+from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, STREAM_BOUNDS, exported_buckets, kernel_buckets, quantile
 from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy, enum_labels
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
@@ -254,12 +254,15 @@ PART = Part(
                "bytes", STREAM_LABELS, per_identity=True),
         Family("aiprobe_stream_ttfb_seconds", "histogram",
                "Time to first byte: request received to the response's first body write.", StreamEndpoint,
-               "ttfb_histogram", STREAM_LABELS, sum_field="ttfb_sum_seconds", per_identity=True),
+               "ttfb_histogram", STREAM_LABELS, sum_field="ttfb_sum_seconds", per_identity=True,
+               buckets=REQUEST_BOUNDS),
         Family("aiprobe_stream_chunk_gap_seconds", "histogram", "Time between successive writes of a response.",
-               StreamEndpoint, "gap_histogram", STREAM_LABELS, sum_field="gap_sum_seconds", per_identity=True),
+               StreamEndpoint, "gap_histogram", STREAM_LABELS, sum_field="gap_sum_seconds", per_identity=True,
+               buckets=REQUEST_BOUNDS),
         Family("aiprobe_stream_duration_seconds", "histogram",
                "Request received to the last write, of responses that ended.", StreamEndpoint,
-               "duration_histogram", STREAM_LABELS, sum_field="duration_sum_seconds", per_identity=True),
+               "duration_histogram", STREAM_LABELS, sum_field="duration_sum_seconds", per_identity=True,
+               buckets=STREAM_BOUNDS),
         Family("aiprobe_stream_durations_unknown_total", "counter",
                "Responses that ended with a last write before their request (a read and a write racing on "
                "the connection): not in aiprobe_stream_duration_seconds.", StreamEndpoint, "durations_unknown",
@@ -273,7 +276,7 @@ PART = Part(
                "Server-side TLS handshakes: the read of the client's ClientHello to the read of its Finished, "
                "by the version the ServerHello chose.", TlsHandshakes, "histogram",
                (("port", "port"), ("tls_version", "tls_version"), *PROCESS_LABELS), sum_field="sum_seconds",
-               per_identity=True),
+               per_identity=True, buckets=REQUEST_BOUNDS),
     ),
     hooks=StreamsHooks(),
     views=(STREAMS_VIEW,),
