@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -72,7 +71,7 @@ def note_progress(event: str) -> None:
 @pytest.fixture
 def veth() -> Iterator[VethPair]:
     """A fresh veth pair into a fresh network namespace, removed even when the test fails."""
-    pair = make_veth_pair(secrets.randbelow(250))
+    pair = make_veth_pair()
     try:
         yield pair
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import secrets
@@ -130,10 +131,17 @@ class VethPair:
         return subprocess.Popen(self.ns_cmd([sys.executable, "-c", code]), **kwargs)  # type: ignore[call-overload]
 
 
-def make_veth_pair(index: int = 0) -> VethPair:
+# Subnets in turn from a random start, not at random: a namespace's deletion ends in the background, so
+# its host end and route can outlive `ip netns del`, and the next pair on the same subnet sent its
+# connections there (refused; the host's selection beside three booting guests, once).
+_SUBNETS = itertools.count(secrets.randbelow(250))
+
+
+def make_veth_pair(index: int | None = None) -> VethPair:
+    """A veth pair into a namespace of its own, on subnet 198.18.(1 + index % 250) (None: the next in turn)."""
     ns = unique("aipt-ns-")
     host, peer = unique("aipt"), unique("aipp")
-    subnet = 1 + index % 250
+    subnet = 1 + (next(_SUBNETS) if index is None else index) % 250
     pair = VethPair(
         ns, host, peer,
         f"198.18.{subnet}.1", f"198.18.{subnet}.2",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ def checked_then_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Check
     report, marker = checked(workdir)
     planned = {name: plan["strategy"] or "none" for name, plan in report["probes"].items()}
     running: dict[str, str] = {}
-    veth = make_veth_pair(secrets.randbelow(250))
+    veth = make_veth_pair()
     try:
         with Agent(workdir, f'interfaces = ["{veth.host}"]\nexclude = []\n') as agent:
             def every_probe_exported() -> bool:

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import secrets
 import subprocess
 import sys
 import threading
@@ -231,7 +230,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, cbuild: CBuild) -> Iter
     workdir = tmp_path_factory.mktemp("dashboards")
     driver = gpu_fixtures(cbuild)  # GPU and CUDA panels: the fake NVML and CUDA driver (tests/fixtures/)
     env = {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_CUDA_SYNC_US": "2000"}
-    veth = make_veth_pair(secrets.randbelow(250))
+    veth = make_veth_pair()
     sink = tcp_sink(veth, 9000)
     stop = threading.Event()
     logs = workdir / "kubelet"
