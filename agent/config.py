@@ -275,7 +275,7 @@ def _validate_buckets(table: Any, catalog: Catalog) -> dict[str, tuple[float, ..
             raise ConfigError(f"{key}: not a histogram with buckets (those: {', '.join(catalog.histograms)})")
         if not isinstance(bounds, list) or not 0 < len(bounds) <= MAX_BUCKETS:
             raise ConfigError(f"{key}: expected a list of 1 to {MAX_BUCKETS} bounds in seconds, got {bounds!r}")
-        checked = tuple(float(_check_number(key, bound, 0.0, BUCKET_LIMITS)) for bound in bounds)
+        checked = tuple(_check_number(key, bound, 0.0, BUCKET_LIMITS) for bound in bounds)
         if list(checked) != sorted(set(checked)):
             raise ConfigError(f"{key}: expected ascending bounds, got {bounds!r}")
         buckets[name] = checked

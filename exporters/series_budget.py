@@ -45,6 +45,11 @@ class Folding:
         self._width = 0  # labels per label set
         self.folded_total = 0  # label sets folded since start
 
+    def _own(self, rows: list[Row]) -> list[Row]:
+        """`rows` less the folded (all of them, as they are, where nothing is: every scrape's case
+        under the budget)."""
+        return [row for row in rows if row[0] not in self.members] if self.members else rows
+
     @property
     def folds(self) -> bool:
         """Whether it shows an `other` row."""
@@ -52,13 +57,13 @@ class Folding:
 
     def unfolded(self, rows: list[Row]) -> int:
         """How many of `rows` are not folded (and so count against the budget)."""
-        return sum(1 for labels, _ in rows if labels not in self.members)
+        return len(self._own(rows))
 
     def apply(self, rows: list[Row], keep: int | None) -> list[Row]:
         """`rows` with the members' and, where more than `keep` remain, the least active ones folded
         into one `other` row. Activity: the growth of the sum of a row's values (a histogram's counts,
         a counter) since the budget last bound (nothing is kept while it does not)."""
-        own = [row for row in rows if row[0] not in self.members]
+        own = self._own(rows)
         if keep is not None and len(own) > keep:
             totals = {labels: sum(values) for labels, values in own}
             growth = {labels: total - self._last_totals.get(labels, 0.0) for labels, total in totals.items()}
