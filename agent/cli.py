@@ -107,12 +107,14 @@ def require_privileges() -> None:
         raise AiprobeError(str(exc)) from None
 
 
-def ticks(duration: float | None, interval: float) -> Iterator[float]:
-    """Yield once per interval until `duration` passes or Ctrl-C / SIGTERM; yields elapsed seconds."""
+def ticks(duration: float | None, interval: float | Callable[[], float]) -> Iterator[float]:
+    """Yield once per interval (a number, or what the callable says before each wait) until `duration`
+    passes or Ctrl-C / SIGTERM; yields elapsed seconds."""
     start = time.monotonic()
     deadline = None if duration is None else start + duration
     while True:
-        wait = interval if deadline is None else min(interval, deadline - time.monotonic())
+        pause = interval() if callable(interval) else interval
+        wait = pause if deadline is None else min(pause, deadline - time.monotonic())
         if _stop.wait(max(wait, 0)):
             return
         yield time.monotonic() - start

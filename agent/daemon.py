@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .budget import RefreshPacer
 from .config import Config, RuleConfig
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
 from .deltas import Rates, Trend, Window
@@ -62,6 +63,7 @@ class Agent:
         self._kubelet = KubeletLogs(Path(config.pod_logs), Path(config.container_logs))
         self._sockets = SocketOwners()
         self._rules = RuleEngine(rules(), config.rules)
+        self.pacer = RefreshPacer(config.interval_seconds, config.refresh_budget)  # where a loop paces refresh()
         self._rates = Rates()
         self._windows = Window(SIGNAL_WINDOW_SECONDS)
         self._trends = Trend(SIGNAL_WINDOW_SECONDS)
@@ -133,7 +135,7 @@ class Agent:
     @property
     def healthy(self) -> bool:
         """A snapshot, refreshed lately, and no part of the agent down for longer than a few refreshes."""
-        grace = max(HEALTH_GRACE_REFRESHES * self.config.interval_seconds, MIN_HEALTH_GRACE_SECONDS)
+        grace = max(HEALTH_GRACE_REFRESHES * self.pacer.longest, MIN_HEALTH_GRACE_SECONDS)
         fresh = self._refreshed_at is not None and time.monotonic() - self._refreshed_at <= grace
         return self._snapshot is not None and fresh and not SUPERVISOR.down(longer_than=grace)
 
@@ -291,7 +293,7 @@ class Agent:
         for spec, reading in self._hooked(readings):
             sections.update(spec.hooks.snapshot(reading))
         return Snapshot(
-            host=HostInfo(self.hostname, kernel_release(), __version__, now, self.config.interval_seconds),
+            host=HostInfo(self.hostname, kernel_release(), __version__, now, self.pacer.wait),
             probes=readings.probes, processes=self._processes(readings),
             # copies: the engine changes its alerts in place, and the document may be made after the next refresh
             alerts=[dataclasses.replace(a) for a in self._rules.active + self._rules.resolved], sections=sections,

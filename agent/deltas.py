@@ -16,6 +16,7 @@ that vanishes (exit, eviction) is forgotten at the end of the round in which it 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -45,6 +46,14 @@ class Deltas:
         self._last[source] = values
         return added
 
+    def unchanged(self, source: Hashable, values: Values) -> bool:
+        """Whether the source's values are those of the previous round, in which case it counts as
+        seen and adds nothing: one comparison, where most sources of a large table did nothing."""
+        if self._last.get(source) != values:
+            return False
+        self._seen.add(source)
+        return True
+
     def end_round(self) -> None:
         """Forget sources not seen since the previous call (a returning key then counts afresh)."""
         self._last = {k: v for k, v in self._last.items() if k in self._seen}
@@ -68,16 +77,16 @@ class Totals(Generic[Labels]):
         self._seen: set[Labels] = set()
         self._seen_at: dict[Labels, float] = {}
 
-    def add(self, labels: Labels, source: Hashable, values: Values) -> list[float]:
-        """Add the source's increase to its label set; returns the increase."""
+    def add(self, labels: Labels, source: Hashable, values: Values) -> None:
+        """Add the source's increase to its label set."""
         self._seen.add(labels)
-        added = self.deltas.increase(source, values)
         current = self.sums.get(labels)
-        if current is None or len(current) != len(added):  # a new label set, or a new layout: start over
-            current = self.sums[labels] = [0.0] * len(added)
-        for i, value in enumerate(added):
+        if current is None or len(current) != len(values):  # a new label set, or a new layout: start over
+            current = self.sums[labels] = [0.0] * len(values)
+        if self.deltas.unchanged(source, values):
+            return
+        for i, value in enumerate(self.deltas.increase(source, values)):
             current[i] += value
-        return added
 
     def end_round(self) -> None:
         self.deltas.end_round()
@@ -111,22 +120,45 @@ class Rates:
         self._times = {k: v for k, v in self._times.items() if self._deltas.known(k)}
 
 
+def _restarted(values: Values, last: Values) -> bool:
+    return len(values) != len(last) or any(map(operator.lt, values, last))
+
+
+class _Since:
+    """One source's cumulative values of the rounds in a window, and those of the round before them
+    (its baseline: zeros for a source first seen in the window)."""
+
+    __slots__ = ("baseline", "rounds")
+
+    def __init__(self, width: int) -> None:
+        self.baseline: Values = [0.0] * width
+        self.rounds: deque[tuple[float, Values]] = deque()
+
+
 class Window:
-    """Per source, the sum of its increases over the last `seconds` (its first values count as recent)."""
+    """Per source, the sum of its increases over the last `seconds` (its first values count as recent;
+    a decrease is a restart, whose window starts afresh): its values less those of the round before
+    the window, one subtraction per value however many rounds the window holds."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._deltas = Deltas()
-        self._history: dict[Hashable, deque[tuple[float, list[float]]]] = {}
+        self._sources: dict[Hashable, _Since] = {}
+        self._seen: set[Hashable] = set()
 
     def recent(self, source: Hashable, values: Values, now: float) -> list[float]:
-        added = self._deltas.increase(source, values)
-        history = _kept(self._history.setdefault(source, deque()), now, added, self.seconds)
-        return _sums([values for _, values in history], len(added))
+        self._seen.add(source)
+        since = self._sources.get(source)
+        if since is None or _restarted(values, since.rounds[-1][1]):
+            since = self._sources[source] = _Since(len(values))
+        since.rounds.append((now, values))
+        while now - since.rounds[0][0] >= self.seconds:
+            since.baseline = since.rounds.popleft()[1]
+        return list(map(operator.sub, values, since.baseline))
 
     def end_round(self) -> None:
-        self._deltas.end_round()
-        self._history = {k: v for k, v in self._history.items() if self._deltas.known(k)}
+        """Forget sources not seen this round."""
+        self._sources = {k: v for k, v in self._sources.items() if k in self._seen}
+        self._seen = set()
 
 
 History = deque[tuple[float, list[float]]]

@@ -8,8 +8,8 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 from .loader import object_btf
 
@@ -96,22 +96,59 @@ def _slot_by_upper(slots: int) -> dict[int, int]:
     return {_slot_upper_units(i): i for i in range(slots - 1)}
 
 
-def kernel_buckets(slots: Sequence[int]) -> list[tuple[float, int]]:
+class KernelBuckets(Sequence[tuple[float, int]]):
     """Cumulative (le_seconds, count) of every slot of a `struct hist`, the last one +Inf: full
-    resolution, for quantiles. (Also takes a prefix of the slots, as tests write them.)"""
-    return list(zip(_upper_bounds(len(slots)), itertools.accumulate(slots), strict=True))
+    resolution, for quantiles. A view over the cumulative counts: a bucket's tuple is made when
+    asked for, as a quantile's bisection or exported_buckets() asks for a few dozen of the 433
+    (every histogram of every entry, each refresh)."""
+
+    __slots__ = ("_bounds", "counts")
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+        self._bounds = _upper_bounds(len(counts))
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[float, int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[float, int]]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[float, int] | list[tuple[float, int]]:
+        if isinstance(index, slice):
+            return list(zip(self._bounds[index], self.counts[index], strict=True))
+        return self._bounds[index], self.counts[index]
+
+    def __iter__(self) -> Iterator[tuple[float, int]]:
+        return zip(self._bounds, self.counts, strict=True)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # as a list's: it compares by its buckets
 
 
-def exported_buckets(fine: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
+def kernel_buckets(slots: Sequence[int]) -> KernelBuckets:
+    """The cumulative buckets of a `struct hist`'s slots (also of a prefix of them, as tests write them)."""
+    return KernelBuckets(list(itertools.accumulate(slots)))
+
+
+def exported_buckets(fine: KernelBuckets) -> list[tuple[float, int]]:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
     exact counts, since each bound is a kernel edge."""
-    return [*_exported_slots(len(fine))(fine), (math.inf, fine[-1][1])]
+    counts = fine.counts
+    if not counts[-1]:  # nothing observed: one list serves them all (gaps of one-chunk streams, handshakes)
+        return no_observations()
+    return [*zip(EXPORTED_BOUNDS, _exported_slots(len(counts))(counts), strict=True), (math.inf, counts[-1])]
 
 
 @functools.cache
 def _exported_slots(slots: int) -> operator.itemgetter[Any]:
-    """Picks the buckets of EXPORTED_BOUNDS out of `slots` kernel buckets, in one call: their bounds
-    are those slots' upper bounds, the same floats (five histograms per endpoint and refresh)."""
+    """Picks the counts of EXPORTED_BOUNDS out of `slots` kernel slots' counts, in one call: those
+    bounds are those slots' upper bounds, the same floats (five histograms per endpoint and refresh)."""
     slot_by_upper = _slot_by_upper(slots)
     return operator.itemgetter(*(slot_by_upper[units] for units in _EXPORTED_UNITS))
 
@@ -119,7 +156,7 @@ def _exported_slots(slots: int) -> operator.itemgetter[Any]:
 @functools.cache
 def no_observations() -> list[tuple[float, int]]:
     """exported_buckets() of a histogram that holds nothing yet (a listener nothing reached)."""
-    return exported_buckets(kernel_buckets([0] * hist_slots()))
+    return [(bound, 0) for bound in (*EXPORTED_BOUNDS, math.inf)]
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:
@@ -130,12 +167,13 @@ def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:
 def quantile(buckets: Buckets, q: float) -> float | None:
     """The q-quantile, interpolated linearly inside its bucket as Prometheus' histogram_quantile
     does (the first bucket starts at 0). None without observations. The bucket is found by
-    bisection: a kernel histogram has 433 (four per endpoint and refresh)."""
-    total = buckets[-1][1] if buckets else 0
+    bisection over the counts: a kernel histogram has 433 (four per endpoint and refresh)."""
+    counts = buckets.counts if isinstance(buckets, KernelBuckets) else [count for _, count in buckets]
+    total = counts[-1] if counts else 0
     if total <= 0:
         return None
     rank = q * total
-    index = min(bisect.bisect_left(buckets, rank, key=_count), len(buckets) - 1)
+    index = min(bisect.bisect_left(counts, rank), len(counts) - 1)
     le, count = buckets[index]
     previous_le, previous_count = buckets[index - 1] if index else (0.0, 0.0)
     if math.isinf(le):
@@ -143,7 +181,3 @@ def quantile(buckets: Buckets, q: float) -> float | None:
     in_bucket = count - previous_count
     fraction = (rank - previous_count) / in_bucket if in_bucket else 1.0
     return previous_le + (le - previous_le) * fraction
-
-
-def _count(bucket: tuple[float, float]) -> float:
-    return bucket[1]

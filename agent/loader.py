@@ -99,6 +99,9 @@ class Lazy(Sequence[Item]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __iter__(self) -> Iterator[Item]:  # the tuple's own, not an index at a time (once per entry read)
+        return iter(self._items)
+
 
 def enum_labels(obj: str, enum: str, prefix: str, label: Callable[[str], str] = str.lower) -> Lazy[str]:
     """Label values named by C enum `enum` of object `obj`, in value order: each enumerator without

@@ -119,7 +119,7 @@ class HostInfo(Record):
     kernel: str
     version: str
     time: float
-    interval_seconds: float
+    interval_seconds: float  # the wait before this refresh: interval_seconds, or longer where refreshes are paced
 
 
 @dataclass

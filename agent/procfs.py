@@ -34,16 +34,24 @@ class StartTimes:
         self._proc = proc
         self._known: dict[int, int] = {}
         self._read_this_round: set[int] = set()
+        self._gone: set[int] = set()  # this round's pids whose stat could not be read
 
     def of(self, pid: int) -> int:
         if pid not in self._read_this_round:
             self._read_this_round.add(pid)
             start = start_ticks(pid, self._proc)
-            if start is not None:
+            if start is None:
+                self._gone.add(pid)
+            else:
                 self._known[pid] = start
         return self._known.get(pid, 0)
+
+    def gone(self, pid: int) -> bool:
+        """Whether `pid` had exited when of() read it this round (its last counts are then final)."""
+        return pid in self._gone
 
     def keep_only(self, pids: set[int]) -> None:
         """Ends the round: forgets the pids not in `pids`."""
         self._known = {pid: start for pid, start in self._known.items() if pid in pids}
         self._read_this_round.clear()
+        self._gone.clear()

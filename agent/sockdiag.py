@@ -171,20 +171,21 @@ def socket_inode(link: str) -> int | None:
 
 def owners(inodes: set[int], proc: Path = Path("/proc")) -> dict[int, int]:
     """inode -> the lowest pid holding that socket (a pre-forking server's parent), for those found.
-    Processes are read in pid order and the scan stops once every inode has its owner."""
+    Processes are read in pid order and the scan stops once every inode has its owner. Paths are
+    strings: a scan reads a link per descriptor of every process (~0.5 ms per 1,000)."""
     found: dict[int, int] = {}
     with contextlib.suppress(OSError):
         pids = sorted(int(name) for name in os.listdir(proc) if name.isdigit())
         for pid in pids:
             if len(found) == len(inodes):
                 break
-            for inode in _held(proc / str(pid) / "fd"):
+            for inode in _held(f"{proc}/{pid}/fd"):
                 if inode in inodes:
                     found.setdefault(inode, pid)
     return found
 
 
-def _held(fd_dir: Path) -> Iterator[int]:
+def _held(fd_dir: str) -> Iterator[int]:
     """The socket inodes one process holds; nothing when it is gone or hidden from us."""
     try:
         names = os.listdir(fd_dir)
@@ -192,6 +193,6 @@ def _held(fd_dir: Path) -> Iterator[int]:
         return
     for name in names:
         with contextlib.suppress(OSError):
-            inode = socket_inode(os.readlink(fd_dir / name))
+            inode = socket_inode(os.readlink(f"{fd_dir}/{name}"))
             if inode is not None:
                 yield inode

@@ -76,7 +76,11 @@ class Agent(Server):
         port = free_port()
         self.config_path = workdir / f"aiprobe-{port}.toml"
         self.alert_log = Path(alert_log or workdir / f"alerts-{port}.jsonl")
-        self.config_path.write_text(f'listen = "{listen_host}:{port}"\nalert_log = "{self.alert_log}"\n' + config)
+        # Refreshes every interval, as the tests' waits assume, unless the test paces them itself: a
+        # guest's emulated CPU would otherwise pace them to MAX_PACED_SECONDS (test_agent tests pacing).
+        pacing = "" if "refresh_budget" in config else "refresh_budget = 0\n"
+        self.config_path.write_text(f'listen = "{listen_host}:{port}"\nalert_log = "{self.alert_log}"\n{pacing}'
+                                    + config)
         self.target = f"127.0.0.1:{port}"
         super().__init__([*prefix, AIPROBE, "agent", "--config", str(self.config_path), *args],
                          f"{'https' if https else 'http'}://{self.target}", "/healthz",
@@ -96,10 +100,10 @@ class Agent(Server):
 class Prometheus(Server):
     def __init__(self, workdir: Path, targets: list[str], rule_files: list[Path] = (),
                  target_labels: dict[str, str] | None = None, relabel_configs: list[dict] = (),
-                 scrape_options: dict[str, Any] | None = None) -> None:
+                 scrape_options: dict[str, Any] | None = None, flags: Sequence[str] = ()) -> None:
         """`target_labels` and `relabel_configs` stand in for what service discovery and its
         relabeling (e.g. a ServiceMonitor's) give a target; `scrape_options` adds scrape config keys
-        (scheme, tls_config, basic_auth)."""
+        (scheme, tls_config, basic_auth); `flags`, command-line flags (--enable-feature=...)."""
         port = free_port()
         config = workdir / "prometheus.yml"
         config.write_text(json.dumps({
@@ -111,7 +115,7 @@ class Prometheus(Server):
         }))
         super().__init__(
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
+             f"--web.listen-address=127.0.0.1:{port}", *flags],
             f"http://127.0.0.1:{port}", "/-/ready", workdir / "prometheus.log")
 
     def query(self, promql: str) -> list[dict[str, Any]]:

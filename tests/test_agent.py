@@ -9,10 +9,13 @@ import signal
 import socket
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from aiprobe import __version__
+from aiprobe.budget import MAX_PACED_SECONDS
+from aiprobe.refresh import SIGNAL_WINDOW_SECONDS
 from exported_histograms import assert_exposition_consistent
 from helpers import VethPair, programs_on, wait_until
 from servers import Agent, Alertmanager, Prometheus, http_get
@@ -185,6 +188,36 @@ def test_bottleneck_reaches_alertmanager_with_evidence_and_resolves(tmp_path: Pa
             states = [json.loads(line)["state"] for line in agent.alert_log.read_text().splitlines()
                       if json.loads(line)["evidence"].get("pid") == sender.pid]
             assert states == ["pending", "firing", "resolved"], states
+
+
+def test_paced_refreshes_keep_the_rules_window(tmp_path: Path, veth: VethPair) -> None:
+    """Refreshes paced to their longest (a refresh_budget no refresh fits: MAX_PACED_SECONDS apart):
+    a send stall still turns the rule pending at the first refresh after it, and the rule resolves once
+    the rules' window has passed the stall, never sooner and at most one paced wait later. Times are
+    the agent's own (its alert log's), against the sender's return."""
+    config = agent_config(veth, "refresh_budget = 0.000001\n" + STALL_RULES)
+    with Agent(tmp_path, config) as agent:
+        assert wait_until(lambda: agent.snapshot()["host"]["interval_seconds"] == MAX_PACED_SECONDS, timeout=30)
+        sender = blocked_sender(stall=0.6)
+        sent = time.time()
+        try:
+            assert wait_until(lambda: "resolved" in _stall_states(agent, sender.pid), timeout=60, interval=0.5)
+        finally:
+            sender.kill()
+        at = {state: datetime.fromisoformat(time_text).timestamp()
+              for state, time_text in _stall_states(agent, sender.pid).items()}
+    assert list(at) == ["pending", "firing", "resolved"], at
+    slack = 5.0  # a refresh's own duration and the loop's wake-up on a busy machine
+    assert at["pending"] - sent <= MAX_PACED_SECONDS + slack, at
+    assert SIGNAL_WINDOW_SECONDS <= at["resolved"] - at["pending"] <= SIGNAL_WINDOW_SECONDS + MAX_PACED_SECONDS + slack
+
+
+def _stall_states(agent: Agent, pid: int) -> dict[str, str]:
+    """The network_send_stall transitions of `pid` in the alert log: state -> its time, in order."""
+    events = [json.loads(line) for line in agent.alert_log.read_text().splitlines()] if agent.alert_log.exists() \
+        else []
+    return {e["state"]: e["time"] for e in events
+            if e["rule"] == "network_send_stall" and e["evidence"].get("pid") == pid}
 
 
 def test_transition_made_while_alertmanager_is_down_still_arrives(tmp_path: Path, veth: VethPair) -> None:

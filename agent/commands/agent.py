@@ -70,7 +70,7 @@ def _raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[float]]) -> None:
+def run_agent(config: Config, ticks: Callable[[float | None, Callable[[], float]], Iterator[float]]) -> None:
     from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
     from aiprobe.exporters.http import AgentHTTPServer
     from aiprobe.exporters.prometheus import AgentCollector, exposition
@@ -106,9 +106,10 @@ def run_agent(config: Config, ticks: Callable[[float | None, float], Iterator[fl
         server.start()
         log.info("serving %s://%s/metrics (pid %d)", "https" if server.tls else "http",
                  endpoint(config.listen_address[0], server.port), os.getpid())
-        for _ in ticks(None, config.interval_seconds):
-            agent.refresh()
-            collector.absorb(agent.readings)
+        for _ in ticks(None, lambda: agent.pacer.wait):
+            with agent.pacer.timed():
+                agent.refresh()
+                collector.absorb(agent.readings)
             if pusher is not None:
                 pusher.update(agent.alerts, changed=False)  # keeps resends current
     finally:

@@ -237,11 +237,14 @@ def _group_sizes(listeners: list[sockdiag.DiagSocket]) -> dict[tuple[int, str, i
 
 def _timed(record: Listener, name: str, hist: Any) -> None:
     """A `struct hist` of the listener's entry (None: no entry yet) into its fields `<name>_*`."""
-    fine = kernel_buckets(hist.slots[:]) if hist is not None else []
-    setattr(record, f"{name}_sum_seconds", hist.sum_ns / NS_PER_SECOND if hist is not None else 0.0)
+    if hist is None:
+        setattr(record, f"{name}_histogram", no_observations())
+        return
+    fine = kernel_buckets(hist.slots[:])
+    setattr(record, f"{name}_sum_seconds", hist.sum_ns / NS_PER_SECOND)
     setattr(record, f"{name}_p50_seconds", quantile(fine, 0.5))
     setattr(record, f"{name}_p99_seconds", quantile(fine, 0.99))
-    setattr(record, f"{name}_histogram", exported_buckets(fine) if hist is not None else no_observations())
+    setattr(record, f"{name}_histogram", exported_buckets(fine))
 
 
 def _path(record: Listener, quality: PathQuality) -> None:

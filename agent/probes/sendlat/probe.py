@@ -237,7 +237,7 @@ def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> Proce
     field: decoding 433 slots item by item costs a millisecond a process)."""
     latency = value.latency
     fine = kernel_buckets(latency.slots[:])
-    waited = kernel_buckets(waits.slots[:]) if waits is not None else []
+    waited = kernel_buckets(waits.slots[:]) if waits is not None else None
     return ProcessSendLatency(
         pid=key["tgid"],
         comm=comm_text(bytes(value.comm)),
@@ -253,8 +253,8 @@ def _process(key: dict[str, Any], value: Any, waits: Any, started: int) -> Proce
         errors={name: count for name, count in zip(SEND_ERRORS, value.errors[:], strict=True) if count},
         unwritable_count=waits.count if waits is not None else 0,
         unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
-        unwritable_p99_seconds=quantile(waited, 0.99),
-        unwritable_histogram=exported_buckets(waited) if waits is not None else no_observations(),
+        unwritable_p99_seconds=quantile(waited, 0.99) if waited is not None else None,
+        unwritable_histogram=exported_buckets(waited) if waited is not None else no_observations(),
     )
 
 
@@ -414,7 +414,7 @@ class SendLatencyProbe(Probe):
             if stats is None:
                 continue
             processes.append(_process(key, stats, waits, self._starts.of(key["tgid"])))
-            if not os.path.exists(f"/proc/{key['tgid']}"):
+            if self._starts.gone(key["tgid"]):
                 exited.append((raw_key, index))
         self._entries["procs"] = len(processes)
         for raw_key, index in exited:
