@@ -55,10 +55,27 @@ class FleetRule:
     description: str = ""
 
 
+PROCESS = "instance, process, container"
+
+
+def histogram_quantile(q: float, histogram: str, by: str, window: str, selector: str = "") -> str:
+    """A histogram's q-quantile per `by` over `window`, in PromQL: from its classic buckets, or from
+    its native histogram where Prometheus keeps that instead (native histograms on: 2.x drops the
+    classic series then)."""
+    return (f"(\n  histogram_quantile({q}, sum by ({by}, le) (rate({histogram}_bucket{selector}{window})))\n"
+            f"  or histogram_quantile({q}, sum by ({by}) (rate({histogram}{selector}{window})))\n)")
+
+
+def observation_rate(histogram: str, by: str, window: str, selector: str = "") -> str:
+    """A histogram's observations per second per `by` over `window`, in PromQL: from its classic
+    `_count`, or from its native histogram where Prometheus keeps that instead."""
+    return (f"(\n  sum by ({by}) (rate({histogram}_count{selector}{window}))\n"
+            f"  or sum by ({by}) (histogram_count(rate({histogram}{selector}{window})))\n)")
+
+
 def p99(histogram: str) -> str:
     """A histogram's p99 over a minute, per process and container, in PromQL."""
-    return (f"histogram_quantile(0.99,\n  sum by (instance, process, container, le) "
-            f"(rate({histogram}_bucket[1m]))\n)")
+    return histogram_quantile(0.99, histogram, PROCESS, "[1m]")
 
 
 def alert_name(rule: str) -> str:

@@ -1,7 +1,7 @@
 """The agent's own cost as the flow table grows: CPU (user+sys seconds per wall second), RSS, the
-time one /metrics scrape takes and the series it serves, with 0, 1k, 10k, 100k live UDP flows and the
-table full at its default size (up to where the agent starts evicting) through a watched veth, each flow sent one
-datagram a second (as a gateway's connections keep their flows live) by flow_sender.c, built here
+time one /metrics scrape takes and the series it serves (as text, and as Prometheus keeps them when it
+scrapes native histograms), with 0, 1k, 10k, 100k live UDP flows and the table full at its default size
+(up to where the agent starts evicting) through a watched veth, each flow sent one datagram a second (as a gateway's connections keep their flows live) by flow_sender.c, built here
 with cc; it says how many datagrams a second it managed. The windows span several of the agent's
 paced reads of the whole table (MAX_READ_SECONDS apart at most).
 
@@ -13,6 +13,8 @@ sending a byte a second on a TCP connection over loopback (process_senders.c), t
 endpoints, ports of one process each answering a request a second with an SSE write
 (stream_endpoints.c). Last, a busy node, with a third agent at its defaults (every probe): 200
 processes sending a byte a second under 40 names, and 30 stream endpoints, every fifth answering 503.
+The agents run at their default refresh_budget: where a refresh costs more, refreshes come less often
+(5 s apart at most), and the CPU figure says what that leaves.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -35,6 +38,10 @@ from benchmarks import Result
 from benchmarks.bench_agent import _free_port, _start_agent, _stop
 from benchmarks.bench_flows import HOST_IP, _veth_into_namespace
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from exported_histograms import HISTOGRAM, protobuf_families  # the tests' protobuf reader
+
+PROTOBUF = "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited"
 FULL = int(EVICT_ABOVE * FlowsSettings.max_flows) - 1_000  # room left for the ICMP errors' flows
 FLOW_LEVELS = (0, 1_000, 10_000, 12_000, 100_000, FULL)  # 12k: issue 30's 2% bound
 PROCESS_SENDERS = Path(__file__).with_name("process_senders.c")  # processes sending a byte a second
@@ -53,12 +60,13 @@ FLOW_SENDER = Path(__file__).with_name("flow_sender.c")  # each second, one data
 PORTS = 50_000
 
 
-def _scrape(port: int) -> tuple[float, bytes]:
+def _scrape(port: int, accept: str = "text/plain") -> tuple[float, bytes]:
     """How long one scrape took, and what it served; NaN where the agent answered none (said in the
     table, not raised)."""
     started = time.perf_counter()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             text = response.read()
     except (OSError, http.client.HTTPException):
         return math.nan, b""
@@ -84,6 +92,7 @@ def _level(agent: psutil.Process, port: int, label: str, *senders: list[str]) ->
         time.sleep(WINDOW_SECONDS)
         after, elapsed = agent.cpu_times(), time.monotonic() - started
         scrapes, served = zip(*(_scrape(port) for _ in range(SCRAPES)), strict=True)
+        native = _scrape(port, PROTOBUF)[1]
         rss = agent.memory_info().rss
     finally:
         sent = ""
@@ -101,11 +110,20 @@ def _level(agent: psutil.Process, port: int, label: str, *senders: list[str]) ->
                + (f"; {SCRAPES - len(answered)} of {SCRAPES} unanswered" if len(answered) < SCRAPES else "")),
         Result("flow table", f"{label}: series", float(_series(served[-1])), "series",
                f"{len(served[-1]) / 1e6:.1f} MB of text"),
+        Result("flow table", f"{label}: series, native histograms", float(_native_series(native)), "series",
+               f"scraped in protobuf, {len(native) / 1e6:.1f} MB"),
     ]
 
 
 def _series(text: bytes) -> int:
     return sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
+
+
+def _native_series(data: bytes) -> int:
+    """The series Prometheus keeps of a protobuf scrape with native histograms on: one per native
+    histogram, a histogram without one its classic series (its bounds, +Inf, _count and _sum)."""
+    return sum(1 if kind != HISTOGRAM or value.schema is not None else len(value.buckets) + 3
+               for kind, metrics in protobuf_families(data).values() for _, value in metrics)
 
 
 def _flow_levels(workdir: str) -> list[Result]:

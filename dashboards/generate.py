@@ -57,7 +57,15 @@ def rate(metric: str, selector: str = TARGET, by: str = PROCESS) -> str:
 
 
 def quantile(q: float, histogram: str, selector: str = WORKLOAD, by: str = PROCESS) -> str:
-    return f"histogram_quantile({q}, sum by ({by}, le) (rate({histogram}_bucket{{{selector}}}[{RATE}])))"
+    """From the classic buckets, or the native histogram where Prometheus keeps that instead."""
+    return (f"histogram_quantile({q}, sum by ({by}, le) (rate({histogram}_bucket{{{selector}}}[{RATE}])))\n"
+            f"or histogram_quantile({q}, sum by ({by}) (rate({histogram}{{{selector}}}[{RATE}])))")
+
+
+def count_rate(histogram: str, selector: str = TARGET, by: str = PROCESS) -> str:
+    """Observations per second, from the classic _count or the native histogram."""
+    return (f"{rate(histogram + '_count', selector, by)}\n"
+            f"or sum by ({by}) (histogram_count(rate({histogram}{{{selector}}}[{RATE}])))")
 
 
 def gauge(metric: str, selector: str = TARGET) -> str:
@@ -246,7 +254,7 @@ def send_latency() -> dict:
         Panel("p99 per process", [Target(quantile(0.99, histogram), PROCESS_LEGEND)], unit="s"),
         Panel("Bytes sent per process", [Target(rate("aiprobe_tcp_send_bytes_total", WORKLOAD), PROCESS_LEGEND)],
               unit="Bps"),
-        Panel("Sends per process", [Target(rate(f"{histogram}_count", WORKLOAD), PROCESS_LEGEND)], unit="ops"),
+        Panel("Sends per process", [Target(count_rate(histogram, WORKLOAD), PROCESS_LEGEND)], unit="ops"),
     ], variables("aiprobe_tcp_send_bytes_total"))
 
 

@@ -1,4 +1,5 @@
-"""The agent's HTTP endpoints: /metrics (Prometheus text format), /healthz, /api/v1/snapshot (JSON).
+"""The agent's HTTP endpoints: /metrics (Prometheus text format, or protobuf with native histograms for
+a scraper that prefers it), /healthz, /api/v1/snapshot (JSON).
 
 Built for a hostile network (the agent runs on the host network of every node):
 - one poller thread holds every open connection; a connection costs a thread only while a request
@@ -38,6 +39,7 @@ from aiprobe.names import endpoint
 from aiprobe.supervisor import SUPERVISOR
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from . import protobuf
 from .webconfig import WebConfig
 
 log = logging.getLogger("aiprobe.http")
@@ -49,6 +51,7 @@ IDLE_TIMEOUT = 60.0
 MAX_HEAD_BYTES = 64 << 10
 PUBLIC_PATHS = ("/healthz",)  # open without basic auth: kubelet probes carry no credentials
 SNAPSHOT_PATH = "/api/v1/snapshot"
+PROTOBUF_MEDIA = ("application/vnd.google.protobuf", "io.prometheus.client.MetricFamily", "delimited")
 
 
 def default_max_connections() -> int:
@@ -64,6 +67,22 @@ def listen_socket(address: tuple[str, int]) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     dualstack = family == socket.AF_INET6 and ipaddress.ip_address(host).is_unspecified
     return socket.create_server((host, port), family=family, backlog=BACKLOG, dualstack_ipv6=dualstack)
+
+
+def wants_protobuf(accept: str) -> bool:
+    """Whether an Accept header prefers delimited MetricFamily protobuf to everything else it names
+    (its highest q, the first of equals): Prometheus asks so with native histograms on, text after it."""
+    ranges = []
+    for position, media_range in enumerate(accept.split(",")):
+        media, *parameters = (part.strip() for part in media_range.split(";"))
+        values = {key.lower(): value for key, _, value in (parameter.partition("=") for parameter in parameters)}
+        try:
+            quality = float(values.pop("q", "1"))
+        except ValueError:
+            quality = 0.0
+        ranges.append((quality, -position, (media.lower(), values.get("proto"), values.get("encoding"))))
+    quality, _, preferred = max(ranges)
+    return quality > 0 and preferred == PROTOBUF_MEDIA
 
 
 def _is_loopback(host: str) -> bool:
@@ -132,16 +151,18 @@ class AgentHTTPServer:
     """Serves from its own threads once started; `snapshot` returns the latest document, `healthy`
     the health state. Binding happens in __init__ so a bad address fails at once (OSError)."""
 
-    def __init__(self, address: tuple[str, int], metrics: Callable[[], bytes], snapshot: Callable[[], dict[str, Any]],
-                 healthy: Callable[[], bool], *, web: WebConfig | None = None, snapshot_remote: bool = False,
-                 max_connections: int | None = None) -> None:
+    def __init__(self, address: tuple[str, int], metrics: Callable[[bool], bytes],
+                 snapshot: Callable[[], dict[str, Any]], healthy: Callable[[], bool], *, web: WebConfig | None = None,
+                 snapshot_remote: bool = False, max_connections: int | None = None) -> None:
+        """`metrics(in_protobuf)`: /metrics' body, as text or in protobuf."""
         self._web = web or WebConfig()
         self._snapshot_remote = snapshot_remote
         self._max_connections = max_connections or default_max_connections()
-        self._routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
-            "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
-            "/healthz": lambda: (200, "text/plain", b"ok\n") if healthy() else (503, "text/plain", b"unhealthy\n"),
-            SNAPSHOT_PATH: lambda: (200, "application/json", json.dumps(snapshot(), default=str).encode()),
+        self._routes: dict[str, Callable[[str], tuple[int, str, bytes]]] = {  # each given the Accept header
+            "/metrics": lambda accept: (200, protobuf.CONTENT_TYPE, metrics(True)) if wants_protobuf(accept)
+            else (200, CONTENT_TYPE_LATEST, metrics(False)),
+            "/healthz": lambda _: (200, "text/plain", b"ok\n") if healthy() else (503, "text/plain", b"unhealthy\n"),
+            SNAPSHOT_PATH: lambda _: (200, "application/json", json.dumps(snapshot(), default=str).encode()),
         }
         self._address = address
         self._listener: socket.socket | None = None
@@ -329,7 +350,8 @@ class AgentHTTPServer:
 
     # --- routing, called by the handler ---
 
-    def respond(self, path: str, peer: str, authorization: str | None) -> tuple[int, dict[str, str], bytes]:
+    def respond(self, path: str, peer: str, authorization: str | None,
+                accept: str) -> tuple[int, dict[str, str], bytes]:
         route = self._routes.get(path)
         if route is None:
             return 404, {"Content-Type": "text/plain"}, b"not found\n"
@@ -339,7 +361,7 @@ class AgentHTTPServer:
         if path == SNAPSHOT_PATH and not (self._snapshot_remote or auth is not None or _is_loopback(peer)):
             return 403, {"Content-Type": "text/plain"}, (
                 b"the snapshot API answers local clients only (snapshot_api = \"network\" or basic auth to serve it)\n")
-        status, content_type, body = route()
+        status, content_type, body = route(accept)
         return status, {"Content-Type": content_type}, body
 
 
@@ -361,7 +383,7 @@ def _handler_class(server: AgentHTTPServer) -> Callable[[_Connection], BaseHTTPR
 
         def do_GET(self) -> None:
             status, headers, body = server.respond(self.path.split("?", 1)[0], self.client_address[0],
-                                                   self.headers.get("Authorization"))
+                                                   self.headers.get("Authorization"), self.headers.get("Accept", ""))
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)

@@ -10,6 +10,8 @@ top K by rate with the rest summed per interface and direction into `remote_addr
 (aiprobe.probes.flows.probe.TopFlows).
 Counters stay monotonic while their sources (processes, flows) come and go: the delta engine
 (aiprobe.deltas) adds each record's increase, by record identity, to its label set.
+In protobuf (aiprobe.exporters.protobuf, for a scraper that asks for it) a histogram is native too:
+its records' buckets go through the delta engine as well (NativeTotals).
 The probes' series stay within `max_series` (aiprobe.exporters.series_budget), and a histogram shows its
 family's bucket set (Family.buckets, or the config's `histogram_buckets`), never a label set that holds nothing.
 
@@ -19,18 +21,20 @@ family's bucket set (Family.buckets, or the config's `histogram_buckets`), never
 from __future__ import annotations
 
 import math
+import operator
 import re
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from aiprobe.config import Config
 from aiprobe.deltas import Totals
+from aiprobe.exporters import protobuf
 from aiprobe.exporters.series_budget import Folding, Row, most_kept
-from aiprobe.histogram import bucket_indices, nearest_exported
+from aiprobe.histogram import EXPORTED_BOUNDS, bucket_indices, nearest_exported
 from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
 from aiprobe.model import Readings
 from aiprobe.registry import faces
@@ -187,7 +191,9 @@ class Table:
     """One family as a scrape renders it: rows of label values and numbers (a histogram's: its sum,
     then its buckets' counts over `bounds`), given to prometheus_client as a Metric (`metric()`) or
     written as text (`text()`): as generate_latest writes that Metric, without the sample and label
-    dict it makes per bucket (1,000 stream endpoints have 400k bucket lines)."""
+    dict it makes per bucket (1,000 stream endpoints have 400k bucket lines). In protobuf
+    (`protobuf()`), a histogram's row that has `cumulative` counts in the `native` layout is also a
+    native histogram."""
 
     name: str
     kind: str
@@ -195,6 +201,8 @@ class Table:
     labels: Sequence[str]
     rows: list[tuple[Sequence[str], Sequence[float]]]
     bounds: Sequence[float] = ()
+    native: protobuf.NativeLayout | None = None
+    cumulative: list[Sequence[float] | None] = field(default_factory=list)  # by row; None: classic only
 
     @property
     def series(self) -> int:
@@ -212,8 +220,12 @@ class Table:
         built: Metric = metric
         return built
 
+    @property
+    def _exposed_name(self) -> str:
+        return self.name.removesuffix("_total") + "_total" if self.kind == "counter" else self.name
+
     def text(self) -> str:
-        name = self.name.removesuffix("_total") + "_total" if self.kind == "counter" else self.name
+        name = self._exposed_name
         help_text = self.help.replace("\\", r"\\").replace("\n", r"\n")
         lines = [f"# HELP {name} {help_text}\n# TYPE {name} {self.kind}\n"]
         order = sorted(range(len(self.labels)), key=self.labels.__getitem__)  # as generate_latest sorts them
@@ -231,6 +243,23 @@ class Table:
             lines.append(f"{name}_count{labelled} {_number(values[-1] if len(values) > 1 else 0.0)}\n"
                          f"{name}_sum{labelled} {_number(values[0])}\n")
         return "".join(lines)
+
+    def protobuf(self) -> bytes:
+        """The family as a protobuf MetricFamily (a counter's name with its `_total`, as client_golang
+        writes it and Prometheus reads it)."""
+        if self.kind != "histogram":
+            metrics = [protobuf.metric(zip(self.labels, labels, strict=True), self.kind, values[0])
+                       for labels, values in self.rows]
+            return protobuf.family(self._exposed_name, self.help, self.kind, metrics)
+        finite = [le for le in self.bounds if not math.isinf(le)]
+        cumulative = self.cumulative or [None] * len(self.rows)
+        return protobuf.family(self.name, self.help, self.kind, [
+            protobuf.histogram(zip(self.labels, labels, strict=True), values[0], zip(finite, values[1:], strict=False),
+                               values[-1] if len(values) > 1 else 0.0, self._native(counts))
+            for (labels, values), counts in zip(self.rows, cumulative, strict=True)])
+
+    def _native(self, cumulative: Sequence[float] | None) -> bytes:
+        return protobuf.native(self.native, cumulative) if self.native and cumulative is not None else b""
 
 
 def _braced(labels: str) -> str:
@@ -268,6 +297,11 @@ class ProcessLabels:
             del self._folded[next(iter(self._folded))]
 
 
+def native_layout() -> protobuf.NativeLayout:
+    """The native buckets of the records' histograms: exported_buckets() (EXPORTED_BOUNDS and +Inf)."""
+    return protobuf.native_layout((*EXPORTED_BOUNDS, math.inf))
+
+
 def shown_bounds(family: Family, config: Config) -> tuple[float, ...]:
     """A histogram family's finite `le` bounds on /metrics: the config's `histogram_buckets`, each
     moved to the nearest edge the agent keeps (its count stays exact), else the family's own."""
@@ -275,6 +309,81 @@ def shown_bounds(family: Family, config: Config) -> tuple[float, ...]:
     if configured is None:
         return family.buckets
     return tuple(sorted({nearest_exported(bound) for bound in configured}))
+
+
+NATIVE_ROUND_SECONDS = 60.0  # the longest a source's native counts wait for the delta engine, unscraped
+
+
+class _Source(NamedTuple):
+    """A histogram's source as its last refresh saw it: its key in the native totals (its identity
+    and the refresh it began or restarted in), labels, shown values and all its buckets."""
+
+    key: tuple[Hashable, int]
+    labels: tuple[str, ...]
+    values: array[float]
+    buckets: Sequence[tuple[float, float]]
+
+
+class NativeTotals:
+    """A histogram family's native buckets per label set: the cumulative counts of all its records'
+    buckets (68, where /metrics shows 17), summed by the delta engine (a Totals of their own) as the
+    shown ones are, but fed when a scrape renders (`catch_up`, at least every NATIVE_ROUND_SECONDS),
+    not at every refresh: a refresh keeps a reference to each source's buckets, and feeds at once
+    only what the shown totals would count apart, the last buckets of a source that left, changed
+    labels or restarted. So each label set's native counts add up to its count, at a few dict
+    operations per record and refresh."""
+
+    def __init__(self, idle_seconds: float) -> None:
+        self.totals: Totals[tuple[str, ...]] = Totals(idle_seconds)
+        self._latest: dict[Hashable, _Source] = {}
+        self._refresh = 0
+        self._caught_up = time.monotonic()
+
+    def source(self, identity: Hashable, labels: tuple[str, ...], values: array[float],
+               buckets: Sequence[tuple[float, float]]) -> _Source:
+        """A source of this refresh, with its shown `values` (as the delta engine got them)."""
+        last = self._latest.get(identity)
+        if last is None:
+            return _Source((identity, self._refresh), labels, values, buckets)
+        if len(values) != len(last.values) or any(map(operator.lt, values, last.values)):
+            self._feed(last)  # a restart, as the delta engine judges one: a new source from here
+            return _Source((identity, self._refresh), labels, values, buckets)
+        if labels != last.labels:
+            self._feed(last)
+        return _Source(last.key, labels, values, buckets)
+
+    def end_refresh(self, seen: dict[Hashable, _Source], shown: dict[tuple[str, ...], list[float]]) -> None:
+        """After a refresh's sources (`seen`): feeds those that left, and drops the label sets the
+        shown totals dropped (idle: both count from zero should they return)."""
+        for identity in self._latest.keys() - seen.keys():
+            self._feed(self._latest[identity])
+        self._latest = seen
+        self._refresh += 1
+        for labels in self.totals.sums.keys() - shown.keys():
+            del self.totals.sums[labels]
+        if time.monotonic() - self._caught_up > NATIVE_ROUND_SECONDS:
+            self.catch_up()
+
+    def catch_up(self) -> None:
+        """Feeds every source's last buckets: the totals then count all that the refreshes saw."""
+        for source in self._latest.values():
+            self._feed(source)
+        self.totals.end_round()
+        self._caught_up = time.monotonic()
+
+    def _feed(self, source: _Source) -> None:
+        self.totals.add(source.labels, source.key, array("d", map(_count, source.buckets)))
+
+    def cumulative(self, rows: list[Row], shown: list[Row]) -> list[Sequence[float] | None]:
+        """Each shown row's cumulative counts of all its buckets (a copy: refreshes add to them);
+        None where they do not add up to the row's count (the row of folded label sets, whose
+        members' buckets are not summed; a source two records share), which goes out classic only."""
+        own = dict(rows)
+        return [counts[:] if own.get(labels) is values and (counts := self.totals.sums.get(labels, []))
+                and counts[-1] == values[-1] else None for labels, values in shown]
+
+
+_count = operator.itemgetter(1)  # of a (le, cumulative count) bucket
 
 
 class _FamilyView:
@@ -287,6 +396,8 @@ class _FamilyView:
         self.bounds = shown_bounds(family, config)  # a histogram's finite `le` bounds
         self._shown = bucket_indices(self.bounds) if family.buckets else ()
         self.series = family.series(config) if family.series is not None else None
+        # A histogram with a bucket set is native too, in protobuf.
+        self.native = NativeTotals(config.idle_series_seconds) if family.buckets and self.by_identity else None
         self.folding: Folding = Folding()
         self._processes = processes
         self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
@@ -316,6 +427,8 @@ class _FamilyView:
         if not self.by_identity:
             return self._summed(records)
         sums = self._per_identity(records)
+        if self.native is not None:
+            self.native.catch_up()
         if family.kind == "histogram":  # a label set nothing was observed in shows no histogram
             return [(labels, values) for labels, values in sums if values[-1]]
         return sums
@@ -323,12 +436,13 @@ class _FamilyView:
     def table(self, rows: list[Row], keep: int | None) -> Table:
         """The family's table of `rows`, label sets folded as the budget's `keep` says (None: none)."""
         family = self.family
-        if self.by_identity:
-            rows = self.folding.apply(rows, keep)
+        shown = self.folding.apply(rows, keep) if self.by_identity else rows
         if family.expand:
-            rows = [((*labels, extra), [value]) for labels, values in rows
-                    for (extra, _), value in zip(family.expand, values, strict=True)]
-        return Table(family.name, family.kind, family.help, family.label_names, list(rows), self.bounds)
+            shown = [((*labels, extra), [value]) for labels, values in shown
+                     for (extra, _), value in zip(family.expand, values, strict=True)]
+        native = self.native
+        return Table(family.name, family.kind, family.help, family.label_names, list(shown), self.bounds,
+                     native_layout() if native else None, native.cumulative(rows, shown) if native else [])
 
     def _summed(self, records: list[Any]) -> list[Row]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""
@@ -352,12 +466,19 @@ class _FamilyView:
         record fed twice adds nothing the second time)."""
         if not self.by_identity:
             return
+        native = self.native
+        seen: dict[Hashable, _Source] = {}
         for record in records:
             values = _values(self.family, record, self._shown)
             if values is None:
                 continue
-            self.totals.add(self._label_values(record), record.identity(), values)
+            labels, identity = self._label_values(record), record.identity()
+            self.totals.add(labels, identity, values)
+            if native is not None:
+                seen[identity] = native.source(identity, labels, values, value_of(record, self.family.value))
         self.totals.end_round()
+        if native is not None:
+            native.end_refresh(seen, self.totals.sums)
 
 
 class AgentCollector(Collector):
@@ -377,6 +498,7 @@ class AgentCollector(Collector):
         self._lock = threading.Lock()  # one render at a time, in the order of the readings
         self._families: list[Table] = []
         self._text: bytes | None = None  # the families' text, written at the first text() after a render
+        self._protobuf: bytes | None = None  # as _text, in protobuf
         self._rendered: Readings | None = None
         self.processes: ProcessLabels = ProcessLabels(config.max_process_labels, config.idle_series_seconds)
         self.series: dict[str, int] = {}  # series rendered last, by the probe (or part) they come from
@@ -397,6 +519,14 @@ class AgentCollector(Collector):
                 self._text = "".join(table.text() for table in families).encode()
             return self._text
 
+    def protobuf(self) -> bytes:
+        """/metrics in protobuf (histograms native too), written once per rendered reading as text()."""
+        with self._lock:
+            families = self._current()
+            if self._protobuf is None:
+                self._protobuf = b"".join(table.protobuf() for table in families)
+            return self._protobuf
+
     def tables(self) -> list[Table]:
         with self._lock:
             return list(self._current())
@@ -405,7 +535,8 @@ class AgentCollector(Collector):
         """The families of the source's reading now, rendered if it is a new one (under the lock)."""
         readings = self._source()
         if readings is not self._rendered:
-            self._families, self._rendered, self._text = self._render(readings), readings, None
+            self._families, self._rendered = self._render(readings), readings
+            self._text = self._protobuf = None
         return self._families
 
     def absorb(self, readings: Readings) -> None:
@@ -441,14 +572,29 @@ class AgentCollector(Collector):
                 for family, samples in table]
 
 
-def exposition(collector: AgentCollector, *, process_metrics: bool = True) -> Callable[[], bytes]:
-    """What /metrics serves: the collector's text, then the standard process_* self-metrics."""
+def exposition(collector: AgentCollector, *, process_metrics: bool = True) -> Callable[[bool], bytes]:
+    """What /metrics serves: the collector's families, then the standard process_* self-metrics; as
+    text, or in protobuf where the argument says so."""
     from prometheus_client import ProcessCollector, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
     if process_metrics:
         ProcessCollector(registry=registry)
-    return lambda: collector.text() + generate_latest(registry)
+
+    def metrics(in_protobuf: bool) -> bytes:
+        if in_protobuf:
+            return collector.protobuf() + b"".join(map(_client_family, registry.collect()))
+        return collector.text() + generate_latest(registry)
+
+    return metrics
+
+
+def _client_family(metric: Metric) -> bytes:
+    """A prometheus_client family (the process_* self-metrics: gauges and counters) in protobuf."""
+    name = metric.name + "_total" if metric.type == "counter" else metric.name
+    return protobuf.family(name, metric.documentation, metric.type,
+                           [protobuf.metric(sorted(sample.labels.items()), metric.type, sample.value)
+                            for sample in metric.samples if sample.name == name])
 
 
 def series_of(family: Family, bounds: Sequence[float]) -> int:

@@ -26,7 +26,8 @@ def panels(kit):
     requests = DURATION + "_count"
     share = (f"{per_replica(kit, requests, REPLICA)}\n/ on ({WORKLOAD}) group_left\n"
              f"{per_replica(kit, requests, WORKLOAD)}")
-    replica_p95 = f"histogram_quantile(0.95, {per_replica(kit, DURATION + '_bucket', REPLICA + ', le')})"
+    replica_p95 = (f"(histogram_quantile(0.95, {per_replica(kit, DURATION + '_bucket', REPLICA + ', le')})\n"
+                   f"or histogram_quantile(0.95, {per_replica(kit, DURATION, REPLICA)}))")  # classic or native
     peers_median = f"quantile by ({WORKLOAD}) (0.5, {replica_p95})"
     return [
         kit.Panel("Traffic share per replica", [kit.Target(share, REPLICA_LEGEND)], unit="percentunit", width=12,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ...config import RuleConfig
-from ...rules import RuleSpec
+from ...rules import PROCESS, RuleSpec, histogram_quantile
 
 GPU_SATURATED = RuleSpec(
     False, "{target} is {value:.0%} busy: the GPU is the bottleneck",
@@ -60,9 +60,8 @@ def _shifted(fell: str, rose: str) -> str:
 def _growth(histogram: str, figure: str) -> str:
     """How many times a histogram's p99 of the last window is the window's before, per process, labelled
     `figure`, in PromQL."""
-    def p99(window: str) -> str:
-        return f"histogram_quantile(0.99, sum by (instance, process, container, le) (rate({histogram}_bucket{window})))"
-    return f'label_replace(\n    {p99(_LAST)}\n    / {p99(_BEFORE)},\n    "figure", "{figure}", "", "")'
+    last, before = (histogram_quantile(0.99, histogram, PROCESS, window) for window in (_LAST, _BEFORE))
+    return f'label_replace(\n    {last}\n    / {before},\n    "figure", "{figure}", "", "")'
 
 
 GPU_CONTENDED = RuleSpec(

@@ -4,7 +4,7 @@ PromQL and its default thresholds (`[rules.<name>]` overrides them)."""
 from __future__ import annotations
 
 from ...config import RuleConfig
-from ...rules import FleetRule, RuleSpec, p99
+from ...rules import FleetRule, RuleSpec, histogram_quantile, observation_rate, p99
 
 # Blocking senders wait in the send; asynchronous servers (uvicorn, vLLM's API server) never do:
 # their sockets stay unwritable instead. The agent takes the larger of the two p99s.
@@ -35,16 +35,18 @@ TOKEN_STREAMS_STALLING = RuleSpec(
 )
 
 
+DURATION = "http_server_request_duration_seconds"
+
+
 def _share_rule(name: str, statuses: str, answered: str, meaning: str, default: RuleConfig) -> RuleSpec:
     """A rule on the share of a server's (process, listening port) requests answered with `statuses`: the
     agent's over the last 10 s, the rule file's over 5 minutes."""
     by = "instance, server_port, process, container"
-    total = "http_server_request_duration_seconds_count"
     return RuleSpec(
         False, f"{{target}} answered {{value:.2%}} of its requests in the last 10 s {answered} (the evidence has "
         "the status counts)",
-        f'sum by ({by}) (rate({total}{{http_response_status_code=~"{statuses}"}}[5m]))\n'
-        f"/\nsum by ({by}) (rate({total}[5m]))",
+        observation_rate(DURATION, by, "[5m]", f'{{http_response_status_code=~"{statuses}"}}')
+        + f"\n/\n{observation_rate(DURATION, by, '[5m]')}",
         f"{{{{ $labels.process }}}} on port {{{{ $labels.server_port }}}} answers more than %(threshold_percent)s of "
         f"its requests {answered}",
         meaning, name=name, default=default)
@@ -73,7 +75,6 @@ _SAFE = "[bcdfghjklmnpqrstvwxz2456789]"
 POD_SUFFIX = f"(?:(?:-{_SAFE}{{6,10}})?-{_SAFE}{{5}}|-[0-9]+)?"
 WORKLOAD = "namespace, workload, server_port"
 SKEW_WINDOW = "5m"
-DURATION = "http_server_request_duration_seconds"
 # Peers' mean requests per replica per second below which the rules stay silent: five minutes of fewer
 # requests vary by chance (about 1/sqrt(n)) as much as the tolerance.
 SKEW_TRAFFIC_FLOOR = 0.5
@@ -85,11 +86,12 @@ REPLICA_P95 = "namespace_workload_pod:http_server_request_duration_seconds:p95"
 PEER_MEDIAN = "namespace_workload_pod:http_server_request_duration_seconds_p95:peer_median_ratio"
 
 
-def _per_replica(series: str, by: str = "") -> str:
-    """The rate of `series` per replica (namespace, workload, pod, listening port), plus `by`."""
-    extra = f", {by}" if by else ""
-    inner = (f'sum by (exported_namespace, exported_pod, server_port{extra}) '
-             f'(rate({series}{{exported_pod!=""}}[{SKEW_WINDOW}]))')
+_REPLICA = "exported_namespace, exported_pod, server_port"
+_OF_PODS = '{exported_pod!=""}'  # the workloads' series: those the agent has a pod for
+
+
+def _per_replica(inner: str) -> str:
+    """`inner`, an aggregation by _REPLICA, per replica (namespace, workload, pod, listening port)."""
     for label, source, regex in (("namespace", "exported_namespace", "(.*)"), ("pod", "exported_pod", "(.*)"),
                                  ("workload", "exported_pod", f"(.+?){POD_SUFFIX}")):
         inner = f'label_replace({inner},\n  "{label}", "$1", "{source}", "{regex}")'
@@ -109,11 +111,13 @@ def _with_traffic(comparison: str) -> str:
 _PEERS = ("Peers: the replicas of one workload (the pods of one Deployment, StatefulSet or DaemonSet, "
           "by name) on the same port, over 5 minutes.")
 REPLICA_SKEW = (
-    FleetRule(record=REPLICA_RATE, expr=_per_replica(DURATION + "_count")),
+    FleetRule(record=REPLICA_RATE,
+              expr=_per_replica(observation_rate(DURATION, _REPLICA, f"[{SKEW_WINDOW}]", _OF_PODS))),
     # 1 is the fair share: the workload's requests spread evenly over its replicas
     FleetRule(record=FAIR_SHARE, expr=_against_peers(REPLICA_RATE, f"avg by ({WORKLOAD}) ({REPLICA_RATE})")),
     # >= 0: not NaN (a replica without requests in the window)
-    FleetRule(record=REPLICA_P95, expr=f"histogram_quantile(0.95, {_per_replica(DURATION + '_bucket', 'le')}) >= 0"),
+    FleetRule(record=REPLICA_P95,
+              expr=_per_replica(histogram_quantile(0.95, DURATION, _REPLICA, f"[{SKEW_WINDOW}]", _OF_PODS)) + " >= 0"),
     FleetRule(record=PEER_MEDIAN,
               expr=_against_peers(REPLICA_P95, f"quantile by ({WORKLOAD}) (0.5, {REPLICA_P95})")),
     FleetRule(
