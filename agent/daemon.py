@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,10 +259,11 @@ class Agent:
     def rate(self, source: tuple[Any, ...], counters: list[float] | list[int], now: float) -> list[float]:
         return self._rates.rate(source, counters, now)
 
-    def recent(self, source: tuple[Any, ...], counts: list[float], now: float) -> list[float]:
+    def recent(self, source: tuple[Any, ...], counts: Sequence[float], now: float) -> list[float]:
         return self._windows.recent(source, counts, now)
 
-    def trend(self, source: tuple[Any, ...], counts: list[float], now: float) -> tuple[list[float], list[float]]:
+    def trend(self, source: tuple[Any, ...], counts: Sequence[float],
+              now: float) -> tuple[list[float], list[float]]:
         return self._trends.counts(source, counts, now)
 
     def mean_trend(self, source: tuple[Any, ...], values: list[float],

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .histogram import Buckets
 
 MISSING = "-"  # a field the probe could not fill (null in the snapshot)
 
@@ -170,7 +173,7 @@ def table(columns: Iterable[Column], rows: Iterable[dict[str, Any]]) -> list[str
     return lines
 
 
-def bucket_histogram(buckets: list[tuple[float, int]], unit: str = "usecs", scale: float = 1e6) -> list[str]:
+def bucket_histogram(buckets: Buckets, unit: str = "usecs", scale: float = 1e6) -> list[str]:
     """bcc-style text of cumulative (le_seconds, count) buckets: one line per bucket from the first
     used to the last used, with its bounds in `unit` (seconds times `scale`) and a bar of stars."""
     bounds = [0.0, *(le for le, _ in buckets)]

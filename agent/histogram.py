@@ -8,6 +8,7 @@ import functools
 import itertools
 import math
 import operator
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -59,6 +60,26 @@ _EXPORTED_UNITS = tuple(sorted({m << s for s in range(3, 25) for m in (16, 20, 2
 EXPORTED_BOUNDS = tuple(_units_to_seconds(u) for u in _EXPORTED_UNITS)
 
 
+# Native histograms (schema 3: bucket k is (2^((k-1)/8), 2^(k/8)] seconds, 9% wide) over the exported
+# range: each boundary in force is the kernel edge nearest it (within 3%: the kernel has 16 slots per
+# doubling), so a native bucket holds the kernel slots between two such edges, exact at the kernel's
+# resolution. (Prometheus reads the bucket as the schema's: a count lies within 3% of where it says.)
+NATIVE_SCHEMA = 3
+
+
+def _nearest_edge_units(seconds: float) -> int:
+    units = seconds * 1000 * UNITS_PER_MS
+    step = 1 << max(0, int(math.log2(units)) - 4)  # [2^t, 2^(t+1)) has 16 slots of 2^(t-4) units
+    return max(1, round(units / step)) * step
+
+
+_NATIVE_UNITS = tuple(sorted({*(_nearest_edge_units(2 ** (k / (1 << NATIVE_SCHEMA)))
+                                for k in range(math.ceil(math.log2(EXPORTED_BOUNDS[0]) * (1 << NATIVE_SCHEMA)),
+                                               math.floor(math.log2(EXPORTED_BOUNDS[-1]) * (1 << NATIVE_SCHEMA)) + 1)),
+                              _EXPORTED_UNITS[-1]}))  # and the overflow slot's lower edge, 32.8 s
+NATIVE_BOUNDS = (*(_units_to_seconds(u) for u in _NATIVE_UNITS), math.inf)  # the layout of CumulativeBuckets.native
+
+
 def _ms_bounds(*milliseconds: float) -> tuple[float, ...]:
     return tuple(_units_to_seconds(round(ms * UNITS_PER_MS)) for ms in milliseconds)
 
@@ -96,67 +117,89 @@ def _slot_by_upper(slots: int) -> dict[int, int]:
     return {_slot_upper_units(i): i for i in range(slots - 1)}
 
 
-class KernelBuckets(Sequence[tuple[float, int]]):
-    """Cumulative (le_seconds, count) of every slot of a `struct hist`, the last one +Inf: full
-    resolution, for quantiles. A view over the cumulative counts: a bucket's tuple is made when
-    asked for, as a quantile's bisection or exported_buckets() asks for a few dozen of the 433
-    (every histogram of every entry, each refresh)."""
+class CumulativeBuckets(Sequence[tuple[float, float]]):
+    """Cumulative (le_seconds, count) buckets, the last le +Inf, kept as two sequences: the bounds
+    (shared by every histogram of one layout) and the counts. A bucket's tuple is made only when asked
+    for: quantiles bisect the counts, the exporter and the rules' windows take the counts whole, so
+    neither the kernel's 433 slots nor the 68 exported buckets of every histogram of every entry become
+    tuples at each read."""
 
-    __slots__ = ("_bounds", "counts")
+    __slots__ = ("bounds", "counts", "native")
 
-    def __init__(self, counts: list[int]) -> None:
+    def __init__(self, bounds: Sequence[float], counts: Sequence[float], native: array[int] | None = None) -> None:
+        self.bounds = bounds
         self.counts = counts
-        self._bounds = _upper_bounds(len(counts))
+        self.native = native  # exported buckets: the cumulative counts at NATIVE_BOUNDS' edges
 
     def __len__(self) -> int:
         return len(self.counts)
 
     @overload
-    def __getitem__(self, index: int) -> tuple[float, int]: ...
+    def __getitem__(self, index: int) -> tuple[float, float]: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[tuple[float, int]]: ...
+    def __getitem__(self, index: slice) -> list[tuple[float, float]]: ...
 
-    def __getitem__(self, index: int | slice) -> tuple[float, int] | list[tuple[float, int]]:
+    def __getitem__(self, index: int | slice) -> tuple[float, float] | list[tuple[float, float]]:
         if isinstance(index, slice):
-            return list(zip(self._bounds[index], self.counts[index], strict=True))
-        return self._bounds[index], self.counts[index]
+            return list(zip(self.bounds[index], self.counts[index], strict=True))
+        return self.bounds[index], self.counts[index]
 
-    def __iter__(self) -> Iterator[tuple[float, int]]:
-        return zip(self._bounds, self.counts, strict=True)
+    def __iter__(self) -> Iterator[tuple[float, float]]:
+        return zip(self.bounds, self.counts, strict=True)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
 
     __hash__ = None  # type: ignore[assignment]  # as a list's: it compares by its buckets
 
-
-def kernel_buckets(slots: Sequence[int]) -> KernelBuckets:
-    """The cumulative buckets of a `struct hist`'s slots (also of a prefix of them, as tests write them)."""
-    return KernelBuckets(list(itertools.accumulate(slots)))
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
-def exported_buckets(fine: KernelBuckets) -> list[tuple[float, int]]:
+def counts_of(buckets: Buckets) -> Sequence[float]:
+    """The cumulative counts of `buckets`, in their order."""
+    return buckets.counts if isinstance(buckets, CumulativeBuckets) else [count for _, count in buckets]
+
+
+def with_counts(buckets: Buckets, counts: Sequence[float]) -> CumulativeBuckets:
+    """Buckets with the bounds of `buckets` and other cumulative `counts` (a window's)."""
+    bounds = buckets.bounds if isinstance(buckets, CumulativeBuckets) else tuple(le for le, _ in buckets)
+    return CumulativeBuckets(bounds, counts)
+
+
+def kernel_buckets(slots: Sequence[int]) -> CumulativeBuckets:
+    """The cumulative buckets of a `struct hist`'s slots, full resolution, for quantiles (also of a
+    prefix of the slots, as tests write them)."""
+    return CumulativeBuckets(_upper_bounds(len(slots)), list(itertools.accumulate(slots)))
+
+
+def exported_buckets(fine: CumulativeBuckets) -> CumulativeBuckets:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
     exact counts, since each bound is a kernel edge."""
     counts = fine.counts
-    if not counts[-1]:  # nothing observed: one list serves them all (gaps of one-chunk streams, handshakes)
+    if not counts[-1]:  # nothing observed: one serves them all (gaps of one-chunk streams, handshakes)
         return no_observations()
-    return [*zip(EXPORTED_BOUNDS, _exported_slots(len(counts))(counts), strict=True), (math.inf, counts[-1])]
+    slots = len(counts)
+    return CumulativeBuckets(_EXPORTED_AND_INF, _picker(slots, _EXPORTED_UNITS)(counts),
+                             array("Q", _picker(slots, _NATIVE_UNITS)(counts)))
+
+
+_EXPORTED_AND_INF = (*EXPORTED_BOUNDS, math.inf)
 
 
 @functools.cache
-def _exported_slots(slots: int) -> operator.itemgetter[Any]:
-    """Picks the counts of EXPORTED_BOUNDS out of `slots` kernel slots' counts, in one call: those
-    bounds are those slots' upper bounds, the same floats (five histograms per endpoint and refresh)."""
+def _picker(slots: int, edges: tuple[int, ...]) -> operator.itemgetter[Any]:
+    """Picks the counts at `edges` (kernel edges, in units) and +Inf out of `slots` kernel slots' counts,
+    in one call (five histograms per endpoint and refresh)."""
     slot_by_upper = _slot_by_upper(slots)
-    return operator.itemgetter(*(slot_by_upper[units] for units in _EXPORTED_UNITS))
+    return operator.itemgetter(*(slot_by_upper[units] for units in edges), slots - 1)
 
 
 @functools.cache
-def no_observations() -> list[tuple[float, int]]:
+def no_observations() -> CumulativeBuckets:
     """exported_buckets() of a histogram that holds nothing yet (a listener nothing reached)."""
-    return [(bound, 0) for bound in (*EXPORTED_BOUNDS, math.inf)]
+    return CumulativeBuckets(_EXPORTED_AND_INF, (0,) * len(_EXPORTED_AND_INF), array("Q", [0] * len(NATIVE_BOUNDS)))
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:
@@ -168,7 +211,7 @@ def quantile(buckets: Buckets, q: float) -> float | None:
     """The q-quantile, interpolated linearly inside its bucket as Prometheus' histogram_quantile
     does (the first bucket starts at 0). None without observations. The bucket is found by
     bisection over the counts: a kernel histogram has 433 (four per endpoint and refresh)."""
-    counts = buckets.counts if isinstance(buckets, KernelBuckets) else [count for _, count in buckets]
+    counts = counts_of(buckets)
     total = counts[-1] if counts else 0
     if total <= 0:
         return None

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .histogram import buckets_to_json
+from .histogram import Buckets, buckets_to_json
 
 JOINED = {"joined": True}
 HISTOGRAM = {"histogram": True}
 
-Histogram = list[tuple[float, int]]  # cumulative (le_seconds, count); the last le is +Inf
+Histogram = Buckets  # cumulative (le_seconds, count); the last le is +Inf (aiprobe.histogram)
 Identity = tuple[Any, ...]
 
 

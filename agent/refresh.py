@@ -13,10 +13,11 @@ the rules' recent window and, for rules that judge a change, the window before i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .histogram import CumulativeBuckets, counts_of, with_counts
 from .model import ProcessRow, Readings
 
 if TYPE_CHECKING:
@@ -52,10 +53,11 @@ class Refresh(Protocol):
     def rate(self, source: tuple[Any, ...], counters: list[float] | list[int], now: float) -> list[float]:
         """Per-second rates of cumulative counters since the last refresh, by the source's identity."""
 
-    def recent(self, source: tuple[Any, ...], counts: list[float], now: float) -> list[float]:
+    def recent(self, source: tuple[Any, ...], counts: Sequence[float], now: float) -> list[float]:
         """What the last SIGNAL_WINDOW_SECONDS added to cumulative counts, by the source's identity."""
 
-    def trend(self, source: tuple[Any, ...], counts: list[float], now: float) -> tuple[list[float], list[float]]:
+    def trend(self, source: tuple[Any, ...], counts: Sequence[float],
+              now: float) -> tuple[list[float], list[float]]:
         """What the SIGNAL_WINDOW_SECONDS before the last and the last added to cumulative counts."""
 
     def mean_trend(self, source: tuple[Any, ...], values: list[float],
@@ -65,20 +67,16 @@ class Refresh(Protocol):
 
 
 def recent_buckets(refresh: Refresh, kind: str, identity: Identity, buckets: Histogram,
-                   now: float) -> list[tuple[float, float]]:
+                   now: float) -> CumulativeBuckets:
     """The cumulative buckets of what the window saw of a source's histogram."""
-    return _with_bounds(buckets, refresh.recent((kind, identity), [float(count) for _, count in buckets], now))
+    return with_counts(buckets, refresh.recent((kind, identity), counts_of(buckets), now))
 
 
 def trend_buckets(refresh: Refresh, kind: str, identity: Identity, buckets: Histogram,
-                  now: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+                  now: float) -> tuple[CumulativeBuckets, CumulativeBuckets]:
     """The cumulative buckets of what the window before the last and the last saw of a source's histogram."""
-    before, recent = refresh.trend((kind, identity), [float(count) for _, count in buckets], now)
-    return _with_bounds(buckets, before), _with_bounds(buckets, recent)
-
-
-def _with_bounds(buckets: Histogram, counts: list[float]) -> list[tuple[float, float]]:
-    return [(le, count) for (le, _), count in zip(buckets, counts, strict=True)]
+    before, recent = refresh.trend((kind, identity), counts_of(buckets), now)
+    return with_counts(buckets, before), with_counts(buckets, recent)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The agent's own cost as the flow table grows: CPU (user+sys seconds per wall second), RSS, the
 time one /metrics scrape takes and the series it serves (as text, and as Prometheus keeps them when it
 scrapes native histograms), with 0, 1k, 10k, 100k live UDP flows and the table full at its default size
-(up to where the agent starts evicting) through a watched veth, each flow sent one datagram a second (as a gateway's connections keep their flows live) by flow_sender.c, built here
+(up to where the agent starts evicting) through a watched veth, each flow sent one datagram a second
+(as a gateway's connections keep their flows live) by flow_sender.c, built here
 with cc; it says how many datagrams a second it managed. The windows span several of the agent's
 paced reads of the whole table (MAX_READ_SECONDS apart at most).
 

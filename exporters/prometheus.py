@@ -34,7 +34,7 @@ from aiprobe.config import Config
 from aiprobe.deltas import Totals
 from aiprobe.exporters import protobuf
 from aiprobe.exporters.series_budget import Folding, Row, most_kept
-from aiprobe.histogram import EXPORTED_BOUNDS, bucket_indices, nearest_exported
+from aiprobe.histogram import NATIVE_BOUNDS, CumulativeBuckets, bucket_indices, counts_of, nearest_exported
 from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
 from aiprobe.model import Readings
 from aiprobe.registry import faces
@@ -156,8 +156,9 @@ def _values(family: Family, record: Any, shown: Sequence[int] = ()) -> array[flo
         buckets = value_of(record, family.value)
         if not buckets:  # none filled (a process whose sockets never filled)
             return None
-        counts = [buckets[i][1] for i in shown] + [buckets[-1][1]] if family.buckets else [c for _, c in buckets]
-        return array("d", [getattr(record, family.sum_field), *counts])
+        counts = counts_of(buckets)
+        kept = [counts[i] for i in shown] + [counts[-1]] if family.buckets else counts
+        return array("d", [getattr(record, family.sum_field), *kept])
     values = [value_of(record, getter) for getter in _getters(family)]
     if any(value is None for value in values):
         return None
@@ -298,8 +299,8 @@ class ProcessLabels:
 
 
 def native_layout() -> protobuf.NativeLayout:
-    """The native buckets of the records' histograms: exported_buckets() (EXPORTED_BOUNDS and +Inf)."""
-    return protobuf.native_layout((*EXPORTED_BOUNDS, math.inf))
+    """The native buckets of the records' histograms: their counts at NATIVE_BOUNDS (CumulativeBuckets.native)."""
+    return protobuf.native_layout(NATIVE_BOUNDS)
 
 
 def shown_bounds(family: Family, config: Config) -> tuple[float, ...]:
@@ -316,21 +317,22 @@ NATIVE_ROUND_SECONDS = 60.0  # the longest a source's native counts wait for the
 
 class _Source(NamedTuple):
     """A histogram's source as its last refresh saw it: its key in the native totals (its identity
-    and the refresh it began or restarted in), labels, shown values and all its buckets."""
+    and the refresh it began or restarted in), labels, shown values and its native counts (None: it has
+    none, and its label set goes out classic only)."""
 
     key: tuple[Hashable, int]
     labels: tuple[str, ...]
     values: array[float]
-    buckets: Sequence[tuple[float, float]]
+    native: array[int] | None
 
 
 class NativeTotals:
-    """A histogram family's native buckets per label set: the cumulative counts of all its records'
-    buckets (68, where /metrics shows 17), summed by the delta engine (a Totals of their own) as the
-    shown ones are, but fed when a scrape renders (`catch_up`, at least every NATIVE_ROUND_SECONDS),
-    not at every refresh: a refresh keeps a reference to each source's buckets, and feeds at once
-    only what the shown totals would count apart, the last buckets of a source that left, changed
-    labels or restarted. So each label set's native counts add up to its count, at a few dict
+    """A histogram family's native buckets per label set: its records' cumulative counts at the native
+    edges (CumulativeBuckets.native: 177, where /metrics shows 17 buckets), summed by the delta engine (a
+    Totals of their own) as the shown ones are, but fed when a scrape renders (`catch_up`, at least every
+    NATIVE_ROUND_SECONDS), not at every refresh: a refresh keeps a reference to each source's counts, and
+    feeds at once only what the shown totals would count apart, the last counts of a source that left,
+    changed labels or restarted. So each label set's native counts add up to its count, at a few dict
     operations per record and refresh."""
 
     def __init__(self, idle_seconds: float) -> None:
@@ -342,15 +344,16 @@ class NativeTotals:
     def source(self, identity: Hashable, labels: tuple[str, ...], values: array[float],
                buckets: Sequence[tuple[float, float]]) -> _Source:
         """A source of this refresh, with its shown `values` (as the delta engine got them)."""
+        native = buckets.native if isinstance(buckets, CumulativeBuckets) else None
         last = self._latest.get(identity)
         if last is None:
-            return _Source((identity, self._refresh), labels, values, buckets)
+            return _Source((identity, self._refresh), labels, values, native)
         if len(values) != len(last.values) or any(map(operator.lt, values, last.values)):
             self._feed(last)  # a restart, as the delta engine judges one: a new source from here
-            return _Source((identity, self._refresh), labels, values, buckets)
+            return _Source((identity, self._refresh), labels, values, native)
         if labels != last.labels:
             self._feed(last)
-        return _Source(last.key, labels, values, buckets)
+        return _Source(last.key, labels, values, native)
 
     def end_refresh(self, seen: dict[Hashable, _Source], shown: dict[tuple[str, ...], list[float]]) -> None:
         """After a refresh's sources (`seen`): feeds those that left, and drops the label sets the
@@ -372,7 +375,8 @@ class NativeTotals:
         self._caught_up = time.monotonic()
 
     def _feed(self, source: _Source) -> None:
-        self.totals.add(source.labels, source.key, array("d", map(_count, source.buckets)))
+        if source.native is not None:
+            self.totals.add(source.labels, source.key, source.native)
 
     def cumulative(self, rows: list[Row], shown: list[Row]) -> list[Sequence[float] | None]:
         """Each shown row's cumulative counts of all its buckets (a copy: refreshes add to them);
@@ -382,8 +386,6 @@ class NativeTotals:
         return [counts[:] if own.get(labels) is values and (counts := self.totals.sums.get(labels, []))
                 and counts[-1] == values[-1] else None for labels, values in shown]
 
-
-_count = operator.itemgetter(1)  # of a (le, cumulative count) bucket
 
 
 class _FamilyView:
@@ -399,6 +401,7 @@ class _FamilyView:
         # A histogram with a bucket set is native too, in protobuf.
         self.native = NativeTotals(config.idle_series_seconds) if family.buckets and self.by_identity else None
         self.folding: Folding = Folding()
+        self._absorbed: list[Any] = []  # the records absorb() fed last
         self._processes = processes
         self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
 
@@ -457,8 +460,10 @@ class _FamilyView:
         return list(sums.items())
 
     def _per_identity(self, records: list[Any]) -> list[Row]:
-        """Counters and histograms through the delta engine."""
-        self.absorb(records)
+        """Counters and histograms through the delta engine: the records' increases, unless they are the
+        very records the refresh fed it (a scrape rendering the refresh's readings: not walked again)."""
+        if not _same(records, self._absorbed):
+            self.absorb(records)
         return list(self.totals.sums.items())
 
     def absorb(self, records: list[Any]) -> None:
@@ -466,6 +471,7 @@ class _FamilyView:
         record fed twice adds nothing the second time)."""
         if not self.by_identity:
             return
+        self._absorbed = records
         native = self.native
         seen: dict[Hashable, _Source] = {}
         for record in records:
@@ -479,6 +485,12 @@ class _FamilyView:
         self.totals.end_round()
         if native is not None:
             native.end_refresh(seen, self.totals.sums)
+
+
+def _same(records: list[Any], last: list[Any]) -> bool:
+    """Whether `records` are the very objects of `last`, in order (a list of thousands: one C loop);
+    never when there are none, whose absorb() still ends the delta engine's round."""
+    return bool(records) and len(records) == len(last) and all(map(operator.is_, records, last))
 
 
 class AgentCollector(Collector):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...histogram import quantile
+from ...model import Histogram
 from ...refresh import SIGNAL_WINDOW_SECONDS, Refresh, target, trend_buckets
 from ...rules import Signal
 from ..sendlat.records import StreamEndpoint
@@ -61,7 +62,7 @@ class StreamChange:
                 **_figure("chunk_gap_p99_seconds", self.gap_p99, 6), **_figure("ttfb_p99_seconds", self.ttfb_p99, 6)}
 
 
-def _p99_change(refresh: Refresh, kind: str, endpoint: StreamEndpoint, histogram: list[tuple[float, int]],
+def _p99_change(refresh: Refresh, kind: str, endpoint: StreamEndpoint, histogram: Histogram,
                 now: float) -> Change | None:
     before, recent = trend_buckets(refresh, kind, endpoint.identity(), histogram, now)
     p99_before, p99_now = quantile(before, 0.99), quantile(recent, 0.99)
