@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -436,11 +437,16 @@ def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
     assert document["stall_threshold_seconds"] == 0.25
 
 
+def _entry(**fields: object) -> SimpleNamespace:
+    """A `stream_stats` value as the probe reads it, field by field (nested structs as namespaces)."""
+    return SimpleNamespace(**{name: _entry(**value) if isinstance(value, dict) else value
+                              for name, value in fields.items()})
+
+
 def test_endpoint_entry_becomes_a_record() -> None:
     hist = {"slots": [0] * hist_slots(), "count": 0, "sum_ns": 0}
-    value = {"comm": b"uvicorn\0", "streams": 2, "chunks": 7, "bytes": 90, "stalls": [1, 2, 0, 0],
-             "ttfb": {**hist, "sum_ns": 3 * 10**8}, "gap": hist, "duration": {**hist, "count": 1},
-             "durations_unknown": 1}
+    value = _entry(comm=b"uvicorn\0", streams=2, chunks=7, bytes=90, stalls=[1, 2, 0, 0],
+                   ttfb={**hist, "sum_ns": 3 * 10**8}, gap=hist, duration={**hist, "count": 1}, durations_unknown=1)
     record = _endpoint({"tgid": 5, "port": 8000, "protocol": 2, "cgroup_id": 9}, value, 77)
     assert (record.protocol, record.comm, record.streams, record.ttfb_sum_seconds) == ("sse", "uvicorn", 2, 0.3)
     assert (record.completed, record.durations_unknown) == (2, 1)  # ended: timed or not
@@ -451,8 +457,8 @@ def test_endpoint_entry_becomes_a_record() -> None:
 
 def test_handshake_entry_becomes_a_record() -> None:
     hist = {"slots": [0] * hist_slots(), "count": 2, "sum_ns": 6 * 10**8}
-    record = _handshakes({"tgid": 5, "port": 8443, "tls_version": 4, "cgroup_id": 9}, {"comm": b"nginx\0",
-                                                                                     "handshake": hist}, 77)
+    record = _handshakes({"tgid": 5, "port": 8443, "tls_version": 4, "cgroup_id": 9},
+                         _entry(comm=b"nginx\0", handshake=hist), 77)
     assert (record.tls_version, record.comm, record.count, record.sum_seconds) == ("1.3", "nginx", 2, 0.6)
     assert record.identity() == (5, 77, 9, 8443, "1.3")
 

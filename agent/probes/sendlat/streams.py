@@ -51,30 +51,33 @@ STRATEGIES = (
 )
 
 
-def _endpoint(key: dict[str, Any], value: dict[str, Any], started: int) -> StreamEndpoint:
-    ttfb, gap, duration = (kernel_buckets(value[name]["slots"]) for name in ("ttfb", "gap", "duration"))
+def _endpoint(key: dict[str, Any], value: Any, started: int) -> StreamEndpoint:
+    """One endpoint from its `stream_stats` entry (a BTF ctypes struct, read field by field, as
+    sendlat's processes are: decoding it whole costs a third of the read)."""
+    ttfb, gap, duration = (kernel_buckets(hist.slots[:]) for hist in (value.ttfb, value.gap, value.duration))
     return StreamEndpoint(
-        pid=key["tgid"], comm=comm_text(value["comm"]), cgroup_id=key["cgroup_id"], port=key["port"],
+        pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         protocol=PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp",
-        streams=value["streams"], chunks=value["chunks"], bytes=value["bytes"],
-        completed=value["duration"]["count"] + value["durations_unknown"],
+        streams=value.streams, chunks=value.chunks, bytes=value.bytes,
+        completed=value.duration.count + value.durations_unknown,
         ttfb_p50_seconds=quantile(ttfb, 0.5), ttfb_p99_seconds=quantile(ttfb, 0.99),
-        ttfb_sum_seconds=value["ttfb"]["sum_ns"] / NS_PER_SECOND, ttfb_histogram=exported_buckets(ttfb),
-        gaps=value["gap"]["count"], gap_p50_seconds=quantile(gap, 0.5), gap_p99_seconds=quantile(gap, 0.99),
-        gap_sum_seconds=value["gap"]["sum_ns"] / NS_PER_SECOND, gap_histogram=exported_buckets(gap),
-        duration_sum_seconds=value["duration"]["sum_ns"] / NS_PER_SECOND,
-        duration_histogram=exported_buckets(duration), durations_unknown=value["durations_unknown"],
-        stalls=dict(zip(CAUSES, value["stalls"], strict=True)),
+        ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND, ttfb_histogram=exported_buckets(ttfb),
+        gaps=value.gap.count, gap_p50_seconds=quantile(gap, 0.5), gap_p99_seconds=quantile(gap, 0.99),
+        gap_sum_seconds=value.gap.sum_ns / NS_PER_SECOND, gap_histogram=exported_buckets(gap),
+        duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND,
+        duration_histogram=exported_buckets(duration), durations_unknown=value.durations_unknown,
+        stalls=dict(zip(CAUSES, value.stalls[:], strict=True)),
         start_ticks=started,
     )
 
 
-def _handshakes(key: dict[str, Any], value: dict[str, Any], started: int) -> TlsHandshakes:
-    handshake = kernel_buckets(value["handshake"]["slots"])
+def _handshakes(key: dict[str, Any], value: Any, started: int) -> TlsHandshakes:
+    """One process's TLS handshakes from its `stream_stats` entry (as _endpoint reads it)."""
+    handshake = kernel_buckets(value.handshake.slots[:])
     return TlsHandshakes(
-        pid=key["tgid"], comm=comm_text(value["comm"]), cgroup_id=key["cgroup_id"], port=key["port"],
-        tls_version=TLS_VERSIONS[key["tls_version"]], count=value["handshake"]["count"],
-        sum_seconds=value["handshake"]["sum_ns"] / NS_PER_SECOND, p50_seconds=quantile(handshake, 0.5),
+        pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
+        tls_version=TLS_VERSIONS[key["tls_version"]], count=value.handshake.count,
+        sum_seconds=value.handshake.sum_ns / NS_PER_SECOND, p50_seconds=quantile(handshake, 0.5),
         p99_seconds=quantile(handshake, 0.99), histogram=exported_buckets(handshake), start_ticks=started,
     )
 
@@ -193,7 +196,7 @@ class StreamsProbe(InStreamLogic):
         """Everything counted since start; endpoints of exited processes are reported once more, then
         deleted."""
         stalls = self._stall_records().take()
-        entries = [(key, btf.decode(value)) for key, value in self._entries_of("stream_stats")]
+        entries = self._entries_of("stream_stats")
         self._entries = len(entries)
         endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for key, value in entries
                      if not key["tls_version"]]
