@@ -84,7 +84,7 @@ class Config:
     listen: str = f"0.0.0.0:{DEFAULT_PORT}"
     interval_seconds: float = field(default=1.0, metadata=limits(0.1, 3600.0))
     # The share of one CPU the agent's refreshes may take: past it they come less often (RefreshPacer).
-    refresh_budget: float = field(default=0.015, metadata=limits(0.0, 1.0))
+    refresh_budget: float = field(default=0.01, metadata=limits(0.0, 1.0))
     # The probes to run (their names: the registry's); None: every one.
     probes: tuple[str, ...] | None = field(default=None, metadata=non_empty())
     traffic_floor_bytes_per_second: float = field(default=DEFAULT_TRAFFIC_FLOOR_BYTES_PER_SECOND,

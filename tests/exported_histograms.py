@@ -161,22 +161,19 @@ class Histogram:
         return below + (self.zero_count if self.zero_threshold <= le else 0)
 
 
+_SCALARS = {1: "count", 2: "sum", 6: "zero_threshold", 7: "zero_count"}  # Histogram's, as they come
+
+
 def _histogram(message: bytes) -> Histogram:
     histogram, spans, deltas = Histogram(), [], []
     for number, value in fields(message):
-        if number == 1:
-            histogram.count = value
-        elif number == 2:
-            histogram.sum = value
+        if number in _SCALARS:
+            setattr(histogram, _SCALARS[number], value)
         elif number == 3:
             bucket = dict(fields(value))
             histogram.buckets.append((bucket[2], bucket.get(1, 0)))
         elif number == 5:
             histogram.schema = _signed(value)
-        elif number == 6:
-            histogram.zero_threshold = value
-        elif number == 7:
-            histogram.zero_count = value
         elif number == 12:
             span = dict(fields(value))
             spans.append((_signed(span.get(1, 0)), span.get(2, 0)))
