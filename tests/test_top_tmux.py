@@ -46,6 +46,7 @@ while True:
         if time.monotonic() > deadline:
             raise
         time.sleep(0.05)
+print("sending", flush=True)
 while True:
     conn.sendall(b"x" * 16384)
     time.sleep(0.02)
@@ -59,11 +60,15 @@ def _stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture
 def traffic(veth: VethPair) -> Iterator[tuple[str, int]]:
-    """TCP from the root namespace to a sink in the veth's namespace: (peer address, port), ~800 KiB/s."""
+    """TCP from the root namespace to a sink in the veth's namespace: (peer address, port), ~800 KiB/s,
+    flowing once this yields (the sink's interpreter starts in its namespace first: seconds, beside a CI
+    run's guests, where a `top --batch` of two refreshes was over before the sender connected)."""
     port = 20000 + secrets.randbelow(20000)
     sink = veth.ns_python(f"ADDRESS, PORT = {veth.peer_ip4!r}, {port}\n" + SINK)
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, veth.peer_ip4, str(port)])
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, veth.peer_ip4, str(port)], stdout=subprocess.PIPE,
+                              text=True)
     try:
+        assert sender.stdout is not None and sender.stdout.readline().strip() == "sending"
         yield veth.peer_ip4, port
     finally:
         _stop(sender)
