@@ -26,11 +26,15 @@ Values = Sequence[float]
 Labels = TypeVar("Labels", bound=Hashable)
 
 
+def restarted(values: Values, last: Values) -> bool:
+    """Whether cumulative `values` restarted since `last`: a new layout, or any of them fell."""
+    return len(values) != len(last) or any(map(operator.lt, values, last))
+
+
 def _added(values: Values, last: Values | None) -> list[float]:
-    if last is None or len(last) != len(values):
+    if last is None or restarted(values, last):
         return list(values)
-    increase = [v - p for v, p in zip(values, last, strict=True)]
-    return list(values) if min(increase, default=0.0) < 0 else increase
+    return [v - p for v, p in zip(values, last, strict=True)]
 
 
 class Deltas:
@@ -120,10 +124,6 @@ class Rates:
         self._times = {k: v for k, v in self._times.items() if self._deltas.known(k)}
 
 
-def _restarted(values: Values, last: Values) -> bool:
-    return len(values) != len(last) or any(map(operator.lt, values, last))
-
-
 class _Since:
     """One source's cumulative values of the rounds in a window, and those of the round before them
     (its baseline: zeros for a source first seen in the window)."""
@@ -148,7 +148,7 @@ class Window:
     def recent(self, source: Hashable, values: Values, now: float) -> list[float]:
         self._seen.add(source)
         since = self._sources.get(source)
-        if since is None or _restarted(values, since.rounds[-1][1]):
+        if since is None or restarted(values, since.rounds[-1][1]):
             since = self._sources[source] = _Since(len(values))
         since.rounds.append((now, values))
         while now - since.rounds[0][0] >= self.seconds:

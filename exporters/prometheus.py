@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from aiprobe.config import Config
-from aiprobe.deltas import Totals
+from aiprobe.deltas import Totals, restarted
 from aiprobe.exporters import protobuf
 from aiprobe.exporters.series_budget import Folding, Row, most_kept
 from aiprobe.histogram import NATIVE_BOUNDS, CumulativeBuckets, bucket_indices, counts_of, nearest_exported
@@ -348,7 +348,7 @@ class NativeTotals:
         last = self._latest.get(identity)
         if last is None:
             return _Source((identity, self._refresh), labels, values, native)
-        if len(values) != len(last.values) or any(map(operator.lt, values, last.values)):
+        if restarted(values, last.values):
             self._feed(last)  # a restart, as the delta engine judges one: a new source from here
             return _Source((identity, self._refresh), labels, values, native)
         if labels != last.labels:
@@ -385,7 +385,6 @@ class NativeTotals:
         own = dict(rows)
         return [counts[:] if own.get(labels) is values and (counts := self.totals.sums.get(labels, []))
                 and counts[-1] == values[-1] else None for labels, values in shown]
-
 
 
 class _FamilyView:
