@@ -13,6 +13,8 @@ from ctypes import c_int32, c_uint32
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import libbpf
 
 # BTF kinds (uapi/linux/btf.h)
@@ -211,3 +213,13 @@ def decode(value: Any) -> Any:
             return value[:]  # (a histogram's 433 slots, per entry per refresh)
         return [decode(item) for item in value]
     return value
+
+
+def dtype_of(ctype: Any, names: tuple[str, ...]) -> np.dtype[Any]:
+    """A numpy dtype over these fields of a struct typed from BTF (its size, padding skipped)."""
+    formats = []
+    for name in names:
+        member = getattr(ctype, name)
+        formats.append(f"V{member.size}" if member.size == 16 else f"<u{member.size}")
+    offsets = [getattr(ctype, name).offset for name in names]
+    return np.dtype({"names": list(names), "formats": formats, "offsets": offsets, "itemsize": ctypes.sizeof(ctype)})

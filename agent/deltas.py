@@ -19,8 +19,8 @@ from __future__ import annotations
 import operator
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
 
 Values = Sequence[float]
 Labels = TypeVar("Labels", bound=Hashable)
@@ -31,10 +31,13 @@ def restarted(values: Values, last: Values) -> bool:
     return len(values) != len(last) or any(map(operator.lt, values, last))
 
 
-def _added(values: Values, last: Values | None) -> list[float]:
-    if last is None or restarted(values, last):
-        return list(values)
-    return [v - p for v, p in zip(values, last, strict=True)]
+def _forget_unseen(table: dict[Hashable, Any], seen: set[Hashable]) -> set[Hashable]:
+    """Deletes the entries of `table` not in `seen`, and returns their keys: where most were seen (every
+    round of a steady table), a few deletions, not a copy of the table."""
+    unseen = table.keys() - seen
+    for key in unseen:
+        del table[key]
+    return unseen
 
 
 class Deltas:
@@ -45,26 +48,26 @@ class Deltas:
         self._seen: set[Hashable] = set()
 
     def increase(self, source: Hashable, values: Values) -> list[float]:
+        added = self.added(source, values)
+        return [0.0] * len(values) if added is None else list(added)
+
+    def added(self, source: Hashable, values: Values) -> Iterable[float] | None:
+        """What the source added since the previous round, as increase() says, or None where its values
+        are those of the previous round: one comparison, where most sources of a large table did nothing."""
         self._seen.add(source)
-        added = _added(values, self._last.get(source))
+        last = self._last.get(source)
         self._last[source] = values
-        return added
+        if last == values:
+            return None
+        if last is None or restarted(values, last):
+            return values
+        return map(operator.sub, values, last)
 
-    def unchanged(self, source: Hashable, values: Values) -> bool:
-        """Whether the source's values are those of the previous round, in which case it counts as
-        seen and adds nothing: one comparison, where most sources of a large table did nothing."""
-        if self._last.get(source) != values:
-            return False
-        self._seen.add(source)
-        return True
-
-    def end_round(self) -> None:
-        """Forget sources not seen since the previous call (a returning key then counts afresh)."""
-        self._last = {k: v for k, v in self._last.items() if k in self._seen}
+    def end_round(self) -> set[Hashable]:
+        """Forget sources not seen since the previous call (a returning key then counts afresh); returns them."""
+        forgotten = _forget_unseen(self._last, self._seen)
         self._seen = set()
-
-    def known(self, source: Hashable) -> bool:
-        return source in self._last
+        return forgotten
 
 
 class Totals(Generic[Labels]):
@@ -87,10 +90,9 @@ class Totals(Generic[Labels]):
         current = self.sums.get(labels)
         if current is None or len(current) != len(values):  # a new label set, or a new layout: start over
             current = self.sums[labels] = [0.0] * len(values)
-        if self.deltas.unchanged(source, values):
-            return
-        for i, value in enumerate(self.deltas.increase(source, values)):
-            current[i] += value
+        added = self.deltas.added(source, values)
+        if added is not None:
+            current[:] = map(operator.add, current, added)
 
     def end_round(self) -> None:
         self.deltas.end_round()
@@ -120,8 +122,8 @@ class Rates:
         return [value / (now - last) for value in added]
 
     def end_round(self) -> None:
-        self._deltas.end_round()
-        self._times = {k: v for k, v in self._times.items() if self._deltas.known(k)}
+        for source in self._deltas.end_round():
+            del self._times[source]
 
 
 class _Since:
@@ -157,7 +159,7 @@ class Window:
 
     def end_round(self) -> None:
         """Forget sources not seen this round."""
-        self._sources = {k: v for k, v in self._sources.items() if k in self._seen}
+        _forget_unseen(self._sources, self._seen)
         self._seen = set()
 
 
@@ -213,5 +215,5 @@ class Trend:
     def end_round(self) -> None:
         """Forget sources not seen this round."""
         self._deltas.end_round()
-        self._history = {k: v for k, v in self._history.items() if k in self._seen}
+        _forget_unseen(self._history, self._seen)
         self._seen = set()

@@ -4,17 +4,20 @@ and their quantiles. (Windows of recent changes: aiprobe.deltas.Window.)"""
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
-import itertools
 import math
-import operator
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
+import numpy as np
+
 from .loader import object_btf
 
 Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, count), ascending
+# A `struct hist`'s slots: a map value's ctypes array (read in place), an array, or a list (tests).
+Slots = Sequence[int] | ctypes.Array[Any] | np.ndarray[Any, np.dtype[np.uint64]]
 NS_PER_SECOND = 1e9
 
 
@@ -168,32 +171,41 @@ def with_counts(buckets: Buckets, counts: Sequence[float]) -> CumulativeBuckets:
     return CumulativeBuckets(bounds, counts)
 
 
-def kernel_buckets(slots: Sequence[int]) -> CumulativeBuckets:
-    """The cumulative buckets of a `struct hist`'s slots, full resolution, for quantiles (also of a
-    prefix of the slots, as tests write them)."""
-    return CumulativeBuckets(_upper_bounds(len(slots)), list(itertools.accumulate(slots)))
+class KernelBuckets(CumulativeBuckets):
+    """kernel_buckets(): full resolution, its counts also kept as the array exported_buckets() picks from."""
+
+    __slots__ = ("cumulative",)
+
+    def __init__(self, cumulative: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
+        super().__init__(_upper_bounds(len(cumulative)), cumulative.tolist())
+        self.cumulative = cumulative
 
 
-def exported_buckets(fine: CumulativeBuckets) -> CumulativeBuckets:
+def kernel_buckets(slots: Slots) -> KernelBuckets:
+    """The cumulative buckets of a `struct hist`'s slots, full resolution, for quantiles (also of a prefix
+    of the slots, as tests write them). Summed in C: 433 slots per histogram, several per entry and refresh."""
+    return KernelBuckets(np.asarray(slots, dtype=np.uint64).cumsum())
+
+
+def exported_buckets(fine: KernelBuckets) -> CumulativeBuckets:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
     exact counts, since each bound is a kernel edge."""
-    counts = fine.counts
-    if not counts[-1]:  # nothing observed: one serves them all (gaps of one-chunk streams, handshakes)
+    if not fine.counts[-1]:  # nothing observed: one serves them all (gaps of one-chunk streams, handshakes)
         return no_observations()
-    slots = len(counts)
-    return CumulativeBuckets(_EXPORTED_AND_INF, _picker(slots, _EXPORTED_UNITS)(counts),
-                             array("Q", _picker(slots, _NATIVE_UNITS)(counts)))
+    slots = len(fine.counts)
+    return CumulativeBuckets(_EXPORTED_AND_INF, fine.cumulative[_slots_at(slots, _EXPORTED_UNITS)].tolist(),
+                             array("Q", fine.cumulative[_slots_at(slots, _NATIVE_UNITS)].tobytes()))
 
 
 _EXPORTED_AND_INF = (*EXPORTED_BOUNDS, math.inf)
 
 
 @functools.cache
-def _picker(slots: int, edges: tuple[int, ...]) -> operator.itemgetter[Any]:
-    """Picks the counts at `edges` (kernel edges, in units) and +Inf out of `slots` kernel slots' counts,
-    in one call (five histograms per endpoint and refresh)."""
+def _slots_at(slots: int, edges: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.intp]]:
+    """The indexes of the counts at `edges` (kernel edges, in units) and +Inf among `slots` kernel
+    slots' counts: picked in one call."""
     slot_by_upper = _slot_by_upper(slots)
-    return operator.itemgetter(*(slot_by_upper[units] for units in edges), slots - 1)
+    return np.array([*(slot_by_upper[units] for units in edges), slots - 1], dtype=np.intp)
 
 
 @functools.cache

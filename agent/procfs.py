@@ -6,6 +6,24 @@ import os
 from pathlib import Path
 
 STAT_BYTES = 4096  # /proc/PID/stat: 52 numbers and the comm, a few hundred bytes
+_NS_PER_CLOCK_TICK = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def ticks_of_boottime(boottime_ns: int) -> int:
+    """start_ticks() of a process from its task's start_boottime, as the kernel writes /proc/PID/stat's
+    (nsec_to_clock_t: whole ticks)."""
+    return boottime_ns // _NS_PER_CLOCK_TICK
+
+
+def exited(pid: int) -> bool:
+    """Whether no process `pid` is left (a zombie is still there, as its /proc/PID is): one syscall."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, owned by someone the agent may not signal
+        return False
+    return False
 
 
 def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:

@@ -215,6 +215,7 @@ static __noinline __u32 new_proc(struct sendlat_proc_key *key)
 	/* The process name, not the sending thread's: threads often carry their own names. */
 	leader = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), group_leader);
 	bpf_core_read_str(stats->comm, sizeof(stats->comm), &leader->comm);
+	stats->start_boottime_ns = BPF_CORE_READ(leader, start_boottime);
 	if (!bpf_map_update_elem(&proc_slots, key, &index, BPF_NOEXIST))
 		return index;
 	/* Another thread of the process got there first: give the index back, take the winner's. */

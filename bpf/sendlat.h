@@ -40,6 +40,9 @@ struct sendlat_proc_stats {
 	__u64 untimed_sends;
 	__u64 bytes;		/* bytes they sent */
 	__u64 errors[SEND_ERROR_MAX];	/* failed sends, by error */
+	/* When the process started (its leader's start_boottime, /proc/PID/stat's start time in ns): with
+	 * the pid, its identity, so user space reads no /proc/PID/stat per process and refresh. */
+	__u64 start_boottime_ns;
 	char comm[TASK_COMM_LEN];	/* the process (thread-group leader) name */
 };
 

@@ -20,6 +20,7 @@ family's bucket set (Family.buckets, or the config's `histogram_buckets`), never
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -27,7 +28,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from aiprobe.config import Config
@@ -143,26 +144,41 @@ def _metric(name: str, kind: str, help_text: str, labels: list[str]) -> Any:
     return GaugeMetricFamily(name, help_text, labels=labels)
 
 
-def _getters(family: Family) -> list[Any]:
-    return [getter for _, getter in family.expand] if family.expand else [family.value]
+def _getters(family: Family) -> list[Callable[[Any], Any]]:
+    getters = [getter for _, getter in family.expand] if family.expand else [family.value]
+    return [operator.attrgetter(getter) if isinstance(getter, str) else getter for getter in getters]
 
 
-def _values(family: Family, record: Any, shown: Sequence[int] = ()) -> array[float] | None:
-    """The numbers one record adds to its label set (histograms: sum, then the counts of the buckets
-    at `shown` and +Inf, or of all its buckets where the family has no bucket set); None when the probe
-    filled none. An array: the delta engine keeps them per source until the next refresh,
-    thousands of sources under process churn."""
+ValueReader = Callable[[Any], "array[float] | None"]
+
+
+def value_reader(family: Family, shown: Sequence[int] = ()) -> ValueReader:
+    """Reads the numbers one record adds to its label set (histograms: sum, then the counts of the
+    buckets at `shown` and +Inf, or of all its buckets where the family has no bucket set); None when
+    the probe filled none. An array: the delta engine keeps them per source until the next refresh,
+    thousands of sources under process churn. Built once per family: it runs per record and refresh."""
     if family.kind == "histogram":
-        buckets = value_of(record, family.value)
+        return _histogram_reader(family, shown)
+    getters, scale = _getters(family), family.scale
+
+    def read(record: Any) -> array[float] | None:
+        values = [getter(record) for getter in getters]
+        if None in values:
+            return None
+        return array("d", [float(value) * scale for value in values])
+    return read
+
+
+def _histogram_reader(family: Family, shown: Sequence[int]) -> ValueReader:
+    buckets_of, sum_of = _getters(family)[0], operator.attrgetter(family.sum_field)
+    pick: Callable[[Sequence[float]], Iterable[float]] = operator.itemgetter(*shown, -1) if family.buckets else iter
+
+    def read(record: Any) -> array[float] | None:
+        buckets = buckets_of(record)
         if not buckets:  # none filled (a process whose sockets never filled)
             return None
-        counts = counts_of(buckets)
-        kept = [counts[i] for i in shown] + [counts[-1]] if family.buckets else counts
-        return array("d", [getattr(record, family.sum_field), *kept])
-    values = [value_of(record, getter) for getter in _getters(family)]
-    if any(value is None for value in values):
-        return None
-    return array("d", [float(value) * family.scale for value in values])
+        return array("d", [sum_of(record), *pick(counts_of(buckets))])
+    return read
 
 
 def _le_labels(bounds: Sequence[float]) -> list[str]:
@@ -194,7 +210,7 @@ class Table:
     written as text (`text()`): as generate_latest writes that Metric, without the sample and label
     dict it makes per bucket (1,000 stream endpoints have 400k bucket lines). In protobuf
     (`protobuf()`), a histogram's row that has `cumulative` counts in the `native` layout is also a
-    native histogram."""
+    native histogram: counted only then (a text scrape pays nothing for them)."""
 
     name: str
     kind: str
@@ -203,7 +219,7 @@ class Table:
     rows: list[tuple[Sequence[str], Sequence[float]]]
     bounds: Sequence[float] = ()
     native: protobuf.NativeLayout | None = None
-    cumulative: list[Sequence[float] | None] = field(default_factory=list)  # by row; None: classic only
+    cumulative: Callable[[], list[Sequence[float] | None]] | None = None  # by row; None: classic only
 
     @property
     def series(self) -> int:
@@ -253,7 +269,7 @@ class Table:
                        for labels, values in self.rows]
             return protobuf.family(self._exposed_name, self.help, self.kind, metrics)
         finite = [le for le in self.bounds if not math.isinf(le)]
-        cumulative = self.cumulative or [None] * len(self.rows)
+        cumulative = self.cumulative() if self.cumulative else [None] * len(self.rows)
         return protobuf.family(self.name, self.help, self.kind, [
             protobuf.histogram(zip(self.labels, labels, strict=True), values[0], zip(finite, values[1:], strict=False),
                                values[-1] if len(values) > 1 else 0.0, self._native(counts))
@@ -329,7 +345,7 @@ class _Source(NamedTuple):
 class NativeTotals:
     """A histogram family's native buckets per label set: its records' cumulative counts at the native
     edges (CumulativeBuckets.native: 177, where /metrics shows 17 buckets), summed by the delta engine (a
-    Totals of their own) as the shown ones are, but fed when a scrape renders (`catch_up`, at least every
+    Totals of their own) as the shown ones are, but fed when a protobuf scrape renders (`catch_up`, at least every
     NATIVE_ROUND_SECONDS), not at every refresh: a refresh keeps a reference to each source's counts, and
     feeds at once only what the shown totals would count apart, the last counts of a source that left,
     changed labels or restarted. So each label set's native counts add up to its count, at a few dict
@@ -379,9 +395,11 @@ class NativeTotals:
             self.totals.add(source.labels, source.key, source.native)
 
     def cumulative(self, rows: list[Row], shown: list[Row]) -> list[Sequence[float] | None]:
-        """Each shown row's cumulative counts of all its buckets (a copy: refreshes add to them);
-        None where they do not add up to the row's count (the row of folded label sets, whose
-        members' buckets are not summed; a source two records share), which goes out classic only."""
+        """Caught up, each shown row's cumulative counts of all its buckets (a copy: refreshes add to
+        them); None where they do not add up to the row's count (the row of folded label sets, whose
+        members' buckets are not summed; a source two records share; a refresh fed since the rows were
+        rendered), which goes out classic only."""
+        self.catch_up()
         own = dict(rows)
         return [counts[:] if own.get(labels) is values and (counts := self.totals.sums.get(labels, []))
                 and counts[-1] == values[-1] else None for labels, values in shown]
@@ -396,6 +414,7 @@ class _FamilyView:
         self.totals: Totals[tuple[str, ...]] = Totals(config.idle_series_seconds)
         self.bounds = shown_bounds(family, config)  # a histogram's finite `le` bounds
         self._shown = bucket_indices(self.bounds) if family.buckets else ()
+        self._read = value_reader(family, self._shown)
         self.series = family.series(config) if family.series is not None else None
         # A histogram with a bucket set is native too, in protobuf.
         self.native = NativeTotals(config.idle_series_seconds) if family.buckets and self.by_identity else None
@@ -404,7 +423,7 @@ class _FamilyView:
         self._processes = processes
         self._process_index = next((i for i, (label, _) in enumerate(family.labels) if label == "process"), None)
 
-    def _label_values(self, record: Any) -> tuple[str, ...]:
+    def label_values(self, record: Any) -> tuple[str, ...]:
         values = self.family.label_values(record)
         if self._process_index is None:
             return values
@@ -421,16 +440,14 @@ class _FamilyView:
     def series_per_row(self) -> int:
         return series_of(self.family, self.bounds)
 
-    def rows(self, records: list[Any]) -> list[Row]:
+    def rows(self, records: list[Any], keys: RecordKeys) -> list[Row]:
         """The family's label sets and their values from this refresh's records."""
         family = self.family
         if self.series is not None:
             return self.series(records)
         if not self.by_identity:
             return self._summed(records)
-        sums = self._per_identity(records)
-        if self.native is not None:
-            self.native.catch_up()
+        sums = self._per_identity(records, keys)
         if family.kind == "histogram":  # a label set nothing was observed in shows no histogram
             return [(labels, values) for labels, values in sums if values[-1]]
         return sums
@@ -444,28 +461,29 @@ class _FamilyView:
                      for (extra, _), value in zip(family.expand, values, strict=True)]
         native = self.native
         return Table(family.name, family.kind, family.help, family.label_names, list(shown), self.bounds,
-                     native_layout() if native else None, native.cumulative(rows, shown) if native else [])
+                     native_layout() if native else None,
+                     functools.partial(native.cumulative, rows, shown) if native else None)
 
     def _summed(self, records: list[Any]) -> list[Row]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""
         sums: dict[tuple[str, ...], list[float]] = {}
         for record in records:
-            values = _values(self.family, record)
+            values = self._read(record)
             if values is None:
                 continue
-            current = sums.setdefault(self._label_values(record), [0.0] * len(values))
+            current = sums.setdefault(self.label_values(record), [0.0] * len(values))
             for i, value in enumerate(values):
                 current[i] += value
         return list(sums.items())
 
-    def _per_identity(self, records: list[Any]) -> list[Row]:
+    def _per_identity(self, records: list[Any], keys: RecordKeys) -> list[Row]:
         """Counters and histograms through the delta engine: the records' increases, unless they are the
         very records the refresh fed it (a scrape rendering the refresh's readings: not walked again)."""
         if not _same(records, self._absorbed):
-            self.absorb(records)
+            self.absorb(records, keys)
         return list(self.totals.sums.items())
 
-    def absorb(self, records: list[Any]) -> None:
+    def absorb(self, records: list[Any], keys: RecordKeys) -> None:
         """Adds the records' increases to the delta engine's totals (counters and histograms; a
         record fed twice adds nothing the second time)."""
         if not self.by_identity:
@@ -474,16 +492,31 @@ class _FamilyView:
         native = self.native
         seen: dict[Hashable, _Source] = {}
         for record in records:
-            values = _values(self.family, record, self._shown)
+            values = self._read(record)
             if values is None:
                 continue
-            labels, identity = self._label_values(record), record.identity()
+            labels, identity = keys.of(self, record)
             self.totals.add(labels, identity, values)
             if native is not None:
                 seen[identity] = native.source(identity, labels, values, value_of(record, self.family.value))
         self.totals.end_round()
         if native is not None:
             native.end_refresh(seen, self.totals.sums)
+
+
+class RecordKeys:
+    """One pass's label values and identity of each record: the families over one kind of record (six
+    for a process) share its label declaration, so a record's are worked out once per pass."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int], tuple[tuple[str, ...], Hashable]] = {}
+
+    def of(self, view: _FamilyView, record: Any) -> tuple[tuple[str, ...], Hashable]:
+        key = (id(view.family.labels), id(record))
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = (view.label_values(record), record.identity())
+        return known
 
 
 def _same(records: list[Any], last: list[Any]) -> bool:
@@ -554,12 +587,14 @@ class AgentCollector(Collector):
         """Adds one refresh's counters to the delta engine, scraped or not (feeding the same
         readings again, as the scrape that renders them does, adds nothing)."""
         with self._lock:
+            keys = RecordKeys()
             for view in self.views:
-                view.absorb(readings.of(view.family.record))
+                view.absorb(readings.of(view.family.record), keys)
             self.processes.end_round()
 
     def _render(self, readings: Readings) -> list[Table]:
-        rows = [view.rows(readings.of(view.family.record)) for view in self.views]
+        keys = RecordKeys()
+        rows = [view.rows(readings.of(view.family.record), keys) for view in self.views]
         self.processes.end_round()
         keep = self._most_kept(rows)
         families = [view.table(view_rows, keep) for view, view_rows in zip(self.views, rows, strict=True)]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from aiprobe.btf import dtype_of
 from aiprobe.loader import BpfObject
 from aiprobe.probes.flows.probe import MIN_RATE_WINDOW_NS, TopFlows
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
-from aiprobe.probes.flows.table import KEY_FIELDS, VALUE_FIELDS, FlowTable, dtype_of
+from aiprobe.probes.flows.table import KEY_FIELDS, VALUE_FIELDS, FlowTable
 
 IFINDEX, EGRESS, UDP = 7, 1, 17
 HEAVY, MIDDLE, LIGHT = 5001, 5002, 5003  # local ports of three flows

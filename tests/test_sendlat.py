@@ -36,6 +36,7 @@ from aiprobe.probes.sendlat.probe import (
     SendLatencySnapshot,
     TimingBudget,
 )
+from aiprobe.procfs import start_ticks
 from aiprobe.registry import catalog, rules
 from aiprobe.rules import RuleEngine, Signal
 from exported_histograms import assert_histograms_consistent
@@ -527,6 +528,19 @@ def test_sends_are_attributed_to_the_senders_cgroup(probe: SendLatencyProbe, pee
     [record] = records_of(probe.read(), sender.pid)
     assert record.cgroup_id == child_cgroup.stat().st_ino != 0
     assert record.count == 12
+
+
+@pytest.mark.bpf
+def test_a_process_start_time_is_the_one_proc_shows(probe: SendLatencyProbe, peer: str) -> None:
+    """The kernel side records each process's start; it must be /proc/PID/stat's, which the other
+    probes read, or a process's records would not join across probes."""
+    with sink(peer, "127.0.0.1") as to:
+        sender = subprocess.Popen(sender_cmd(peer, to, 3, 100, wait=True), stdin=subprocess.PIPE, text=True,
+                                  stdout=subprocess.DEVNULL)
+        started = start_ticks(sender.pid)
+        sender.communicate("go\n", timeout=30)
+    [record] = records_of(probe.read(), sender.pid)
+    assert record.count == 3 and record.start_ticks == started
 
 
 @pytest.mark.bpf

@@ -3,6 +3,7 @@ pushing alerts to Alertmanager and a JSON-lines log."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -21,6 +22,8 @@ from ..model import Alert
 from ..names import endpoint
 from ..registry import catalog, selectable_names
 from ..system import kernel_release
+
+YOUNG_GC_THRESHOLD = 50_000  # objects allocated (less freed) between young collections; Python's is 700
 
 log = logging.getLogger("aiprobe.agent")
 
@@ -70,6 +73,15 @@ def _raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def _collect_garbage_rarely() -> None:
+    """Once loaded: a refresh makes and drops thousands of records, each a few containers, and the
+    cyclic collector's default pace (a young collection every 700 of them) spent a quarter of the
+    exporter's CPU on them (benchmarks: 10k processes). References free them; cycles are few. So
+    what start-up made is set aside (never scanned again) and young collections come 70 times rarer."""
+    gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def run_agent(config: Config, ticks: Callable[[float | None, Callable[[], float]], Iterator[float]]) -> None:
     from aiprobe.exporters.alerts import AlertmanagerPusher, JsonLinesSink
     from aiprobe.exporters.http import AgentHTTPServer
@@ -103,6 +115,7 @@ def run_agent(config: Config, ticks: Callable[[float | None, Callable[[], float]
             log.info("probe %s: %s", name, status.strategy if status.up else f"unavailable ({status.reason})")
         agent.refresh()
         collector.absorb(agent.readings)
+        _collect_garbage_rarely()
         server.start()
         log.info("serving %s://%s/metrics (pid %d)", "https" if server.tls else "http",
                  endpoint(config.listen_address[0], server.port), os.getpid())

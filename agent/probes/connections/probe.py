@@ -240,7 +240,7 @@ def _timed(record: Listener, name: str, hist: Any) -> None:
     if hist is None:
         setattr(record, f"{name}_histogram", no_observations())
         return
-    fine = kernel_buckets(hist.slots[:])
+    fine = kernel_buckets(hist.slots)
     setattr(record, f"{name}_sum_seconds", hist.sum_ns / NS_PER_SECOND)
     setattr(record, f"{name}_p50_seconds", quantile(fine, 0.5))
     setattr(record, f"{name}_p99_seconds", quantile(fine, 0.99))

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import libbpf
+from ...btf import dtype_of
 from ...features import helper_available, network_features
 from ...libbpf import BpfError
 from ...loader import (
@@ -72,7 +73,7 @@ from ...supervisor import ATTACHMENTS, Backoff, attach_reason
 from .hooks import SNAPSHOT_FLOWS, FlowsHooks
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
 from .settings import FlowsSettings
-from .table import KEY_FIELDS, SUMMED, VALUE_FIELDS, FlowTable, dtype_of, raw_keys
+from .table import KEY_FIELDS, SUMMED, VALUE_FIELDS, FlowTable, raw_keys
 from .view import VIEW
 
 if TYPE_CHECKING:

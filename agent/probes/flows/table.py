@@ -11,7 +11,6 @@ the baseline read are kept per slot, moved on as the baseline does.
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -29,16 +28,6 @@ _INITIAL_SLOTS = 1024
 
 Slots = npt.NDArray[np.int64]
 Where = tuple[int, int]  # (ifindex, direction)
-
-
-def dtype_of(ctype: Any, names: tuple[str, ...]) -> np.dtype[Any]:
-    """A numpy dtype over these fields of a struct typed from BTF (its size, padding skipped)."""
-    formats = []
-    for name in names:
-        member = getattr(ctype, name)
-        formats.append(f"V{member.size}" if member.size == 16 else f"<u{member.size}")
-    offsets = [getattr(ctype, name).offset for name in names]
-    return np.dtype({"names": list(names), "formats": formats, "offsets": offsets, "itemsize": ctypes.sizeof(ctype)})
 
 
 def raw_keys(keys: memoryview, size: int, entries: npt.NDArray[np.intp]) -> list[bytes]:

@@ -10,6 +10,7 @@ switches it on in the host's object and reads map `request_stats`. docs/requests
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
@@ -17,6 +18,8 @@ import socket
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, exported_buckets, kernel_buckets, quantile
 from ...metrics import PROCESS_LABELS, Family, Getter
@@ -64,7 +67,7 @@ def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
     """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many)."""
     protocol = PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp"
     duration = value.duration
-    fine = kernel_buckets(duration.slots[:])
+    fine = kernel_buckets(duration.slots)
     kind = functools.partial(RpcRequests, grpc_status=key["rpc_status"] - 1) if protocol == "grpc" else HttpRequests
     return kind(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
@@ -79,7 +82,7 @@ def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
 
 def _client_requests(key: dict[str, Any], value: Any, started: int) -> ClientRequests:
     """One entry of `client_stats`."""
-    fine, ttfb = kernel_buckets(value.duration.slots[:]), kernel_buckets(value.ttfb.slots[:])
+    fine, ttfb = kernel_buckets(value.duration.slots), kernel_buckets(value.ttfb.slots)
     return ClientRequests(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"],
         server_address=ip_text(bytes(key["addr"]), key["family"] == socket.AF_INET6), server_port=key["port"],
@@ -98,16 +101,16 @@ def _statuses(records: list[Requests]) -> dict[str, int]:
     return dict(sorted(statuses.items()))
 
 
-def _endpoints(entries: Iterable[tuple[Requests, list[int]]]) -> list[RequestEndpoint]:
+def _endpoints(entries: Iterable[tuple[Requests, ctypes.Array[Any]]]) -> list[RequestEndpoint]:
     """Per (process, port, protocol): the entries' counts by status class, quantiles over their slots."""
-    groups: dict[tuple[int, int, int, str], list[tuple[Requests, list[int]]]] = defaultdict(list)
+    groups: dict[tuple[int, int, int, str], list[tuple[Requests, ctypes.Array[Any]]]] = defaultdict(list)
     for record, slots in entries:
         groups[(record.pid, record.cgroup_id, record.port, record.protocol)].append((record, slots))
     endpoints = []
     for members in groups.values():
         first = members[0][0]
         columns = [slots for _, slots in members]
-        merged = kernel_buckets(columns[0] if len(columns) == 1 else [sum(c) for c in zip(*columns, strict=True)])
+        merged = kernel_buckets(np.sum([np.asarray(c, dtype=np.uint64) for c in columns], axis=0))
         records = [record for record, _ in members]
         endpoints.append(RequestEndpoint(
             pid=first.pid, comm=first.comm, cgroup_id=first.cgroup_id, port=first.port, protocol=first.protocol,
@@ -148,7 +151,7 @@ class RequestsProbe(InStreamLogic):
         """Everything counted since start; entries of exited processes are reported once more, then deleted."""
         served, sent = self._entries_of("request_stats"), self._entries_of("client_stats")
         self._counted = {"request_stats": len(served), "client_stats": len(sent)}
-        entries = [(_requests(key, value, self._starts.of(key["tgid"])), value.duration.slots[:])
+        entries = [(_requests(key, value, self._starts.of(key["tgid"])), value.duration.slots)
                    for key, value in served]
         clients = [_client_requests(key, value, self._starts.of(key["tgid"])) for key, value in sent]
         self._starts.keep_only({key["tgid"] for key, _ in [*served, *sent]})

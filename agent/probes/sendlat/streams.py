@@ -54,7 +54,7 @@ STRATEGIES = (
 def _endpoint(key: dict[str, Any], value: Any, started: int) -> StreamEndpoint:
     """One endpoint from its `stream_stats` entry (a BTF ctypes struct, read field by field, as
     sendlat's processes are: decoding it whole costs a third of the read)."""
-    ttfb, gap, duration = (kernel_buckets(hist.slots[:]) for hist in (value.ttfb, value.gap, value.duration))
+    ttfb, gap, duration = (kernel_buckets(hist.slots) for hist in (value.ttfb, value.gap, value.duration))
     return StreamEndpoint(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         protocol=PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp",
@@ -73,7 +73,7 @@ def _endpoint(key: dict[str, Any], value: Any, started: int) -> StreamEndpoint:
 
 def _handshakes(key: dict[str, Any], value: Any, started: int) -> TlsHandshakes:
     """One process's TLS handshakes from its `stream_stats` entry (as _endpoint reads it)."""
-    handshake = kernel_buckets(value.handshake.slots[:])
+    handshake = kernel_buckets(value.handshake.slots)
     return TlsHandshakes(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         tls_version=TLS_VERSIONS[key["tls_version"]], count=value.handshake.count,
