@@ -84,8 +84,9 @@ class Totals(Generic[Labels]):
         self._seen: set[Labels] = set()
         self._seen_at: dict[Labels, float] = {}
 
-    def add(self, labels: Labels, source: Hashable, values: Values) -> None:
-        """Add the source's increase to its label set."""
+    def add(self, labels: Labels, source: Hashable, values: Values) -> bool:
+        """Add the source's increase to its label set; returns whether all its values counted (a new or
+        restarted source)."""
         self._seen.add(labels)
         current = self.sums.get(labels)
         if current is None or len(current) != len(values):  # a new label set, or a new layout: start over
@@ -93,6 +94,7 @@ class Totals(Generic[Labels]):
         added = self.deltas.added(source, values)
         if added is not None:
             current[:] = map(operator.add, current, added)
+        return added is values
 
     def end_round(self) -> None:
         self.deltas.end_round()

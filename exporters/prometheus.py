@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from aiprobe.config import Config
-from aiprobe.deltas import Totals, restarted
+from aiprobe.deltas import Totals
 from aiprobe.exporters import protobuf
 from aiprobe.exporters.series_budget import Folding, Row, most_kept
 from aiprobe.histogram import NATIVE_BOUNDS, CumulativeBuckets, bucket_indices, counts_of, nearest_exported
@@ -200,7 +200,13 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
-_number: Callable[[float], str] = floatToGoString  # a sample's value as Go (and generate_latest) writes it
+_go_float: Callable[[float], str] = floatToGoString
+
+
+def _number(value: float) -> str:
+    """A sample's value as Go (and generate_latest) writes it: below a million (every bucket count of a
+    quiet node), as Python's repr, which floatToGoString returns there after its checks."""
+    return repr(float(value)) if 0.0 <= value < 1e6 else _go_float(value)
 
 
 @dataclass
@@ -333,12 +339,11 @@ NATIVE_ROUND_SECONDS = 60.0  # the longest a source's native counts wait for the
 
 class _Source(NamedTuple):
     """A histogram's source as its last refresh saw it: its key in the native totals (its identity
-    and the refresh it began or restarted in), labels, shown values and its native counts (None: it has
-    none, and its label set goes out classic only)."""
+    and the refresh it began or restarted in), labels and its native counts (None: it has none, and its
+    label set goes out classic only)."""
 
     key: tuple[Hashable, int]
     labels: tuple[str, ...]
-    values: array[float]
     native: array[int] | None
 
 
@@ -357,19 +362,17 @@ class NativeTotals:
         self._refresh = 0
         self._caught_up = time.monotonic()
 
-    def source(self, identity: Hashable, labels: tuple[str, ...], values: array[float],
-               buckets: Sequence[tuple[float, float]]) -> _Source:
-        """A source of this refresh, with its shown `values` (as the delta engine got them)."""
+    def source(self, identity: Hashable, labels: tuple[str, ...], buckets: Sequence[tuple[float, float]],
+               started: bool) -> _Source:
+        """A source of this refresh; `started`: the shown totals' delta engine took all its values, as
+        those of a new or restarted source (then a new source here too, from this refresh)."""
         native = buckets.native if isinstance(buckets, CumulativeBuckets) else None
         last = self._latest.get(identity)
-        if last is None:
-            return _Source((identity, self._refresh), labels, values, native)
-        if restarted(values, last.values):
-            self._feed(last)  # a restart, as the delta engine judges one: a new source from here
-            return _Source((identity, self._refresh), labels, values, native)
-        if labels != last.labels:
+        if last is not None and (started or labels != last.labels):
             self._feed(last)
-        return _Source(last.key, labels, values, native)
+        if last is None or started:
+            return _Source((identity, self._refresh), labels, native)
+        return _Source(last.key, labels, native)
 
     def end_refresh(self, seen: dict[Hashable, _Source], shown: dict[tuple[str, ...], list[float]]) -> None:
         """After a refresh's sources (`seen`): feeds those that left, and drops the label sets the
@@ -496,9 +499,9 @@ class _FamilyView:
             if values is None:
                 continue
             labels, identity = keys.of(self, record)
-            self.totals.add(labels, identity, values)
+            started = self.totals.add(labels, identity, values)
             if native is not None:
-                seen[identity] = native.source(identity, labels, values, value_of(record, self.family.value))
+                seen[identity] = native.source(identity, labels, value_of(record, self.family.value), started)
         self.totals.end_round()
         if native is not None:
             native.end_refresh(seen, self.totals.sums)

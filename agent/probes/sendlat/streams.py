@@ -8,7 +8,6 @@ and reads the per-endpoint aggregates (port, protocol, process, cgroup) and the 
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
@@ -110,6 +109,7 @@ class InStreamLogic(Probe):
         self._host = host
         self._entries = 0
         self._starts = StartTimes()
+        self._keys: dict[str, dict[bytes, dict[str, Any]]] = {}  # map -> its keys decoded, by their bytes
 
     def _host_loaded(self) -> Loaded | None:
         return self._host.loaded if self._host is not None else None
@@ -132,10 +132,17 @@ class InStreamLogic(Probe):
     def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
         """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it
         (reported this once more)."""
-        stats = self._obj().maps[name]
-        entries = [(raw, btf.decode(raw), value) for raw, value in stats.items()]
-        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
-        return [(key, value) for _, key, value in entries]
+        stats, known = self._obj().maps[name], self._keys.get(name, {})
+        entries = [(raw, known.get(packed) or btf.decode(raw), value, packed)
+                   for raw, value in stats.items() for packed in (bytes(raw),)]
+        self._keys[name] = {packed: key for _, key, _, packed in entries}
+        stats.delete_keys(raw for raw, key, _, _ in entries if self._gone(key["tgid"]))
+        return [(key, value) for _, key, value, _ in entries]
+
+    def _gone(self, pid: int) -> bool:
+        """Whether `pid` had exited when this round first read its start (one read per process and round)."""
+        self._starts.of(pid)
+        return self._starts.gone(pid)
 
     def _counter(self, name: str) -> int:
         """Counter `name` of map `stream_counters` (enum stream_counter's name in lower case, no prefix)."""
