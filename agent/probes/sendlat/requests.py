@@ -10,7 +10,6 @@ switches it on in the host's object and reads map `request_stats`. docs/requests
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import math
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, exported_buckets, kernel_buckets, quantile
+from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, KernelBuckets, exported_buckets, kernel_buckets, quantile
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -63,8 +62,9 @@ def _method(code: int) -> str:
     return METHODS[code] if code < len(METHODS) else "_OTHER"
 
 
-def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
-    """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many)."""
+def _requests(key: dict[str, Any], value: Any, started: int) -> tuple[Requests, KernelBuckets]:
+    """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many),
+    and its durations at full resolution (for its endpoint's quantiles)."""
     protocol = PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp"
     duration = value.duration
     fine = kernel_buckets(duration.slots)
@@ -77,7 +77,7 @@ def _requests(key: dict[str, Any], value: Any, started: int) -> Requests:
         duration_histogram=exported_buckets(fine), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
         durations_unknown=value.durations_unknown, request_bytes=value.request_bytes,
         response_bytes=value.response_bytes, start_ticks=started,
-    )
+    ), fine
 
 
 def _client_requests(key: dict[str, Any], value: Any, started: int) -> ClientRequests:
@@ -101,16 +101,16 @@ def _statuses(records: list[Requests]) -> dict[str, int]:
     return dict(sorted(statuses.items()))
 
 
-def _endpoints(entries: Iterable[tuple[Requests, ctypes.Array[Any]]]) -> list[RequestEndpoint]:
-    """Per (process, port, protocol): the entries' counts by status class, quantiles over their slots."""
-    groups: dict[tuple[int, int, int, str], list[tuple[Requests, ctypes.Array[Any]]]] = defaultdict(list)
-    for record, slots in entries:
-        groups[(record.pid, record.cgroup_id, record.port, record.protocol)].append((record, slots))
+def _endpoints(entries: Iterable[tuple[Requests, KernelBuckets]]) -> list[RequestEndpoint]:
+    """Per (process, port, protocol): the entries' counts by status class, quantiles over their durations."""
+    groups: dict[tuple[int, int, int, str], list[tuple[Requests, KernelBuckets]]] = defaultdict(list)
+    for record, fine in entries:
+        groups[(record.pid, record.cgroup_id, record.port, record.protocol)].append((record, fine))
     endpoints = []
     for members in groups.values():
-        first = members[0][0]
-        columns = [slots for _, slots in members]
-        merged = kernel_buckets(np.sum([np.asarray(c, dtype=np.uint64) for c in columns], axis=0))
+        first, merged = members[0]
+        if len(members) > 1:  # cumulative counts add up as the slots do
+            merged = KernelBuckets(np.sum([fine.cumulative for _, fine in members], axis=0))
         records = [record for record, _ in members]
         endpoints.append(RequestEndpoint(
             pid=first.pid, comm=first.comm, cgroup_id=first.cgroup_id, port=first.port, protocol=first.protocol,
@@ -151,8 +151,7 @@ class RequestsProbe(InStreamLogic):
         """Everything counted since start; entries of exited processes are reported once more, then deleted."""
         served, sent = self._entries_of("request_stats"), self._entries_of("client_stats")
         self._counted = {"request_stats": len(served), "client_stats": len(sent)}
-        entries = [(_requests(key, value, self._starts.of(key["tgid"])), value.duration.slots)
-                   for key, value in served]
+        entries = [_requests(key, value, self._starts.of(key["tgid"])) for key, value in served]
         clients = [_client_requests(key, value, self._starts.of(key["tgid"])) for key, value in sent]
         self._starts.keep_only({key["tgid"] for key, _ in [*served, *sent]})
         records = [record for record, _ in entries]
