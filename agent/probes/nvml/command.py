@@ -37,6 +37,11 @@ def print_text(snapshot: GpuSnapshot) -> None:
                                   ("mode", "compute_mode"), ("clock events", "clock_event_reasons")))
         click.echo("  " + _values(gpu, ("context switches", "context_switches_per_second"),
                                   ("switching", "context_switching_ratio"), ("per switch", "context_switch_seconds")))
+        if g.lost:
+            click.echo("  LOST: NVML answers GPU_IS_LOST (fell off the bus): drain the node, reset or reboot")
+    for event in snapshot.events:
+        click.echo(f"GPU {event.gpu_index} {event.event} {'' if event.xid is None else event.xid}: "
+                   f"{event.meaning}; {event.action or '-'}")
     click.echo("")
     for line in record_table((process.to_dict() for process in snapshot.processes), PROCESS_FIELDS):
         click.echo(line)

@@ -1,0 +1,128 @@
+"""GPU failures through the real pynvml and the stand-in libnvidia-ml.so.1 (tests/fixtures/nvml_libnvidia_ml.c):
+Xid and ECC events from NVML's event API, a GPU NVML answers GPU_IS_LOST for. The truth is the stand-in's own
+record of the events it delivered (FAKE_NVML_EVENTS_DELIVERED)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from aiprobe.probes.nvml.events import XIDS
+from helpers import wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from servers import AIPROBE, Agent
+from test_nvml import A100_UUID, H100_UUID
+
+XID_EVENT, SINGLE_BIT_ECC, DOUBLE_BIT_ECC = 8, 1, 2  # nvmlEventType* bits
+WHOLE = {"GPU_I_ID": "", "GPU_I_PROFILE": "", "GPU_CI_ID": ""}
+UUIDS = {"0": H100_UUID, "1": A100_UUID}
+
+
+class Events:
+    """The stand-in's event file (what NVML will deliver) and its record of what it delivered."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.source = tmp_path / "events"
+        self.delivered = tmp_path / "delivered"
+        self.source.write_text("")
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"FAKE_NVML_EVENTS": str(self.source), "FAKE_NVML_EVENTS_DELIVERED": str(self.delivered)}
+
+    def send(self, *events: tuple[int, int, int]) -> None:
+        """(device, nvmlEventType bit, Xid) each."""
+        with self.source.open("a") as out:
+            out.write("".join(" ".join(map(str, event)) + "\n" for event in events))
+
+    def delivered_xids(self) -> Counter[tuple[str, str]]:
+        """(gpu, xid) -> Xid events the stand-in delivered."""
+        lines = self.delivered.read_text().split("\n") if self.delivered.exists() else []
+        return Counter((fields[0], fields[2]) for fields in map(str.split, lines)
+                       if fields and int(fields[1]) == XID_EVENT)
+
+
+@pytest.fixture
+def events(tmp_path) -> Events:
+    return Events(tmp_path)
+
+
+def _series(metrics: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(sample.labels.items())): sample.value for metric in text_string_to_metric_families(metrics)
+            for sample in metric.samples if sample.name == family}
+
+
+def _xid_counts(metrics: str) -> Counter[tuple[str, str]]:
+    counts: Counter[tuple[str, str]] = Counter()
+    for labels, value in _series(metrics, "aiprobe_gpu_xid_errors_total").items():
+        named = dict(labels)
+        assert (named["uuid"], {k: named[k] for k in WHOLE}) == (UUIDS[named["gpu"]], WHOLE)
+        counts[(named["gpu"], named["xid"])] += int(value)
+    return counts
+
+
+SENT = [(0, XID_EVENT, 31), (0, XID_EVENT, 31), (1, XID_EVENT, 48), (0, XID_EVENT, 79)]
+
+
+def test_xids_are_counted_by_xid_with_their_meaning_and_action(nvml_env, events, tmp_path) -> None:
+    """Xids 31 (twice), 48 and 79 through the event API: counts by GPU and Xid equal to what the stand-in
+    delivered; an ECC event of GPU 1, which gives only Xid events, is not delivered; the last events
+    carry what each Xid means and NVIDIA's action, in the snapshot and in top."""
+    env = {**nvml_env, **events.env}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env, args=("--dcgm-compatible",)) as agent:
+        events.send(*SENT, (0, SINGLE_BIT_ECC, 0), (1, DOUBLE_BIT_ECC, 0))
+        assert wait_until(lambda: sum(_xid_counts(agent.metrics()).values()) == len(SENT), timeout=15)
+        metrics = agent.metrics()
+        snapshot = agent.snapshot()
+        top = subprocess.run([AIPROBE, "top", "--batch", "--iterations", "1", "--connect", agent.url],
+                             capture_output=True, text=True, check=True).stdout
+    truth = events.delivered_xids()
+    assert truth == {("0", "31"): 2, ("1", "48"): 1, ("0", "79"): 1}
+    assert _xid_counts(metrics) == truth
+    assert _series(metrics, "aiprobe_gpu_ecc_error_events_total") == {
+        tuple(sorted({"gpu": "0", "uuid": H100_UUID, **WHOLE, "type": "single_bit_ecc"}.items())): 1}
+    last = {dict(labels)["gpu"]: value for labels, value in _series(metrics, "DCGM_FI_DEV_XID_ERRORS").items()}
+    assert last == {"0": 79, "1": 48}
+    recent = [(e["gpu_index"], e["event"], e["xid"], e["meaning"], e["action"]) for e in snapshot["gpu_events"]]
+    assert recent == [(device, "xid", xid, *XIDS[xid]) for device, _, xid in SENT] + \
+        [(0, "single_bit_ecc", None, "single-bit ECC error (corrected)", "none; watch the GPU's ECC counts")]
+    assert [gpu["last_xid"] for gpu in snapshot["gpus"]] == [79, 48]
+    shown = top[top.index("\nGPU EVENTS\n"):]
+    assert "GPU has fallen off the bus" in shown and "restart the application" in shown
+
+
+def test_refused_registration_is_a_reason_in_the_status(nvml_env) -> None:
+    script = ("from aiprobe.probes.nvml.probe import NvmlProbe\n"
+              "with NvmlProbe() as probe:\n    print(probe.status().span)\n")
+    span = subprocess.run([sys.executable, "-c", script], env={**nvml_env, "FAKE_NVML_REFUSE_EVENTS": "1"},
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert span.split("; ")[-2:] == [
+        f"GPU {i} ({name}): NVML refused its events (Not Supported), so no Xid errors"
+        for i, name in enumerate(("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"))]
+
+
+def test_a_lost_gpu_stays_in_the_metrics(nvml_env, events, tmp_path) -> None:
+    """Xid 79, then GPU_IS_LOST on every call to GPU 0: it keeps its series, aiprobe_gpu_lost 1; the other GPU
+    0; NVML still counts 2 GPUs. The agent stops cleanly, its event thread too."""
+    lost = tmp_path / "lost"
+    env = {**nvml_env, **events.env, "FAKE_NVML_LOST": str(lost)}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env) as agent:
+        assert wait_until(lambda: _series(agent.metrics(), "aiprobe_gpu_lost"))
+        events.send((0, XID_EVENT, 79))
+        lost.write_text("0\n")
+        assert wait_until(lambda: 1 in _series(agent.metrics(), "aiprobe_gpu_lost").values(), timeout=15)
+        metrics = agent.metrics()
+        text = subprocess.run([AIPROBE, "gpus"], env=env, capture_output=True, text=True, check=True).stdout
+    assert agent.process.returncode == 0
+    assert "Traceback" not in agent.log.read_text()
+    assert {dict(labels)["uuid"]: value for labels, value in _series(metrics, "aiprobe_gpu_lost").items()} == \
+        {H100_UUID: 1, A100_UUID: 0}
+    assert list(_series(metrics, "aiprobe_gpus").values()) == [2]
+    assert _xid_counts(metrics) == events.delivered_xids() == {("0", "79"): 1}
+    # Nothing else is known of it: its other series are gone; GPU 1's stay.
+    assert [dict(labels)["gpu"] for labels in _series(metrics, "aiprobe_gpu_memory_used_bytes")] == ["1"]
+    # A GPU lost before `aiprobe gpus` starts: listed, lost, its UUID unknown.
+    assert "LOST: NVML answers GPU_IS_LOST" in text
