@@ -126,3 +126,51 @@ def test_a_lost_gpu_stays_in_the_metrics(nvml_env, events, tmp_path) -> None:
     assert [dict(labels)["gpu"] for labels in _series(metrics, "aiprobe_gpu_memory_used_bytes")] == ["1"]
     # A GPU lost before `aiprobe gpus` starts: listed, lost, its UUID unknown.
     assert "LOST: NVML answers GPU_IS_LOST" in text
+
+
+# The stand-in's GPU 0 error counts (FAKE_NVML_ERRORS, in its order) and what each becomes on /metrics.
+ERRORS = {"ecc_corrected_volatile": 11, "ecc_uncorrected_volatile": 2, "ecc_corrected_aggregate": 130,
+          "ecc_uncorrected_aggregate": 4, "remapped_rows_corrected": 6, "remapped_rows_uncorrected": 2,
+          "row_remap_pending": 1, "row_remap_failure": 0, "pcie_replays": 9}
+SERIES = {("aiprobe_gpu_ecc_errors_total", "corrected"): "ecc_corrected_volatile",
+          ("aiprobe_gpu_ecc_errors_total", "uncorrected"): "ecc_uncorrected_volatile",
+          ("aiprobe_gpu_ecc_aggregate_errors_total", "corrected"): "ecc_corrected_aggregate",
+          ("aiprobe_gpu_ecc_aggregate_errors_total", "uncorrected"): "ecc_uncorrected_aggregate",
+          ("aiprobe_gpu_remapped_rows_total", "corrected"): "remapped_rows_corrected",
+          ("aiprobe_gpu_remapped_rows_total", "uncorrected"): "remapped_rows_uncorrected",
+          ("aiprobe_gpu_row_remap_pending", ""): "row_remap_pending",
+          ("aiprobe_gpu_row_remap_failed", ""): "row_remap_failure",
+          ("aiprobe_gpu_pcie_replays_total", ""): "pcie_replays",
+          ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", ""): "ecc_corrected_volatile",
+          ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", ""): "ecc_uncorrected_volatile",
+          ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", ""): "ecc_corrected_aggregate",
+          ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", ""): "ecc_uncorrected_aggregate",
+          ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", ""): "remapped_rows_corrected",
+          ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", ""): "remapped_rows_uncorrected",
+          ("DCGM_FI_DEV_ROW_REMAP_PENDING", ""): "row_remap_pending",
+          ("DCGM_FI_DEV_ROW_REMAP_FAILURE", ""): "row_remap_failure",
+          ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", ""): "pcie_replays"}
+
+
+def _error_series(metrics: str) -> dict[tuple[str, str, str], float]:
+    """(family, gpu, error) -> value of every memory error series on /metrics."""
+    families = {family for family, _ in SERIES}
+    return {(sample.name, sample.labels["gpu"], sample.labels.get("error", "")): sample.value
+            for metric in text_string_to_metric_families(metrics) for sample in metric.samples
+            if sample.name in families}
+
+
+def test_memory_errors_are_the_stand_ins_and_a_gpu_without_them_says_why(nvml_env, tmp_path) -> None:
+    """GPU 0's ECC, row remapping and PCIe replay counts equal the stand-in's, under aiprobe's and dcgm-exporter's
+    names; GPU 1 (ECC off, no row remapping) has only its replays, and the reason for the rest, not zeros."""
+    counts = tmp_path / "errors"
+    counts.write_text(" ".join(map(str, ERRORS.values())) + "\n")
+    env = {**nvml_env, "FAKE_NVML_ERRORS": str(counts)}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env, args=("--dcgm-compatible",)) as agent:
+        assert wait_until(lambda: _error_series(agent.metrics()))
+        metrics, snapshot = agent.metrics(), agent.snapshot()
+    assert _error_series(metrics) == {
+        **{(family, "0", error): ERRORS[field] for (family, error), field in SERIES.items()},
+        ("aiprobe_gpu_pcie_replays_total", "1", ""): 3, ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "1", ""): 3}
+    assert [gpu["memory_errors_reason"] for gpu in snapshot["gpus"]] == \
+        ["", "ECC is off; no row remapping (Ampere or newer)"]

@@ -41,7 +41,10 @@ def every_kind_of_reading() -> Readings:
     """One record of each kind, so every family the exporter can build has a sample."""
     flow = FlowRecord("eth0", "ingress", "tcp", "a", 1, "b", 2, 10, 1, 1.0, 1.0, 0, 0.0, 0.0, tcp_syn=1)
     gpu = GpuInfo(0, "u", "n", 0.5, 0.5, 2, 1, 1, 1.0, 1.0, 1, 1, ["sw_power_cap"], 1, 1,
-                  engines=[GpuEngine(0, 10.0, 0.01, 0.001)], lost=False, last_xid=79)
+                  engines=[GpuEngine(0, 10.0, 0.01, 0.001)], lost=False, last_xid=79, ecc_corrected_volatile=1,
+                  ecc_uncorrected_volatile=1, ecc_corrected_aggregate=1, ecc_uncorrected_aggregate=1,
+                  remapped_rows_corrected=1, remapped_rows_uncorrected=1, row_remap_pending=False,
+                  row_remap_failure=False, pcie_replays=1)
     return Readings(
         records={
             "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, []),

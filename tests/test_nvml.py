@@ -57,6 +57,10 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
         "memory_clock_hz": 2_619_000_000, "clock_event_reasons": ["sw_power_cap", "sw_thermal_slowdown"],
         "pcie_tx_bytes_per_second": 123456 * 1024, "pcie_rx_bytes_per_second": 654321 * 1024,
         "compute_mode": "exclusive_process", "lost": False, "last_xid": None,
+        # The fake's memory error counts (nvml_libnvidia_ml.c: error_counts).
+        "ecc_corrected_volatile": 7, "ecc_uncorrected_volatile": 0, "ecc_corrected_aggregate": 42,
+        "ecc_uncorrected_aggregate": 1, "remapped_rows_corrected": 3, "remapped_rows_uncorrected": 1,
+        "row_remap_pending": False, "row_remap_failure": False, "pcie_replays": 5, "memory_errors_reason": "",
         # GPM, between the two samples `aiprobe gpus` takes on a GPU that has it: engine 0's counters
         # as NVML gives them, then each engine's in base units (cycles at the 1980 MHz SM clock).
         "gpm_context_switch_requests": 160.0, "gpm_context_switch_cycles_per_request": 49500.0,

@@ -16,6 +16,11 @@ from .records import GpuSnapshot
 PROCESS_FIELDS = ("gpu_index", "gpu_instance_id", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio",
                   "memory_utilization_ratio")
 
+MEMORY_ERRORS = (("ecc corrected", "ecc_corrected_volatile"), ("uncorrected", "ecc_uncorrected_volatile"),
+                 ("remapped rows", "remapped_rows_corrected"), ("uncorrected", "remapped_rows_uncorrected"),
+                 ("remap pending", "row_remap_pending"), ("failed", "row_remap_failure"),
+                 ("pcie replays", "pcie_replays"))
+
 
 def _values(gpu: dict[str, Any], *pairs: tuple[str, str]) -> str:
     return "  ".join(f"{name} {field(key, gpu[key])}" for name, key in pairs)
@@ -37,6 +42,9 @@ def print_text(snapshot: GpuSnapshot) -> None:
                                   ("mode", "compute_mode"), ("clock events", "clock_event_reasons")))
         click.echo("  " + _values(gpu, ("context switches", "context_switches_per_second"),
                                   ("switching", "context_switching_ratio"), ("per switch", "context_switch_seconds")))
+        click.echo("  " + _values(gpu, *MEMORY_ERRORS))
+        if g.memory_errors_reason:
+            click.echo(f"  not counted: {g.memory_errors_reason}")
         if g.lost:
             click.echo("  LOST: NVML answers GPU_IS_LOST (fell off the bus): drain the node, reset or reboot")
     for event in snapshot.events:

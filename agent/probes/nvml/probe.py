@@ -306,6 +306,7 @@ class NvmlProbe(Probe):
             compute_mode=None if mode is None else COMPUTE_MODES.get(mode, str(mode)),
             lost=gpu.lost,
             last_xid=self._events.last_xid(gpu.uuid),
+            **_memory_errors(gpu),
             **_gr0_counters(engines.get(0)),
             **_gpu_switching([_engine(engine, counters, clocks["sm_clock"]) for engine, counters in engines.items()]),
             cuda_active_contexts=None,  # joined by the agent from the cuda probe
@@ -354,6 +355,38 @@ class NvmlProbe(Probe):
         if self._initialized:
             self._initialized = False
             pynvml.nvmlShutdown()
+
+
+ECC_ERRORS = (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+              ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+ECC_COUNTERS = (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC))
+
+
+def _ecc(gpu: _Gpu) -> tuple[dict[str, int | None], str]:
+    """The GPU's ECC counts (GpuInfo's `ecc_*`), and why it has none ("" where it has them)."""
+    mode = gpu.query("ecc", lambda: pynvml.nvmlDeviceGetEccMode(gpu.handle))
+    counts = {f"ecc_{error}_{counter}": gpu.query("ecc", partial(pynvml.nvmlDeviceGetTotalEccErrors, gpu.handle,
+                                                                 error_type, counter_type))
+              if mode and mode[0] else None
+              for counter, counter_type in ECC_COUNTERS for error, error_type in ECC_ERRORS}
+    if "ecc" in gpu.disabled:
+        return counts, "no ECC"
+    return counts, "ECC is off" if mode is not None and not mode[0] else ""
+
+
+def _memory_errors(gpu: _Gpu) -> dict[str, Any]:
+    """ECC counts, row remapping and PCIe replays where the GPU has them (GpuInfo's fields); the reason
+    names those it has not (not zeros)."""
+    ecc, ecc_reason = _ecc(gpu)
+    rows = gpu.query("row_remapping", lambda: pynvml.nvmlDeviceGetRemappedRows(gpu.handle))
+    replays = gpu.query("pcie_replays", lambda: pynvml.nvmlDeviceGetPcieReplayCounter(gpu.handle))
+    reasons = [ecc_reason, "no row remapping (Ampere or newer)" if "row_remapping" in gpu.disabled else "",
+               "no PCIe replay counter" if "pcie_replays" in gpu.disabled else ""]
+    corrected, uncorrected, pending, failure = rows or (None,) * 4
+    return {**ecc, "remapped_rows_corrected": corrected, "remapped_rows_uncorrected": uncorrected,
+            "row_remap_pending": None if rows is None else bool(pending),
+            "row_remap_failure": None if rows is None else bool(failure),
+            "pcie_replays": replays, "memory_errors_reason": "; ".join(reason for reason in reasons if reason)}
 
 
 def _gpu_count() -> int | None:
@@ -519,6 +552,8 @@ PROCESS_SHARE_NOTE = ("The mean of NVML's per-process samples since the previous
                       "gives no per-process samples. On a time-sliced GPU, each process's share. "
                       "`attribution`: `nvml` (NVML's samples of the process), or `cuda_launches` (an MPS client, "
                       "which NVML does not list: the MPS server's share split by the clients' kernel launches).")
+MEMORY_ERRORS_NOTE = ("None for a GPU without it (the snapshot's `memory_errors_reason` says why), never zeros; "
+                      "a GPU's only, not its MIG instances'.")
 EVENT_NOTE = ("Counted since the agent started, from NVML's event set (nvmlEventSetWait); none for a GPU whose "
               "registration NVML refuses (the probe's status says so). The MIG labels are the instance's where "
               "NVML names one.")
@@ -536,6 +571,17 @@ _EVENT_LABELS: tuple[tuple[str, Getter], ...] = (("gpu", "gpu_index"), ("uuid", 
 
 def _event_count(*events: str) -> Callable[[GpuEventCount], int | None]:
     return lambda counted: counted.count if counted.event in events else None
+
+
+def _flag(name: str) -> Callable[[GpuInfo], int | None]:
+    return lambda gpu: None if (value := getattr(gpu, name)) is None else int(value)
+
+
+def _error_counter(name: str, counter: str, help_text: str) -> Family:
+    """NVML's ECC counts of one kind (volatile or aggregate), by `error`."""
+    return Family(name, "counter", help_text, GpuInfo, labels=_GPU_LABELS, expand_label="error",
+                  expand=tuple((error, f"ecc_{error}_{counter}") for error, _ in ECC_ERRORS),
+                  doc_note=MEMORY_ERRORS_NOTE)
 
 
 def _reason_active(reason: str) -> Callable[[GpuInfo], int | None]:
@@ -576,6 +622,23 @@ METRICS = (
     Family("aiprobe_gpu_ecc_error_events_total", "counter",
            "Single- and double-bit ECC errors NVML reported as events (`type`: single_bit_ecc, double_bit_ecc).",
            GpuEventCount, _event_count(*ECC_EVENTS), (*_EVENT_LABELS, ("type", "event")), doc_note=EVENT_NOTE),
+    _error_counter("aiprobe_gpu_ecc_errors_total", "volatile",
+                   "ECC errors of a GPU's memory since the driver loaded (NVML's volatile counts), by `error`: "
+                   "corrected (single-bit) or uncorrected (double-bit)."),
+    _error_counter("aiprobe_gpu_ecc_aggregate_errors_total", "aggregate",
+                   "ECC errors of a GPU's memory over its life (NVML's aggregate counts), by `error`."),
+    Family("aiprobe_gpu_remapped_rows_total", "counter",
+           "Memory rows a GPU remapped to spare rows, by the `error` that caused it: corrected or uncorrected.",
+           GpuInfo, labels=_GPU_LABELS, expand_label="error",
+           expand=(("corrected", "remapped_rows_corrected"), ("uncorrected", "remapped_rows_uncorrected")),
+           doc_note=MEMORY_ERRORS_NOTE),
+    _gauge("aiprobe_gpu_row_remap_pending", _flag("row_remap_pending"),
+           "1 while a row remapping waits for the GPU's reset to take effect."),
+    _gauge("aiprobe_gpu_row_remap_failed", _flag("row_remap_failure"),
+           "1 once a row remapping failed (no spare row left): the GPU needs replacing."),
+    Family("aiprobe_gpu_pcie_replays_total", "counter",
+           "PCIe transfers a GPU replayed after link errors (NVML's replay counter).", GpuInfo, "pcie_replays",
+           _GPU_LABELS, doc_note=MEMORY_ERRORS_NOTE),
     _process_gauge("aiprobe_gpu_process_memory_used_bytes", "used_memory_bytes", "GPU memory used by processes."),
     _process_gauge("aiprobe_gpu_process_sm_utilization_ratio", "sm_utilization_ratio",
                    "Fraction of time a kernel of these processes ran on the GPU's SMs, between two refreshes.",
@@ -593,6 +656,21 @@ METRICS = (
     _dcgm("DCGM_FI_DEV_MEM_CLOCK", "memory_clock_hz", "Memory clock frequency (in MHz).", scale=1e-6),
     _dcgm("DCGM_FI_DEV_XID_ERRORS", _whole_gpu(lambda gpu: gpu.last_xid or 0),
           "Value of the last XID error encountered."),
+    _dcgm("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "ecc_corrected_volatile", "Total number of single-bit volatile ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "ecc_uncorrected_volatile",
+          "Total number of double-bit volatile ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "ecc_corrected_aggregate",
+          "Total number of single-bit persistent ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "ecc_uncorrected_aggregate",
+          "Total number of double-bit persistent ECC errors."),
+    _dcgm("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "remapped_rows_corrected",
+          "Number of remapped rows for correctable errors."),
+    _dcgm("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "remapped_rows_uncorrected",
+          "Number of remapped rows for uncorrectable errors."),
+    _dcgm("DCGM_FI_DEV_ROW_REMAP_FAILURE", _flag("row_remap_failure"),
+          "Whether remapping of rows has failed."),
+    _dcgm("DCGM_FI_DEV_ROW_REMAP_PENDING", _flag("row_remap_pending"), "Whether remapping of rows is pending."),
+    _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "pcie_replays", "Total number of PCIe retries."),
 )
 
 SPEC = ProbeSpec(

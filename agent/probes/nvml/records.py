@@ -57,6 +57,19 @@ class GpuInfo(Record):
     # until the driver is reloaded), and its last Xid since the agent started (NVML's events).
     lost: bool | None = None
     last_xid: int | None = None
+    # A GPU's memory errors where it counts them: ECC errors since the driver loaded (volatile) and over
+    # its life (aggregate), rows remapped for corrected and uncorrected errors, a remapping pending (a
+    # reset applies it) or failed, PCIe replays; `memory_errors_reason` says which it does not count.
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    remapped_rows_corrected: int | None = None
+    remapped_rows_uncorrected: int | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    pcie_replays: int | None = None
+    memory_errors_reason: str = ""
     # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
     cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
 
