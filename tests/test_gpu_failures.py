@@ -4,6 +4,7 @@ record of the events it delivered (FAKE_NVML_EVENTS_DELIVERED)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -55,6 +56,11 @@ def _series(metrics: str, family: str) -> dict[tuple[tuple[str, str], ...], floa
             for sample in metric.samples if sample.name == family}
 
 
+def _alerts(agent: Agent, rule: str) -> dict[str, dict]:
+    """target -> the agent's alert of `rule` (pending, firing, or resolved in the last 15 minutes)."""
+    return {alert["target"]: alert for alert in agent.snapshot()["alerts"] if alert["rule"] == rule}
+
+
 def _xid_counts(metrics: str) -> Counter[tuple[str, str]]:
     counts: Counter[tuple[str, str]] = Counter()
     for labels, value in _series(metrics, "aiprobe_gpu_xid_errors_total").items():
@@ -70,7 +76,8 @@ SENT = [(0, XID_EVENT, 31), (0, XID_EVENT, 31), (1, XID_EVENT, 48), (0, XID_EVEN
 def test_xids_are_counted_by_xid_with_their_meaning_and_action(nvml_env, events, tmp_path) -> None:
     """Xids 31 (twice), 48 and 79 through the event API: counts by GPU and Xid equal to what the stand-in
     delivered; an ECC event of GPU 1, which gives only Xid events, is not delivered; the last events
-    carry what each Xid means and NVIDIA's action, in the snapshot and in top."""
+    carry what each Xid means and NVIDIA's action, in the snapshot and in top. Each Xid fires gpu_xid_error,
+    which resolves once no new one came for the agent's window, its meaning and action in the evidence."""
     env = {**nvml_env, **events.env}
     with Agent(tmp_path, 'probes = ["nvml"]\n', env=env, args=("--dcgm-compatible",)) as agent:
         events.send(*SENT, (0, SINGLE_BIT_ECC, 0), (1, DOUBLE_BIT_ECC, 0))
@@ -79,6 +86,16 @@ def test_xids_are_counted_by_xid_with_their_meaning_and_action(nvml_env, events,
         snapshot = agent.snapshot()
         top = subprocess.run([AIPROBE, "top", "--batch", "--iterations", "1", "--connect", agent.url],
                              capture_output=True, text=True, check=True).stdout
+        targets = {f"gpu{device} xid {xid}" for device, _, xid in SENT}
+        assert wait_until(lambda: {target for target, alert in _alerts(agent, "gpu_xid_error").items()
+                                   if alert["state"] == "resolved"} == targets, timeout=60)
+        alerts = _alerts(agent, "gpu_xid_error")
+    for device, _, xid in SENT:
+        meaning, action = XIDS[xid]
+        assert {k: alerts[f"gpu{device} xid {xid}"]["evidence"][k] for k in ("xid", "meaning", "action", "uuid")} == \
+            {"xid": xid, "meaning": meaning, "action": action, "uuid": UUIDS[str(device)]}
+    # This test's process is on GPU 0 (FAKE_NVML_PIDS): the evidence names it.
+    assert [proc["pid"] for proc in alerts["gpu0 xid 31"]["evidence"]["processes"]] == [os.getpid()]
     truth = events.delivered_xids()
     assert truth == {("0", "31"): 2, ("1", "48"): 1, ("0", "79"): 1}
     assert _xid_counts(metrics) == truth
@@ -115,6 +132,8 @@ def test_a_lost_gpu_stays_in_the_metrics(nvml_env, events, tmp_path) -> None:
         lost.write_text("0\n")
         assert wait_until(lambda: 1 in _series(agent.metrics(), "aiprobe_gpu_lost").values(), timeout=15)
         metrics = agent.metrics()
+        assert wait_until(lambda: _alerts(agent, "gpu_lost").get("gpu0", {}).get("state") == "firing")
+        assert _alerts(agent, "gpu_lost")["gpu0"]["evidence"]["last_xid"] == 79
         text = subprocess.run([AIPROBE, "gpus"], env=env, capture_output=True, text=True, check=True).stdout
     assert agent.process.returncode == 0
     assert "Traceback" not in agent.log.read_text()
@@ -162,13 +181,17 @@ def _error_series(metrics: str) -> dict[tuple[str, str, str], float]:
 
 def test_memory_errors_are_the_stand_ins_and_a_gpu_without_them_says_why(nvml_env, tmp_path) -> None:
     """GPU 0's ECC, row remapping and PCIe replay counts equal the stand-in's, under aiprobe's and dcgm-exporter's
-    names; GPU 1 (ECC off, no row remapping) has only its replays, and the reason for the rest, not zeros."""
+    names; GPU 1 (ECC off, no row remapping) has only its replays, and the reason for the rest, not zeros.
+    Its 2 uncorrected errors fire gpu_memory_errors, which resolves once the GPU's reset cleared them."""
     counts = tmp_path / "errors"
     counts.write_text(" ".join(map(str, ERRORS.values())) + "\n")
     env = {**nvml_env, "FAKE_NVML_ERRORS": str(counts)}
     with Agent(tmp_path, 'probes = ["nvml"]\n', env=env, args=("--dcgm-compatible",)) as agent:
         assert wait_until(lambda: _error_series(agent.metrics()))
         metrics, snapshot = agent.metrics(), agent.snapshot()
+        assert wait_until(lambda: _alerts(agent, "gpu_memory_errors").get("gpu0", {}).get("state") == "firing")
+        counts.write_text(" ".join(str(0 if field.endswith("_volatile") else count) for field, count in ERRORS.items()))
+        assert wait_until(lambda: _alerts(agent, "gpu_memory_errors")["gpu0"]["state"] == "resolved")
     assert _error_series(metrics) == {
         **{(family, "0", error): ERRORS[field] for (family, error), field in SERIES.items()},
         ("aiprobe_gpu_pcie_replays_total", "1", ""): 3, ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "1", ""): 3}

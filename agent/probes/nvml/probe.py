@@ -26,7 +26,15 @@ from ...registry import Probe, ProbeSpec
 from .events import ECC_EVENTS, XID, EventWatch
 from .hooks import NvmlHooks
 from .records import GpuEngine, GpuEventCount, GpuInfo, GpuProcess, GpuSnapshot
-from .rules import GPU_CONTENDED, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_IDLE_WITH_TRAFFIC, GPU_SATURATED
+from .rules import (
+    GPU_CONTENDED,
+    GPU_CONTEXT_SWITCH_OVERHEAD,
+    GPU_IDLE_WITH_TRAFFIC,
+    GPU_LOST,
+    GPU_MEMORY_ERRORS,
+    GPU_SATURATED,
+    GPU_XID_ERROR,
+)
 from .settings import NvmlSettings
 from .view import EVENTS_VIEW, PROCESS_COLUMNS, VIEW
 
@@ -688,5 +696,6 @@ SPEC = ProbeSpec(
     hooks=NvmlHooks(),
     process_columns=PROCESS_COLUMNS,
     views=(VIEW, EVENTS_VIEW),
-    rules=(GPU_SATURATED, GPU_IDLE_WITH_TRAFFIC, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_CONTENDED),
+    rules=(GPU_SATURATED, GPU_IDLE_WITH_TRAFFIC, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_CONTENDED, GPU_XID_ERROR, GPU_LOST,
+           GPU_MEMORY_ERRORS),
 )
