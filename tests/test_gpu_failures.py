@@ -34,8 +34,8 @@ class Events:
     def env(self) -> dict[str, str]:
         return {"FAKE_NVML_EVENTS": str(self.source), "FAKE_NVML_EVENTS_DELIVERED": str(self.delivered)}
 
-    def send(self, *events: tuple[int, int, int]) -> None:
-        """(device, nvmlEventType bit, Xid) each."""
+    def send(self, *events: tuple[int, ...]) -> None:
+        """(device, nvmlEventType bit, Xid[, GPU instance, compute instance]) each."""
         with self.source.open("a") as out:
             out.write("".join(" ".join(map(str, event)) + "\n" for event in events))
 
@@ -109,6 +109,20 @@ def test_xids_are_counted_by_xid_with_their_meaning_and_action(nvml_env, events,
     assert [gpu["last_xid"] for gpu in snapshot["gpus"]] == [79, 48]
     shown = top[top.index("\nGPU EVENTS\n"):]
     assert "GPU has fallen off the bus" in shown and "restart the application" in shown
+
+
+def test_an_xid_in_a_mig_instance_is_labelled_with_the_instance(nvml_env, events, tmp_path) -> None:
+    """GPU 1 in MIG mode: NVML names the GPU and compute instance of an Xid there; the count carries them, and
+    the instance's profile, as every GPU family labels an instance."""
+    env = {**nvml_env, **events.env, "FAKE_NVML_MIG": f"{os.getpid()},{os.getpid()}"}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env) as agent:
+        assert wait_until(lambda: _series(agent.metrics(), "aiprobe_gpu_memory_used_bytes"))  # instances read
+        events.send((1, XID_EVENT, 43, 2, 0))  # GPU instance 2 (2g.10gb), compute instance 0
+        assert wait_until(lambda: _series(agent.metrics(), "aiprobe_gpu_xid_errors_total"), timeout=15)
+        series = _series(agent.metrics(), "aiprobe_gpu_xid_errors_total")
+    assert series == {tuple(sorted({"gpu": "1", "uuid": A100_UUID, "GPU_I_ID": "2", "GPU_I_PROFILE": "2g.10gb",
+                                    "GPU_CI_ID": "0", "xid": "43"}.items())): 1}
+    assert events.delivered.read_text() == "1 8 43 2 0\n"
 
 
 def test_refused_registration_is_a_reason_in_the_status(nvml_env) -> None:
