@@ -217,7 +217,7 @@ def gpu_failure_lines(nvml: NvmlProbe, snapshot: GpuSnapshot) -> list[str]:
     the GPUs whose events NVML refused."""
     lines = [f"gpu{gpu.index}: " + "; ".join(failure_lines(gpu)) for gpu in snapshot.gpus if not gpu.parent_uuid]
     events = [event_line(event) for event in snapshot.events] or ["no Xid or ECC event over the run"]
-    return lines + events + [line for line in nvml.limitations if line not in nvml.gpm_refusals]
+    return lines + events + nvml.event_refusals
 
 
 def nvml_lines(nvml: NvmlProbe, contexts: list[CudaContext]) -> tuple[list[str], list[str], list[str]]:

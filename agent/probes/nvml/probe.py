@@ -240,7 +240,12 @@ class NvmlProbe(Probe):
     @property
     def limitations(self) -> list[str]:
         """What the probe cannot measure here, a line each: GPUs without GPM or without events."""
-        return [*self.gpm_refusals, *self._events.refusals]
+        return [*self.gpm_refusals, *self.event_refusals]
+
+    @property
+    def event_refusals(self) -> list[str]:
+        """One line per GPU whose events NVML refused (no Xid or ECC events from it), saying why."""
+        return self._events.refusals
 
     @property
     def has_gpm(self) -> bool:
