@@ -11,7 +11,9 @@ Hopper and newer, GPM's context switches over the run: per second, share of time
 per graphics engine) and `nvidia-smi`'s (`--query-gpu` with the SM clock those times are counted at,
 and `dmon`'s own GPM context-switch columns), each process's share of its GPU or MIG instance as aiprobe
 exports it (an MPS server's split by its clients' launches) beside `nvidia-smi pmon -c 1` and
-`nvidia-smi mig -lgi`, and exits 0 only when every count matches exactly. Takes seconds (the
+`nvidia-smi mig -lgi`, the GPUs' memory error counters (ECC, row remapping, PCIe replays), lost state
+and the Xid and ECC events NVML sent over the run beside `nvidia-smi -q -d ECC,ROW_REMAPPER`, and
+exits 0 only when every count matches exactly. Takes seconds (the
 limit for the whole run is under 3 minutes). Without an NVIDIA driver it says so and exits 2.
 
 Not part of `make bench` (it needs a GPU); tests/test_cuda.py runs it against the fake libcuda.
@@ -34,6 +36,7 @@ from pathlib import Path
 from aiprobe import formatting
 from aiprobe.probes.cuda.probe import STATIC_RUNTIME, CudaProbe, CudaProcess, mapped_cuda_libraries
 from aiprobe.probes.cuda.records import CudaContext
+from aiprobe.probes.nvml.command import event_line, failure_lines
 from aiprobe.probes.nvml.mps import attribute_mps
 from aiprobe.probes.nvml.probe import NvmlProbe, started_probe
 from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
@@ -209,11 +212,20 @@ def sharing_lines(snapshot: GpuSnapshot) -> list[str]:
                     for g in snapshot.gpus if g.parent_uuid]
 
 
-def nvml_lines(nvml: NvmlProbe, contexts: list[CudaContext]) -> tuple[list[str], list[str]]:
-    """NVML's view of the GPUs and GPM's context switches since the read before the program ran; and
-    every process's share over the run (an MPS server's split by its clients' launches: `contexts`)."""
+def gpu_failure_lines(nvml: NvmlProbe, snapshot: GpuSnapshot) -> list[str]:
+    """Each GPU's memory error counts and lost state, the Xid and ECC events NVML sent over the run, and
+    the GPUs whose events NVML refused."""
+    lines = [f"gpu{gpu.index}: " + "; ".join(failure_lines(gpu)) for gpu in snapshot.gpus if not gpu.parent_uuid]
+    events = [event_line(event) for event in snapshot.events] or ["no Xid or ECC event over the run"]
+    return lines + events + nvml.event_refusals
+
+
+def nvml_lines(nvml: NvmlProbe, contexts: list[CudaContext]) -> tuple[list[str], list[str], list[str]]:
+    """NVML's view of the GPUs and GPM's context switches since the read before the program ran; every
+    process's share over the run (an MPS server's split by its clients' launches: `contexts`); and the
+    GPUs' failures (gpu_failure_lines)."""
     if not nvml.available:
-        return [f"({nvml.reason})"], []
+        return [f"({nvml.reason})"], [], []
     snapshot = nvml.read()
     attribute_mps(snapshot, contexts)
     lines = [f"gpu{g.index} {g.name}: utilization {g.utilization_gpu_ratio}, memory used {g.memory_used_bytes} B"
@@ -222,7 +234,7 @@ def nvml_lines(nvml: NvmlProbe, contexts: list[CudaContext]) -> tuple[list[str],
         if gpu.engines:
             lines.append("GPM context switches of " + _switching(f"gpu{gpu.index}", gpu) + " (" + ", ".join(
                 _switching(f"engine {engine.engine}", engine) for engine in gpu.engines) + ")")
-    return lines + nvml.gpm_refusals, sharing_lines(snapshot)
+    return lines + nvml.gpm_refusals, sharing_lines(snapshot), gpu_failure_lines(nvml, snapshot)
 
 
 def _start_child(args: argparse.Namespace) -> subprocess.Popen:
@@ -288,7 +300,7 @@ def check(args: argparse.Namespace) -> int:
             child.stdin.write("go\n")
             child.stdin.flush()
             report = json.loads(child.stdout.readline() or "{}")
-            nvml, shares = nvml_lines(gpus, probe.read().contexts)
+            nvml, shares, failures = nvml_lines(gpus, probe.read().contexts)
             child.wait(timeout=WORKLOAD_TIMEOUT)
         finally:
             if child.poll() is None:
@@ -316,6 +328,9 @@ def check(args: argparse.Namespace) -> int:
     print("nvidia-smi mig -lgi:\n  " + "\n  ".join(nvidia_smi("mig", "-lgi")))
     print("nvidia-smi dmon GPM (GR0 context-switch requests, cycles per request, active %): " + " | ".join(
         nvidia_smi("dmon", "--gpm-metrics", NVIDIA_SMI_GPM_METRICS, "--count", "1")))
+    print("GPU failures, aiprobe (NVML's error counters, and its events over the run):\n  " + "\n  ".join(
+        failures or ["-"]))
+    print("nvidia-smi -q -d ECC,ROW_REMAPPER:\n  " + "\n  ".join(nvidia_smi("-q", "-d", "ECC,ROW_REMAPPER")))
     print("all counts match" if matched else "COUNTS DIFFER")
     return 0 if matched else 1
 

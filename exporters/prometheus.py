@@ -101,8 +101,8 @@ AGENT_FAMILIES: tuple[tuple[AgentFamily, AgentSamples], ...] = (
     (AgentFamily("aiprobe_collector_errors_total", "counter", "Refreshes in which a collector failed.",
                  ("collector",)), lambda _collector, r: [([name], n) for name, n in r.collector_errors.items()]),
     (AgentFamily("aiprobe_thread_restarts_total", "counter",
-                 "Times a background thread (cuda_scan, link_watcher, alertmanager, http) was run again after "
-                 "it failed.", ("thread",)),
+                 "Times a background thread (cuda_scan, nvml_events, link_watcher, alertmanager, http) was run "
+                 "again after it failed.", ("thread",)),
      lambda _collector, r: [([name], n) for name, n in r.thread_restarts.items()]),
     (AgentFamily("aiprobe_attach_errors_total", "counter",
                  "Failed attempts to attach a probe to a target (an interface, a library); each is retried "

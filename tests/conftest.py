@@ -26,6 +26,7 @@ from helpers import (
     FIXTURE_BUILD,
     IS_ROOT,
     KERNEL_MODULES,
+    NVML_OTHER_PID,
     CBuild,
     VethPair,
     make_veth_pair,
@@ -82,6 +83,14 @@ def veth() -> Iterator[VethPair]:
 def cbuild() -> CBuild:
     FIXTURE_BUILD.mkdir(parents=True, exist_ok=True)
     return CBuild(FIXTURE_BUILD)
+
+
+@pytest.fixture(scope="module")
+def nvml_env(cbuild) -> dict[str, str]:
+    """Environment under which pynvml finds the fake NVML (tests/fixtures/nvml_libnvidia_ml.c), reporting
+    this test's pid on GPU 0."""
+    cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
+    return {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_NVML_PIDS": f"{os.getpid()},{NVML_OTHER_PID}"}
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 FIXTURE_BUILD = FIXTURES / "build"
+NVML_OTHER_PID = 4343  # a pid the fake NVML (nvml_env) reports on GPU 1 that need not exist
 IS_ROOT = os.geteuid() == 0
 
 

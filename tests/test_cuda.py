@@ -588,11 +588,15 @@ def test_gpu_check_says_clearly_when_there_is_no_gpu() -> None:
 
 @pytest.mark.host_only  # the command's output; each count's path is the other tests'
 @pytest.mark.bpf
-def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs, cbuild) -> None:
+def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs, cbuild, tmp_path) -> None:
     """The real-GPU check's own logic, end to end, with the fake libcuda and libnvidia-ml standing in
-    for the GPU: GPM's context switches over the run beside the counts, and why GPU 1 has none."""
+    for the GPU: GPM's context switches over the run beside the counts, and why GPU 1 has none; the GPUs'
+    memory error counts and an Xid NVML sends over the run."""
     nvml = cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
-    result = _gpu_check({**os.environ, "LD_LIBRARY_PATH": f"{cuda_libs.libdir}:{nvml.parent}"},
+    events = tmp_path / "events"
+    events.write_text("0 8 31\n")  # an Xid 31 on GPU 0 (nvmlEventTypeXidCriticalError)
+    result = _gpu_check({**os.environ, "LD_LIBRARY_PATH": f"{cuda_libs.libdir}:{nvml.parent}",
+                         "FAKE_NVML_EVENTS": str(events)},
                         "--launches", "300", "--nodes", "5", "--replays", "40")
     assert result.returncode == 0, result.stdout + result.stderr
     table = dict(line.split()[:3:2] for line in result.stdout.splitlines() if line.split()[:1] in (
@@ -605,6 +609,11 @@ def test_gpu_check_matches_every_count_on_the_fake_driver(cuda_libs, cbuild) -> 
     sharing = result.stdout[result.stdout.index("GPU sharing, aiprobe"):result.stdout.index("nvidia-smi pmon -c 1:")]
     assert "gpu0 pid 4242 (): SM 55%, memory 0%, 1 GiB used, attribution nvml" in sharing
     assert "nvidia-smi mig -lgi:" in result.stdout
+    failures = result.stdout[result.stdout.index("GPU failures, aiprobe"):result.stdout.index("nvidia-smi -q -d")]
+    assert "gpu0: ecc corrected 7  uncorrected 0  remapped rows 3  uncorrected 1  remap pending no  failed no  " \
+           "pcie replays 5" in failures
+    assert "gpu1: ecc corrected -" in failures and "not counted: ECC is off; no row remapping" in failures
+    assert "GPU 0 xid 31: GPU memory page fault; restart the application" in failures
     assert "all counts match" in result.stdout
 
 

@@ -17,7 +17,7 @@ from aiprobe.model import Alert, MapUsage, ProbeStatus, Readings
 from aiprobe.probes.cuda.records import ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
 from aiprobe.probes.netstat.records import TcpCounters
-from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
+from aiprobe.probes.nvml.records import GpuEngine, GpuEventCount, GpuInfo, GpuProcess, GpuSnapshot
 from aiprobe.probes.nvml.settings import NvmlSettings
 from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
 from aiprobe.registry import faces
@@ -41,7 +41,10 @@ def every_kind_of_reading() -> Readings:
     """One record of each kind, so every family the exporter can build has a sample."""
     flow = FlowRecord("eth0", "ingress", "tcp", "a", 1, "b", 2, 10, 1, 1.0, 1.0, 0, 0.0, 0.0, tcp_syn=1)
     gpu = GpuInfo(0, "u", "n", 0.5, 0.5, 2, 1, 1, 1.0, 1.0, 1, 1, ["sw_power_cap"], 1, 1,
-                  engines=[GpuEngine(0, 10.0, 0.01, 0.001)])
+                  engines=[GpuEngine(0, 10.0, 0.01, 0.001)], lost=False, last_xid=79, ecc_corrected_volatile=1,
+                  ecc_uncorrected_volatile=1, ecc_corrected_aggregate=1, ecc_uncorrected_aggregate=1,
+                  remapped_rows_corrected=1, remapped_rows_uncorrected=1, row_remap_pending=False,
+                  row_remap_failure=False, pcie_replays=1)
     return Readings(
         records={
             "flows": FlowsSnapshot(0.0, 1.0, [flow], [InterfaceTotals("eth0", "ingress", 10, 1)], 0, 0, 0, []),
@@ -51,7 +54,9 @@ def every_kind_of_reading() -> Readings:
                                               cold_start=ColdStart(0.1, 0.1, 1, 0.1, 1, 0.1, 0.2))],
                                  "tp_btf", [], [CudaContext(1, "x", "0x1", 0, "0", 1, 0, 1.0, True)],
                                  [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
-            "nvml": GpuSnapshot(True, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1, 0.5, 0.2)]),
+            "nvml": GpuSnapshot(True, gpu_count=1, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1, 0.5, 0.2)],
+                                event_counts=[GpuEventCount(0, "u", None, "", None, event, xid, 1)
+                                              for event, xid in (("xid", 79), ("single_bit_ecc", None))]),
             "netstat": TcpCounters(0, 0, 0, 0),
             **probe_suites_samples(),
         },

@@ -17,7 +17,7 @@ from aiprobe.probes.nvml.probe import NO_MIG_UTILIZATION, SPAN, NvmlProbe
 from fixtures.cuda_fake import DRIVER as CUDA_DRIVER
 from fixtures.cuda_fake import Driver, counters
 from fixtures.cuda_fake import build as build_cuda
-from helpers import FIXTURE_BUILD, CBuild, wait_until
+from helpers import FIXTURE_BUILD, NVML_OTHER_PID, CBuild, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import AIPROBE, Agent
 
@@ -38,14 +38,6 @@ FAKE_GPU0_SWITCHING = {
 }
 WHOLE_GPU = {"parent_uuid": "", "gpu_instance_id": None, "compute_instance_id": None, "mig_profile": "",
              "utilization_reason": ""}  # not a MIG instance
-OTHER_PID = 4343  # a pid the fake reports on GPU 1 that need not exist
-
-
-@pytest.fixture(scope="module")
-def nvml_env(cbuild) -> dict[str, str]:
-    """Environment under which pynvml finds the fake NVML, reporting this test's pid on GPU 0."""
-    cbuild("libnvidia-ml.so.1", "nvml_libnvidia_ml.c", shared=True)
-    return {**os.environ, "LD_LIBRARY_PATH": str(FIXTURE_BUILD), "FAKE_NVML_PIDS": f"{os.getpid()},{OTHER_PID}"}
 
 
 def _no_real_nvml() -> None:
@@ -64,7 +56,11 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
         "power_watts": 312.5, "temperature_celsius": 71, "sm_clock_hz": 1_980_000_000,
         "memory_clock_hz": 2_619_000_000, "clock_event_reasons": ["sw_power_cap", "sw_thermal_slowdown"],
         "pcie_tx_bytes_per_second": 123456 * 1024, "pcie_rx_bytes_per_second": 654321 * 1024,
-        "compute_mode": "exclusive_process",
+        "compute_mode": "exclusive_process", "lost": False, "last_xid": None,
+        # The fake's memory error counts (nvml_libnvidia_ml.c: error_counts).
+        "ecc_corrected_volatile": 7, "ecc_uncorrected_volatile": 0, "ecc_corrected_aggregate": 42,
+        "ecc_uncorrected_aggregate": 1, "remapped_rows_corrected": 3, "remapped_rows_uncorrected": 1,
+        "row_remap_pending": False, "row_remap_failure": False, "pcie_replays": 5, "memory_errors_reason": "",
         # GPM, between the two samples `aiprobe gpus` takes on a GPU that has it: engine 0's counters
         # as NVML gives them, then each engine's in base units (cycles at the 1980 MHz SM clock).
         "gpm_context_switch_requests": 160.0, "gpm_context_switch_cycles_per_request": 49500.0,
@@ -86,7 +82,7 @@ def test_gpus_json_has_the_fake_values_in_base_units(nvml_env, aiprobe_cli) -> N
                     "memory_utilization_ratio": 0.0, "gpu_instance_id": None, "compute_instance_id": None,
                     "attribution": "nvml"}
     assert (other["pid"], other["gpu_index"], other["gpu_uuid"], other["used_memory_bytes"]) == \
-        (OTHER_PID, 1, a100["uuid"], 2 * GIB)
+        (NVML_OTHER_PID, 1, a100["uuid"], 2 * GIB)
     assert other["sm_utilization_ratio"] is other["memory_utilization_ratio"] is None
 
 
@@ -332,7 +328,8 @@ def test_agent_exports_each_engines_switching_and_says_once_which_gpu_has_none(n
                              capture_output=True, text=True, check=True).stdout
     gpus = top[top.index("\nGPUS\n") + 1:].splitlines()
     columns = gpus[2].split()  # after the title and the header
-    assert [columns[0], *columns[-3:]] == ["0", "-", "2k/s", "4%"]  # busy CUDA contexts: unknown, no cuda probe
+    # busy CUDA contexts: unknown, no cuda probe; no Xid, not lost
+    assert [columns[0], *columns[-5:]] == ["0", "-", "2k/s", "4%", "-", "-"]
     assert [line for line in agent.log.read_text().splitlines() if "GPM" in line] == [f"aiprobe: nvml: {A100_REFUSAL}"]
 
 
@@ -386,7 +383,8 @@ def test_without_nvml_probe_is_unavailable_and_reads_empty() -> None:
     assert "libnvidia-ml.so.1 not found" in probe.reason
     assert probe.status().to_dict() == {"up": False, "strategy": None, "span": "", "reason": probe.reason,
                                         "overflows": {}}
-    assert probe.read().to_dict() == {"available": False, "reason": probe.reason, "gpus": [], "processes": []}
+    assert probe.read().to_dict() == {"available": False, "reason": probe.reason, "gpu_count": None, "gpus": [],
+                                      "processes": [], "events": [], "event_counts": []}
     probe.close()
     probe.close()
 

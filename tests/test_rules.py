@@ -6,10 +6,13 @@ from pathlib import Path
 
 import yaml
 from aiprobe.config import RuleConfig
+from aiprobe.deltas import Window
 from aiprobe.exporters.rules_file import render
 from aiprobe.probes.cuda.hooks import time_slicing_signals
 from aiprobe.probes.cuda.records import CudaContext, CudaGpu
-from aiprobe.probes.nvml.records import GpuEngine, GpuInfo, GpuProcess
+from aiprobe.probes.nvml.records import GpuEngine, GpuEventCount, GpuInfo, GpuProcess
+from aiprobe.probes.nvml.signals import failure_signals, xid_signals
+from aiprobe.refresh import SIGNAL_WINDOW_SECONDS
 from aiprobe.registry import catalog, fleet_rules, rules
 from aiprobe.rules import RuleEngine, Signal, alert_name
 
@@ -121,6 +124,46 @@ def test_time_sliced_evidence_carries_the_gpus_own_switching() -> None:
         "utilization_ratio": 0.9, "context_switching_ratio": 0.04, "context_switch_seconds": 3e-5}
     [without_gpm] = time_slicing_signals([gpu], contexts, [GpuInfo(0, "GPU-a", "A100")])
     assert without_gpm.evidence["context_switching_ratio"] is without_gpm.evidence["context_switch_seconds"] is None
+
+
+ON_GPU0 = [GpuProcess(7, "vllm", 0, "GPU-a", 1 << 30), GpuProcess(8, "other", 1, "GPU-b", 1 << 30)]
+
+
+def test_an_xid_fires_with_its_meaning_action_and_processes_then_resolves_after_the_window() -> None:
+    refresh = Window(SIGNAL_WINDOW_SECONDS)  # the agent's window of recent counts
+
+    def xids(count: int, now: float) -> list[Signal]:
+        counts = [GpuEventCount(0, "GPU-a", None, "", None, "xid", 31, count)]
+        return xid_signals(counts, ON_GPU0, refresh, now)  # the window is all of a refresh it uses
+    rules = RuleEngine(RULES.values(), DEFAULT_RULES)
+    fired = rules.evaluate(xids(1, 0), now=0)
+    assert [(a.target, a.state) for a in fired] == [("gpu0 xid 31", "pending"), ("gpu0 xid 31", "firing")]
+    assert fired[1].evidence == {
+        "xid": 31, "meaning": "GPU memory page fault", "action": "restart the application (most likely its own error)",
+        "uuid": "GPU-a", "xid_errors": 1,
+        "processes": [{"pid": 7, "process": "vllm@host", "used_memory_bytes": 1 << 30}]}
+    assert rules.evaluate(xids(1, 5), now=5) == []  # no new Xid, but within the window
+    assert [a.state for a in rules.evaluate(xids(2, 8), now=8)] == []  # another: still firing
+    assert [a.state for a in rules.evaluate(xids(2, 19), now=19)] == ["resolved"]
+
+
+def test_a_lost_gpu_and_memory_errors_fire_then_resolve() -> None:
+    rules = RuleEngine(RULES.values(), DEFAULT_RULES)
+
+    def gpus(lost: bool, uncorrected: int, remap_failed: bool) -> list[Signal]:
+        return failure_signals([GpuInfo(0, "GPU-a", "H100", lost=lost, last_xid=79 if lost else None),
+                                GpuInfo(1, "GPU-b", "A100", lost=False, ecc_uncorrected_volatile=uncorrected,
+                                        row_remap_failure=remap_failed)], ON_GPU0)
+    assert rules.evaluate(gpus(False, 0, False), now=0) == []
+    fired = {(a.rule, a.target): a for a in rules.evaluate(gpus(True, 2, False), now=1) if a.state == "firing"}
+    assert set(fired) == {("gpu_lost", "gpu0"), ("gpu_memory_errors", "gpu1")}
+    assert fired["gpu_lost", "gpu0"].evidence == {"uuid": "GPU-a", "last_xid": 79, "processes": [
+        {"pid": 7, "process": "vllm@host", "used_memory_bytes": 1 << 30}]}
+    assert fired["gpu_memory_errors", "gpu1"].evidence["ecc_uncorrected_volatile"] == 2
+    # The GPU reset: no uncorrected errors since, but a row remapping failed: still firing.
+    assert rules.evaluate(gpus(True, 0, True), now=2) == []
+    assert {(a.rule, a.state) for a in rules.evaluate(gpus(False, 0, False), now=3)} == {
+        ("gpu_lost", "resolved"), ("gpu_memory_errors", "resolved")}
 
 
 def test_fleet_rules_have_a_group_of_their_own_outside_the_engine() -> None:

@@ -11,14 +11,35 @@ from ...cli import AiprobeError, emit_json, json_option
 from ...formatting import field, record_table
 from ...loader import ProbeUnavailable
 from .probe import GPM_SAMPLE_GAP, NvmlProbe
-from .records import GpuSnapshot
+from .records import GpuEvent, GpuInfo, GpuSnapshot
 
 PROCESS_FIELDS = ("gpu_index", "gpu_instance_id", "pid", "comm", "used_memory_bytes", "sm_utilization_ratio",
                   "memory_utilization_ratio")
 
+MEMORY_ERRORS = (("ecc corrected", "ecc_corrected_volatile"), ("uncorrected", "ecc_uncorrected_volatile"),
+                 ("remapped rows", "remapped_rows_corrected"), ("uncorrected", "remapped_rows_uncorrected"),
+                 ("remap pending", "row_remap_pending"), ("failed", "row_remap_failure"),
+                 ("pcie replays", "pcie_replays"))
+
 
 def _values(gpu: dict[str, Any], *pairs: tuple[str, str]) -> str:
     return "  ".join(f"{name} {field(key, gpu[key])}" for name, key in pairs)
+
+
+def failure_lines(gpu: GpuInfo) -> list[str]:
+    """A GPU's memory error counts, why it has none of some, and whether NVML lost it."""
+    lines = [_values(gpu.to_dict(), *MEMORY_ERRORS)]
+    if gpu.memory_errors_reason:
+        lines.append(f"not counted: {gpu.memory_errors_reason}")
+    if gpu.lost:
+        lines.append("LOST: NVML answers GPU_IS_LOST (fell off the bus): drain the node, reset or reboot")
+    return lines
+
+
+def event_line(event: GpuEvent) -> str:
+    """`GPU 0 xid 31: GPU memory page fault; restart the application (...)`"""
+    return (f"GPU {event.gpu_index} {event.event} {'' if event.xid is None else event.xid}: "
+            f"{event.meaning}; {event.action or '-'}")
 
 
 def print_text(snapshot: GpuSnapshot) -> None:
@@ -37,6 +58,10 @@ def print_text(snapshot: GpuSnapshot) -> None:
                                   ("mode", "compute_mode"), ("clock events", "clock_event_reasons")))
         click.echo("  " + _values(gpu, ("context switches", "context_switches_per_second"),
                                   ("switching", "context_switching_ratio"), ("per switch", "context_switch_seconds")))
+        for line in [] if g.parent_uuid else failure_lines(g):  # a MIG instance's are its GPU's
+            click.echo("  " + line)
+    for event in snapshot.events:
+        click.echo(event_line(event))
     click.echo("")
     for line in record_table((process.to_dict() for process in snapshot.processes), PROCESS_FIELDS):
         click.echo(line)

@@ -1,5 +1,6 @@
 """The nvml probe in the agent's refresh: its processes' containers, the GPUs' rules (gpu_contended with the
-streams part's figures), its columns of the process table, and the snapshot's `gpus`."""
+streams part's figures; the failures: Xid errors, lost GPUs, memory errors), its columns of the process
+table, and the snapshot's `gpus` and `gpu_events`."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from ..flows.records import InterfaceTotals
 from ..sendlat.records import StreamEndpoint
 from .contention import contention_signals
 from .mps import attribute_mps
-from .records import GpuInfo, GpuSnapshot
-from .signals import context_switch_signals, utilization_signals
+from .records import GpuEvent, GpuInfo, GpuSnapshot
+from .signals import context_switch_signals, failure_signals, utilization_signals, xid_signals
 
 
 class NvmlHooks(Hooks):
-    sections = {"gpus": Section(GpuInfo)}
+    sections = {"gpus": Section(GpuInfo), "gpu_events": Section(GpuEvent)}
 
     def join(self, reading: GpuSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
         attribute_mps(reading, readings.of(CudaContext))
@@ -34,7 +35,9 @@ class NvmlHooks(Hooks):
         ingress = sum(side.bytes_per_second for side in readings.of(InterfaceTotals) if side.direction == "ingress")
         return utilization_signals(reading.gpus, ingress, refresh.config.traffic_floor_bytes_per_second) + \
             context_switch_signals(reading.gpus) + \
-            contention_signals(reading.processes, readings.of(StreamEndpoint), refresh, now)
+            contention_signals(reading.processes, readings.of(StreamEndpoint), refresh, now) + \
+            xid_signals(reading.event_counts, reading.processes, refresh, now) + \
+            failure_signals(reading.gpus, reading.processes)
 
     def process_rows(self, reading: GpuSnapshot, rows: ProcessRows) -> None:
         for gpu in reading.processes:
@@ -45,4 +48,4 @@ class NvmlHooks(Hooks):
                 entry.gpu_utilization_ratio = (entry.gpu_utilization_ratio or 0) + gpu.sm_utilization_ratio
 
     def snapshot(self, reading: GpuSnapshot) -> dict[str, Any]:
-        return {"gpus": reading.gpus}
+        return {"gpus": reading.gpus, "gpu_events": reading.events}

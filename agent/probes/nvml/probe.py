@@ -23,11 +23,20 @@ from ...metrics import PROCESS_LABELS, Family, Getter, Series, value_of
 from ...model import ProbeStatus
 from ...names import process_name
 from ...registry import Probe, ProbeSpec
+from .events import ECC_EVENTS, XID, EventWatch
 from .hooks import NvmlHooks
-from .records import GpuEngine, GpuInfo, GpuProcess, GpuSnapshot
-from .rules import GPU_CONTENDED, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_IDLE_WITH_TRAFFIC, GPU_SATURATED
+from .records import GpuEngine, GpuEventCount, GpuInfo, GpuProcess, GpuSnapshot
+from .rules import (
+    GPU_CONTENDED,
+    GPU_CONTEXT_SWITCH_OVERHEAD,
+    GPU_IDLE_WITH_TRAFFIC,
+    GPU_LOST,
+    GPU_MEMORY_ERRORS,
+    GPU_SATURATED,
+    GPU_XID_ERROR,
+)
 from .settings import NvmlSettings
-from .view import PROCESS_COLUMNS, VIEW
+from .view import EVENTS_VIEW, PROCESS_COLUMNS, VIEW
 
 T = TypeVar("T")
 if TYPE_CHECKING:
@@ -85,8 +94,10 @@ class _Gpu:
     def __init__(self, index: int, handle: Any) -> None:
         self.index = index  # a MIG instance's: its GPU's
         self.handle = handle
-        self.uuid = pynvml.nvmlDeviceGetUUID(self.handle)
-        self.name = pynvml.nvmlDeviceGetName(self.handle)
+        # NVML answered GPU_IS_LOST (None: at the start): it answers nothing more until the driver reloads.
+        self.lost = handle is None
+        self.uuid = "" if handle is None else pynvml.nvmlDeviceGetUUID(self.handle)
+        self.name = "" if handle is None else pynvml.nvmlDeviceGetName(self.handle)
         self.disabled: set[str] = set()
         self.last_process_sample = 0  # NVML timestamp (us) of the newest per-process sample seen
         self.gpm_sample: Any = None
@@ -97,8 +108,14 @@ class _Gpu:
 
     @classmethod
     def whole(cls, index: int) -> _Gpu:
-        gpu = cls(index, pynvml.nvmlDeviceGetHandleByIndex(index))
-        gpu.no_gpm = _gpm_refusal(gpu.handle)
+        """GPU `index`, or a lost GPU where NVML says GPU_IS_LOST of it."""
+        try:
+            gpu = cls(index, pynvml.nvmlDeviceGetHandleByIndex(index))
+            gpu.no_gpm = _gpm_refusal(gpu.handle)
+        except pynvml.NVMLError as exc:
+            if exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise
+            return cls(index, None)
         return gpu
 
     @classmethod
@@ -109,14 +126,15 @@ class _Gpu:
         return gpu
 
     def query(self, metric: str, call: Callable[[], T]) -> T | None:
-        """`call()`, or None when this GPU does not support `metric` (remembered) or it failed."""
-        if metric in self.disabled:
+        """`call()`, or None when this GPU does not support `metric` (remembered), is lost or it failed."""
+        if metric in self.disabled or self.lost:
             return None
         try:
             return call()
         except pynvml.NVMLError as exc:
             if exc.value in _PERMANENT:
                 self.disabled.add(metric)
+            self.lost = exc.value == pynvml.NVML_ERROR_GPU_IS_LOST
             return None
 
     def free_gpm(self) -> None:
@@ -132,6 +150,8 @@ def _gpm_refusal(handle: Any) -> str:
     except pynvml.NVMLError as exc:
         if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
             return "no GPM in this driver's NVML"
+        if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+            raise
         return NO_GPM if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED else f"GPM: {exc}"
     return "" if support.isSupportedDevice else NO_GPM
 
@@ -185,14 +205,17 @@ class NvmlProbe(Probe):
         self.reason = "not started"
         self._gpus: list[_Gpu] = []
         self._initialized = False
+        self._events = EventWatch()
 
     def start(self) -> None:
         try:
             pynvml.nvmlInit()
             self._initialized = True
             self._gpus = [_Gpu.whole(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._events = EventWatch()
+            self._events.start([gpu for gpu in self._gpus if not gpu.lost])
             self.reason = ""
-            for refusal in self.gpm_refusals:
+            for refusal in self.limitations:
                 log.info("nvml: %s", refusal)
         except pynvml.NVMLError as exc:
             self.reason = _reason(exc)
@@ -202,7 +225,7 @@ class NvmlProbe(Probe):
     def status(self) -> ProbeStatus:
         if not self.available:
             return ProbeStatus(False, reason=self.reason)
-        return ProbeStatus(True, "nvml", "; ".join([SPAN, *self.gpm_refusals]))
+        return ProbeStatus(True, "nvml", "; ".join([SPAN, *self.limitations]))
 
     @property
     def available(self) -> bool:
@@ -215,6 +238,16 @@ class NvmlProbe(Probe):
                 for gpu in self._gpus if gpu.no_gpm]
 
     @property
+    def limitations(self) -> list[str]:
+        """What the probe cannot measure here, a line each: GPUs without GPM or without events."""
+        return [*self.gpm_refusals, *self.event_refusals]
+
+    @property
+    def event_refusals(self) -> list[str]:
+        """One line per GPU whose events NVML refused (no Xid or ECC events from it), saying why."""
+        return self._events.refusals
+
+    @property
     def has_gpm(self) -> bool:
         """Whether a GPU takes GPM samples: its metrics need two reads, apart in time."""
         return any(gpu.gpm_sample is not None for gpu in self._gpus)
@@ -225,9 +258,12 @@ class NvmlProbe(Probe):
         devices = [device for gpu in self._gpus for device in (gpu, *_instances(gpu))]
         return GpuSnapshot(
             True,
+            gpu_count=_gpu_count(),
             gpus=[self._instance_info(d) if d.parent_uuid else self._gpu_info(d) for d in devices],
             # A GPU in MIG mode lists its instances' processes: each is taken from its instance.
             processes=[proc for device in devices if not device.instances for proc in self._processes(device)],
+            events=self._events.recent(),
+            event_counts=self._events.counts(),
         )
 
     @staticmethod
@@ -281,6 +317,9 @@ class NvmlProbe(Probe):
             pcie_tx_bytes_per_second=pcie["pcie_tx"],
             pcie_rx_bytes_per_second=pcie["pcie_rx"],
             compute_mode=None if mode is None else COMPUTE_MODES.get(mode, str(mode)),
+            lost=gpu.lost,
+            last_xid=self._events.last_xid(gpu.uuid),
+            **_memory_errors(gpu),
             **_gr0_counters(engines.get(0)),
             **_gpu_switching([_engine(engine, counters, clocks["sm_clock"]) for engine, counters in engines.items()]),
             cuda_active_contexts=None,  # joined by the agent from the cuda probe
@@ -322,12 +361,52 @@ class NvmlProbe(Probe):
         ]
 
     def close(self) -> None:
+        self._events.close()
         for gpu in self._gpus:
             gpu.free_gpm()
         self._gpus = []
         if self._initialized:
             self._initialized = False
             pynvml.nvmlShutdown()
+
+
+ECC_ERRORS = (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+              ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+ECC_COUNTERS = (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC))
+
+
+def _ecc(gpu: _Gpu) -> tuple[dict[str, int | None], str]:
+    """The GPU's ECC counts (GpuInfo's `ecc_*`), and why it has none ("" where it has them)."""
+    mode = gpu.query("ecc", lambda: pynvml.nvmlDeviceGetEccMode(gpu.handle))
+    counts = {f"ecc_{error}_{counter}": gpu.query("ecc", partial(pynvml.nvmlDeviceGetTotalEccErrors, gpu.handle,
+                                                                 error_type, counter_type))
+              if mode and mode[0] else None
+              for counter, counter_type in ECC_COUNTERS for error, error_type in ECC_ERRORS}
+    if "ecc" in gpu.disabled:
+        return counts, "no ECC"
+    return counts, "ECC is off" if mode is not None and not mode[0] else ""
+
+
+def _memory_errors(gpu: _Gpu) -> dict[str, Any]:
+    """ECC counts, row remapping and PCIe replays where the GPU has them (GpuInfo's fields); the reason
+    names those it has not (not zeros)."""
+    ecc, ecc_reason = _ecc(gpu)
+    rows = gpu.query("row_remapping", lambda: pynvml.nvmlDeviceGetRemappedRows(gpu.handle))
+    replays = gpu.query("pcie_replays", lambda: pynvml.nvmlDeviceGetPcieReplayCounter(gpu.handle))
+    reasons = [ecc_reason, "no row remapping (Ampere or newer)" if "row_remapping" in gpu.disabled else "",
+               "no PCIe replay counter" if "pcie_replays" in gpu.disabled else ""]
+    corrected, uncorrected, pending, failure = rows or (None,) * 4
+    return {**ecc, "remapped_rows_corrected": corrected, "remapped_rows_uncorrected": uncorrected,
+            "row_remap_pending": None if rows is None else bool(pending),
+            "row_remap_failure": None if rows is None else bool(failure),
+            "pcie_replays": replays, "memory_errors_reason": "; ".join(reason for reason in reasons if reason)}
+
+
+def _gpu_count() -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError:
+        return None
 
 
 NO_MIG_UTILIZATION = ("NVML gives no utilization for a MIG instance, nor for a GPU in MIG mode "
@@ -415,10 +494,10 @@ def nvml_unavailable() -> str | None:
     return probe.reason or None
 
 
-def gpus_without_gpm() -> list[str]:
-    """What the probe cannot measure here: a line per GPU without GPM (`aiprobe check`)."""
+def limitations() -> list[str]:
+    """What the probe cannot measure here: a line per GPU without GPM or events (`aiprobe check`)."""
     probe = started_probe()
-    refusals = probe.gpm_refusals
+    refusals = probe.limitations
     probe.close()
     return refusals
 
@@ -447,7 +526,7 @@ _PROCESS_LABELS: tuple[tuple[str, Getter], ...] = (
     *PROCESS_LABELS, ("attribution", "attribution"))
 
 
-def _gauge(name: str, value: str, help_text: str, labels: tuple[tuple[str, Any], ...] = _GPU_LABELS,
+def _gauge(name: str, value: Getter, help_text: str, labels: tuple[tuple[str, Any], ...] = _GPU_LABELS,
            scale: float = 1.0, option: Callable[[Config], bool] | None = None) -> Family:
     return Family(name, "gauge", help_text, GpuInfo, value, labels, scale=scale, option=option)
 
@@ -456,7 +535,7 @@ def _dcgm_compatible(config: Config) -> bool:
     return config.settings(NvmlSettings).dcgm_compatible_metrics
 
 
-def _dcgm(name: str, value: str, help_text: str, scale: float = 1.0) -> Family:
+def _dcgm(name: str, value: Getter, help_text: str, scale: float = 1.0) -> Family:
     # dcgm-exporter's names and units, so dashboards built for it keep working (--dcgm-compatible).
     return _gauge(name, value, help_text, _DCGM_LABELS, scale, option=_dcgm_compatible)
 
@@ -486,8 +565,36 @@ PROCESS_SHARE_NOTE = ("The mean of NVML's per-process samples since the previous
                       "gives no per-process samples. On a time-sliced GPU, each process's share. "
                       "`attribution`: `nvml` (NVML's samples of the process), or `cuda_launches` (an MPS client, "
                       "which NVML does not list: the MPS server's share split by the clients' kernel launches).")
+MEMORY_ERRORS_NOTE = ("None for a GPU without it (the snapshot's `memory_errors_reason` says why), never zeros; "
+                      "a GPU's only, not its MIG instances'.")
+EVENT_NOTE = ("Counted since the agent started, from NVML's event set (nvmlEventSetWait); none for a GPU whose "
+              "registration NVML refuses (the probe's status says so). The MIG labels are the instance's where "
+              "NVML names one.")
 ENGINE_NOTE = ("From GPM (Hopper and newer; none for a GPU without it), between two reads; `engine` is the "
                "graphics engine (GR0..GR7: 0 alone without MIG).")
+
+
+def _whole_gpu(value: Callable[[GpuInfo], int]) -> Callable[[GpuInfo], int | None]:
+    """`value` of a GPU; None for a MIG instance (its GPU has it)."""
+    return lambda gpu: None if gpu.lost is None else value(gpu)
+
+
+_EVENT_LABELS: tuple[tuple[str, Getter], ...] = (("gpu", "gpu_index"), ("uuid", "uuid"), *_INSTANCE_LABELS)
+
+
+def _event_count(*events: str) -> Callable[[GpuEventCount], int | None]:
+    return lambda counted: counted.count if counted.event in events else None
+
+
+def _flag(name: str) -> Callable[[GpuInfo], int | None]:
+    return lambda gpu: None if (value := getattr(gpu, name)) is None else int(value)
+
+
+def _error_counter(name: str, counter: str, help_text: str) -> Family:
+    """NVML's ECC counts of one kind (volatile or aggregate), by `error`."""
+    return Family(name, "counter", help_text, GpuInfo, labels=_GPU_LABELS, expand_label="error",
+                  expand=tuple((error, f"ecc_{error}_{counter}") for error, _ in ECC_ERRORS),
+                  doc_note=MEMORY_ERRORS_NOTE)
 
 
 def _reason_active(reason: str) -> Callable[[GpuInfo], int | None]:
@@ -518,6 +625,33 @@ METRICS = (
                   "Fraction of time a GPU's graphics engine spent switching contexts."),
     _engine_gauge("aiprobe_gpu_context_switch_seconds", "context_switch_seconds",
                   "Mean time of one context switch of a GPU's graphics engine (cycles per switch at the SM clock)."),
+    _gauge("aiprobe_gpu_lost", _whole_gpu(lambda gpu: int(bool(gpu.lost))),
+           "1 once NVML answers GPU_IS_LOST for a GPU (it fell off the bus: Xid 79's sibling), else 0; the GPU "
+           "stays in the metrics."),
+    Family("aiprobe_gpus", "gauge", "GPUs NVML counts (nvmlDeviceGetCount), lost ones included while it counts them.",
+           GpuSnapshot, "gpu_count"),
+    Family("aiprobe_gpu_xid_errors_total", "counter", "Xid errors NVML reported (its critical Xid events), by Xid.",
+           GpuEventCount, _event_count(XID), (*_EVENT_LABELS, ("xid", "xid")), doc_note=EVENT_NOTE),
+    Family("aiprobe_gpu_ecc_error_events_total", "counter",
+           "Single- and double-bit ECC errors NVML reported as events (`type`: single_bit_ecc, double_bit_ecc).",
+           GpuEventCount, _event_count(*ECC_EVENTS), (*_EVENT_LABELS, ("type", "event")), doc_note=EVENT_NOTE),
+    _error_counter("aiprobe_gpu_ecc_errors_total", "volatile",
+                   "ECC errors of a GPU's memory since the driver loaded (NVML's volatile counts), by `error`: "
+                   "corrected (single-bit) or uncorrected (double-bit)."),
+    _error_counter("aiprobe_gpu_ecc_aggregate_errors_total", "aggregate",
+                   "ECC errors of a GPU's memory over its life (NVML's aggregate counts), by `error`."),
+    Family("aiprobe_gpu_remapped_rows_total", "counter",
+           "Memory rows a GPU remapped to spare rows, by the `error` that caused it: corrected or uncorrected.",
+           GpuInfo, labels=_GPU_LABELS, expand_label="error",
+           expand=(("corrected", "remapped_rows_corrected"), ("uncorrected", "remapped_rows_uncorrected")),
+           doc_note=MEMORY_ERRORS_NOTE),
+    _gauge("aiprobe_gpu_row_remap_pending", _flag("row_remap_pending"),
+           "1 while a row remapping waits for the GPU's reset to take effect."),
+    _gauge("aiprobe_gpu_row_remap_failed", _flag("row_remap_failure"),
+           "1 once a row remapping failed (no spare row left): the GPU needs replacing."),
+    Family("aiprobe_gpu_pcie_replays_total", "counter",
+           "PCIe transfers a GPU replayed after link errors (NVML's replay counter).", GpuInfo, "pcie_replays",
+           _GPU_LABELS, doc_note=MEMORY_ERRORS_NOTE),
     _process_gauge("aiprobe_gpu_process_memory_used_bytes", "used_memory_bytes", "GPU memory used by processes."),
     _process_gauge("aiprobe_gpu_process_sm_utilization_ratio", "sm_utilization_ratio",
                    "Fraction of time a kernel of these processes ran on the GPU's SMs, between two refreshes.",
@@ -533,6 +667,23 @@ METRICS = (
     _dcgm("DCGM_FI_DEV_GPU_TEMP", "temperature_celsius", "GPU temperature (in C)."),
     _dcgm("DCGM_FI_DEV_SM_CLOCK", "sm_clock_hz", "SM clock frequency (in MHz).", scale=1e-6),
     _dcgm("DCGM_FI_DEV_MEM_CLOCK", "memory_clock_hz", "Memory clock frequency (in MHz).", scale=1e-6),
+    _dcgm("DCGM_FI_DEV_XID_ERRORS", _whole_gpu(lambda gpu: gpu.last_xid or 0),
+          "Value of the last XID error encountered."),
+    _dcgm("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "ecc_corrected_volatile", "Total number of single-bit volatile ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "ecc_uncorrected_volatile",
+          "Total number of double-bit volatile ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "ecc_corrected_aggregate",
+          "Total number of single-bit persistent ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "ecc_uncorrected_aggregate",
+          "Total number of double-bit persistent ECC errors."),
+    _dcgm("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "remapped_rows_corrected",
+          "Number of remapped rows for correctable errors."),
+    _dcgm("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "remapped_rows_uncorrected",
+          "Number of remapped rows for uncorrectable errors."),
+    _dcgm("DCGM_FI_DEV_ROW_REMAP_FAILURE", _flag("row_remap_failure"),
+          "Whether remapping of rows has failed."),
+    _dcgm("DCGM_FI_DEV_ROW_REMAP_PENDING", _flag("row_remap_pending"), "Whether remapping of rows is pending."),
+    _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "pcie_replays", "Total number of PCIe retries."),
 )
 
 SPEC = ProbeSpec(
@@ -542,13 +693,14 @@ SPEC = ProbeSpec(
     order=50,
     factory=lambda _config: NvmlProbe(),
     requirement=nvml_unavailable,
-    limitations=gpus_without_gpm,
+    limitations=limitations,
     settings=NvmlSettings,
     command="aiprobe.probes.nvml.command:command",
     cli_name="gpus",
     metrics=METRICS,
     hooks=NvmlHooks(),
     process_columns=PROCESS_COLUMNS,
-    views=(VIEW,),
-    rules=(GPU_SATURATED, GPU_IDLE_WITH_TRAFFIC, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_CONTENDED),
+    views=(VIEW, EVENTS_VIEW),
+    rules=(GPU_SATURATED, GPU_IDLE_WITH_TRAFFIC, GPU_CONTEXT_SWITCH_OVERHEAD, GPU_CONTENDED, GPU_XID_ERROR, GPU_LOST,
+           GPU_MEMORY_ERRORS),
 )

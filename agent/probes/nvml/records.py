@@ -53,6 +53,23 @@ class GpuInfo(Record):
     compute_instance_id: int | None = None
     mig_profile: str = ""  # a MIG instance's profile (its name's last word: "3g.20gb")
     utilization_reason: str = ""  # why utilization is null where NVML never gives it (MIG)
+    # A GPU: whether NVML answered GPU_IS_LOST for it (it fell off the bus: nothing else is known of it
+    # until the driver is reloaded), and its last Xid since the agent started (NVML's events).
+    lost: bool | None = None
+    last_xid: int | None = None
+    # A GPU's memory errors where it counts them: ECC errors since the driver loaded (volatile) and over
+    # its life (aggregate), rows remapped for corrected and uncorrected errors, a remapping pending (a
+    # reset applies it) or failed, PCIe replays; `memory_errors_reason` says which it does not count.
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    remapped_rows_corrected: int | None = None
+    remapped_rows_uncorrected: int | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    pcie_replays: int | None = None
+    memory_errors_reason: str = ""
     # CUDA contexts that launched work on this GPU in the last refresh (the cuda probe): 2 or more are time-sliced.
     cuda_active_contexts: int | None = field(default=None, metadata=JOINED)
 
@@ -81,8 +98,41 @@ class GpuProcess(Placed):
 
 
 @dataclass
+class GpuEvent(Record):
+    """One of NVML's events: a critical Xid error, or a single- or double-bit ECC error."""
+
+    time: float  # unix seconds the agent received it
+    gpu_index: int
+    uuid: str  # its GPU's (a MIG instance's events too)
+    gpu_instance_id: int | None  # the MIG instance it happened in, where NVML says
+    mig_profile: str
+    compute_instance_id: int | None
+    event: str  # "xid", "single_bit_ecc", "double_bit_ecc"
+    xid: int | None
+    meaning: str
+    action: str  # NVIDIA's recommended action
+
+
+@dataclass
+class GpuEventCount(Record):
+    """Events of one kind (and Xid) on one GPU or MIG instance since the agent started."""
+
+    gpu_index: int
+    uuid: str
+    gpu_instance_id: int | None
+    mig_profile: str
+    compute_instance_id: int | None
+    event: str
+    xid: int | None
+    count: int
+
+
+@dataclass
 class GpuSnapshot(Record):
     available: bool
     reason: str = ""
+    gpu_count: int | None = None  # GPUs NVML counts (nvmlDeviceGetCount) at this read
     gpus: list[GpuInfo] = field(default_factory=list)
     processes: list[GpuProcess] = field(default_factory=list)
+    events: list[GpuEvent] = field(default_factory=list)  # the last few, oldest first
+    event_counts: list[GpuEventCount] = field(default_factory=list)

@@ -81,3 +81,49 @@ GPU_CONTENDED = RuleSpec(
     # to the next while the process's GPU share fell and another's rose
     default=RuleConfig(threshold=1.5, clear=1.2, for_seconds=0, severity="warning"),
 )
+
+
+# The rule file's window for new Xids (the agent's: the last 10 s). A series born with its first Xid
+# has no sample 5m before: it counts from 0.
+_XIDS = "aiprobe_gpu_xid_errors_total"
+GPU_XID_ERROR = RuleSpec(
+    False, "{target}: {value:.0f} new Xid error(s) (the evidence names its meaning, NVIDIA's action and the "
+    "GPU's processes)",
+    f"sum by (instance, gpu, uuid, GPU_I_ID, GPU_CI_ID, xid) (\n  {_XIDS}\n"
+    f"  - ({_XIDS} offset 5m or {_XIDS} * 0)\n)",
+    "GPU {{ $labels.gpu }} reported Xid {{ $labels.xid }}",
+    "NVML reported a critical Xid error: the agent's evidence (or `aiprobe top`'s GPU events) names its meaning and "
+    "NVIDIA's recommended action (13, 31, 43: restart the application; 48, 63, 64, 74, 79, 94, 95, 119: act on "
+    "the GPU or the node).",
+    name="gpu_xid_error",
+    # Xid errors of one Xid on one GPU (or MIG instance) in the window
+    default=RuleConfig(threshold=0, clear=0, for_seconds=0, severity="warning"),
+)
+
+
+GPU_LOST = RuleSpec(
+    False, "{target} is lost: NVML answers GPU_IS_LOST (it fell off the bus: drain the node, reset or reboot)",
+    "max by (instance, gpu, uuid) (aiprobe_gpu_lost)",
+    "{{ if $labels.gpu }}GPU {{ $labels.gpu }} is lost{{ else }}NVML counts fewer GPUs than in the last hour{{ end }}",
+    "The GPU fell off the bus (Xid 79): its work fails until the node is drained and the GPU reset or the node "
+    "rebooted; check its power, PCIe link and cooling.",
+    # a GPU the agent no longer sees at all (after its restart): NVML counts fewer than in the last hour
+    guard="or on (instance) (max by (instance) (max_over_time(aiprobe_gpus[1h]) - aiprobe_gpus) > 0)",
+    name="gpu_lost",
+    # 1 while NVML answers GPU_IS_LOST for the GPU
+    default=RuleConfig(threshold=0.5, clear=0.5, for_seconds=0, severity="critical"),
+)
+
+
+GPU_MEMORY_ERRORS = RuleSpec(
+    False, "{target} has uncorrected memory errors or a failed row remapping (value {value:.0f}): drain its work and "
+    "reset it; a failed remapping: replace the GPU",
+    "max by (instance, gpu, uuid) (\n  aiprobe_gpu_ecc_errors_total{error=\"uncorrected\"}\n"
+    "  or aiprobe_gpu_row_remap_failed\n)",
+    "GPU {{ $labels.gpu }} has uncorrected memory errors or a failed row remapping",
+    "Uncorrected ECC errors since the driver loaded corrupt the work on the GPU: drain it and reset the GPU (the "
+    "reset also applies pending row remappings). A failed row remapping left no spare row: replace the GPU.",
+    name="gpu_memory_errors",
+    # the larger of the uncorrected ECC errors since the driver loaded and the row-remap failure flag (0/1)
+    default=RuleConfig(threshold=0, clear=0, for_seconds=0, severity="critical"),
+)

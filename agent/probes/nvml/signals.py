@@ -1,12 +1,15 @@
-"""The GPUs' rules: saturated, idle while the network is busy, and the GPU's own context-switch cost
-(GPM). Evidence helpers the cuda probe's time-slicing rule shares."""
+"""The GPUs' rules: saturated, idle while the network is busy, the GPU's own context-switch cost
+(GPM), and its failures: Xid errors, lost, memory errors. Evidence helpers the cuda probe's
+time-slicing rule shares."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ...refresh import Refresh
 from ...rules import Signal
-from .records import GpuInfo, GpuProcess
+from .events import XID, meaning
+from .records import GpuEventCount, GpuInfo, GpuProcess
 
 
 def _rounded(value: float | None, digits: int) -> float | None:
@@ -58,4 +61,55 @@ def utilization_signals(infos: list[GpuInfo], ingress_bytes_per_second: float, t
             signals.append(Signal("gpu_idle_with_traffic", target, util, {
                 "utilization_ratio": util, "ingress_bytes_per_second": round(ingress_bytes_per_second),
                 "uuid": gpu.uuid}))
+    return signals
+
+
+def _processes(processes: list[GpuProcess], index: int, gpu_instance: int | None = None) -> list[dict[str, Any]]:
+    """The processes on a GPU (on one of its MIG instances where given), with their memory."""
+    return [{"pid": proc.pid, "process": f"{proc.comm or proc.pid}@{proc.container}",
+             "used_memory_bytes": proc.used_memory_bytes}
+            for proc in processes
+            if proc.gpu_index == index and gpu_instance in (None, proc.gpu_instance_id)]
+
+
+def _place(index: int, gpu_instance: int | None, profile: str) -> str:
+    return f"gpu{index}" if gpu_instance is None else f"gpu{index} MIG {profile or gpu_instance}"
+
+
+def xid_signals(counts: list[GpuEventCount], processes: list[GpuProcess], refresh: Refresh,
+                now: float) -> list[Signal]:
+    """gpu_xid_error: per GPU (or MIG instance) and Xid, the Xid errors of the last SIGNAL_WINDOW_SECONDS."""
+    signals = []
+    for counted in counts:
+        if counted.event != XID or counted.xid is None:
+            continue
+        where = (counted.gpu_index, counted.uuid, counted.gpu_instance_id, counted.compute_instance_id, counted.xid)
+        [added] = refresh.recent(("nvml_xid", *where), [counted.count], now)
+        what, action = meaning(XID, counted.xid)
+        signals.append(Signal(
+            "gpu_xid_error", f"{_place(counted.gpu_index, counted.gpu_instance_id, counted.mig_profile)} xid "
+            f"{counted.xid}", added,
+            {"xid": counted.xid, "meaning": what, "action": action, "uuid": counted.uuid,
+             "xid_errors": counted.count,
+             "processes": _processes(processes, counted.gpu_index, counted.gpu_instance_id)}))
+    return signals
+
+
+def failure_signals(infos: list[GpuInfo], processes: list[GpuProcess]) -> list[Signal]:
+    """gpu_lost and gpu_memory_errors per GPU (not its MIG instances: the GPU has them)."""
+    signals = []
+    for gpu in infos:
+        if gpu.lost is None:
+            continue
+        on_gpu = _processes(processes, gpu.index)
+        signals.append(Signal("gpu_lost", f"gpu{gpu.index}", float(gpu.lost), {
+            "uuid": gpu.uuid, "last_xid": gpu.last_xid, "processes": on_gpu}))
+        errors = [value for value in (gpu.ecc_uncorrected_volatile, gpu.row_remap_failure) if value is not None]
+        if errors:
+            signals.append(Signal("gpu_memory_errors", f"gpu{gpu.index}", float(max(errors)), {
+                "uuid": gpu.uuid, "ecc_uncorrected_volatile": gpu.ecc_uncorrected_volatile,
+                "ecc_uncorrected_aggregate": gpu.ecc_uncorrected_aggregate,
+                "remapped_rows_uncorrected": gpu.remapped_rows_uncorrected,
+                "row_remap_pending": gpu.row_remap_pending, "row_remap_failure": gpu.row_remap_failure,
+                "processes": on_gpu}))
     return signals

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from ...formatting import Column, View
+from ...formatting import Column, View, age
 
 PROCESS_COLUMNS = (
     Column("GPU", "gpu_utilization_ratio", 5),
@@ -35,7 +36,29 @@ VIEW = View(
         Column("CTX SW", "context_switches_per_second", 8),
         Column("SWITCHING", "context_switching_ratio", 9),
         Column("MIG", "mig_profile", 8, numeric=False),  # a MIG instance's profile (GPU: its GPU's index)
+        Column("XID", "last_xid", 4, text=str),  # its last Xid error; the events view has their meaning
+        Column("LOST", "lost", 4, numeric=False, text=lambda lost: "LOST" if lost else "-"),
     ),
     "index", False, ("nvml",), _gpus,
     identity=("uuid",), key="g",
+)
+
+
+def _events(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(snapshot.get("gpu_events") or [])
+
+
+EVENTS_VIEW = View(
+    "gpu_events", "GPU events",
+    (
+        Column("AGE", "time", 7, text=lambda at: age(time.time() - at)),
+        Column("GPU", "gpu_index", 3, text=str),
+        Column("MIG", "mig_profile", 8, numeric=False),
+        Column("EVENT", "event", 14, numeric=False),
+        Column("XID", "xid", 4, text=str),
+        Column("MEANING", "meaning", 36, numeric=False),
+        Column("ACTION", "action", 50, numeric=False),
+    ),
+    "time", True, ("nvml",), _events,
+    identity=("time", "uuid", "event"), key="x",
 )

@@ -1,0 +1,213 @@
+"""GPU failures through the real pynvml and the stand-in libnvidia-ml.so.1 (tests/fixtures/nvml_libnvidia_ml.c):
+Xid and ECC events from NVML's event API, a GPU NVML answers GPU_IS_LOST for. The truth is the stand-in's own
+record of the events it delivered (FAKE_NVML_EVENTS_DELIVERED)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from aiprobe.probes.nvml.events import XIDS
+from helpers import wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from servers import AIPROBE, Agent
+from test_nvml import A100_UUID, H100_UUID
+
+XID_EVENT, SINGLE_BIT_ECC, DOUBLE_BIT_ECC = 8, 1, 2  # nvmlEventType* bits
+WHOLE = {"GPU_I_ID": "", "GPU_I_PROFILE": "", "GPU_CI_ID": ""}
+UUIDS = {"0": H100_UUID, "1": A100_UUID}
+
+
+class Events:
+    """The stand-in's event file (what NVML will deliver) and its record of what it delivered."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.source = tmp_path / "events"
+        self.delivered = tmp_path / "delivered"
+        self.source.write_text("")
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"FAKE_NVML_EVENTS": str(self.source), "FAKE_NVML_EVENTS_DELIVERED": str(self.delivered)}
+
+    def send(self, *events: tuple[int, ...]) -> None:
+        """(device, nvmlEventType bit, Xid[, GPU instance, compute instance]) each."""
+        with self.source.open("a") as out:
+            out.write("".join(" ".join(map(str, event)) + "\n" for event in events))
+
+    def delivered_xids(self) -> Counter[tuple[str, str]]:
+        """(gpu, xid) -> Xid events the stand-in delivered."""
+        lines = self.delivered.read_text().split("\n") if self.delivered.exists() else []
+        return Counter((fields[0], fields[2]) for fields in map(str.split, lines)
+                       if fields and int(fields[1]) == XID_EVENT)
+
+
+@pytest.fixture
+def events(tmp_path) -> Events:
+    return Events(tmp_path)
+
+
+def _series(metrics: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(sample.labels.items())): sample.value for metric in text_string_to_metric_families(metrics)
+            for sample in metric.samples if sample.name == family}
+
+
+def _alerts(agent: Agent, rule: str) -> dict[str, dict]:
+    """target -> the agent's alert of `rule` (pending, firing, or resolved in the last 15 minutes)."""
+    return {alert["target"]: alert for alert in agent.snapshot()["alerts"] if alert["rule"] == rule}
+
+
+def _xid_counts(metrics: str) -> Counter[tuple[str, str]]:
+    counts: Counter[tuple[str, str]] = Counter()
+    for labels, value in _series(metrics, "aiprobe_gpu_xid_errors_total").items():
+        named = dict(labels)
+        assert (named["uuid"], {k: named[k] for k in WHOLE}) == (UUIDS[named["gpu"]], WHOLE)
+        counts[(named["gpu"], named["xid"])] += int(value)
+    return counts
+
+
+SENT = [(0, XID_EVENT, 31), (0, XID_EVENT, 31), (1, XID_EVENT, 48), (0, XID_EVENT, 79)]
+
+
+def test_xids_are_counted_by_xid_with_their_meaning_and_action(nvml_env, events, tmp_path) -> None:
+    """Xids 31 (twice), 48 and 79 through the event API: counts by GPU and Xid equal to what the stand-in
+    delivered; an ECC event of GPU 1, which gives only Xid events, is not delivered; the last events
+    carry what each Xid means and NVIDIA's action, in the snapshot and in top. Each Xid fires gpu_xid_error,
+    which resolves once no new one came for the agent's window, its meaning and action in the evidence."""
+    env = {**nvml_env, **events.env}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env, args=("--dcgm-compatible",)) as agent:
+        events.send(*SENT, (0, SINGLE_BIT_ECC, 0), (1, DOUBLE_BIT_ECC, 0))
+        assert wait_until(lambda: sum(_xid_counts(agent.metrics()).values()) == len(SENT))
+        metrics = agent.metrics()
+        snapshot = agent.snapshot()
+        top = subprocess.run([AIPROBE, "top", "--batch", "--iterations", "1", "--connect", agent.url],
+                             capture_output=True, text=True, check=True).stdout
+        targets = {f"gpu{device} xid {xid}" for device, _, xid in SENT}
+        assert wait_until(lambda: {target for target, alert in _alerts(agent, "gpu_xid_error").items()
+                                   if alert["state"] == "resolved"} == targets)
+        alerts = _alerts(agent, "gpu_xid_error")
+    for device, _, xid in SENT:
+        meaning, action = XIDS[xid]
+        assert {k: alerts[f"gpu{device} xid {xid}"]["evidence"][k] for k in ("xid", "meaning", "action", "uuid")} == \
+            {"xid": xid, "meaning": meaning, "action": action, "uuid": UUIDS[str(device)]}
+    # This test's process is on GPU 0 (FAKE_NVML_PIDS): the evidence names it.
+    assert [proc["pid"] for proc in alerts["gpu0 xid 31"]["evidence"]["processes"]] == [os.getpid()]
+    truth = events.delivered_xids()
+    assert truth == {("0", "31"): 2, ("1", "48"): 1, ("0", "79"): 1}
+    assert _xid_counts(metrics) == truth
+    assert _series(metrics, "aiprobe_gpu_ecc_error_events_total") == {
+        tuple(sorted({"gpu": "0", "uuid": H100_UUID, **WHOLE, "type": "single_bit_ecc"}.items())): 1}
+    last = {dict(labels)["gpu"]: value for labels, value in _series(metrics, "DCGM_FI_DEV_XID_ERRORS").items()}
+    assert last == {"0": 79, "1": 48}
+    recent = [(e["gpu_index"], e["event"], e["xid"], e["meaning"], e["action"]) for e in snapshot["gpu_events"]]
+    assert recent == [(device, "xid", xid, *XIDS[xid]) for device, _, xid in SENT] + \
+        [(0, "single_bit_ecc", None, "single-bit ECC error (corrected)", "none; watch the GPU's ECC counts")]
+    assert [gpu["last_xid"] for gpu in snapshot["gpus"]] == [79, 48]
+    shown = top[top.index("\nGPU EVENTS\n"):]
+    assert "GPU has fallen off the bus" in shown and "restart the application" in shown
+
+
+def test_an_xid_in_a_mig_instance_is_labelled_with_the_instance(nvml_env, events, tmp_path) -> None:
+    """GPU 1 in MIG mode: NVML names the GPU and compute instance of an Xid there; the count carries them, and
+    the instance's profile, as every GPU family labels an instance."""
+    env = {**nvml_env, **events.env, "FAKE_NVML_MIG": f"{os.getpid()},{os.getpid()}"}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env) as agent:
+        assert wait_until(lambda: _series(agent.metrics(), "aiprobe_gpu_memory_used_bytes"))  # instances read
+        events.send((1, XID_EVENT, 43, 2, 0))  # GPU instance 2 (2g.10gb), compute instance 0
+        assert wait_until(lambda: _series(agent.metrics(), "aiprobe_gpu_xid_errors_total"))
+        series = _series(agent.metrics(), "aiprobe_gpu_xid_errors_total")
+    assert series == {tuple(sorted({"gpu": "1", "uuid": A100_UUID, "GPU_I_ID": "2", "GPU_I_PROFILE": "2g.10gb",
+                                    "GPU_CI_ID": "0", "xid": "43"}.items())): 1}
+    assert events.delivered.read_text() == "1 8 43 2 0\n"
+
+
+def test_refused_registration_is_a_reason_in_the_status(nvml_env) -> None:
+    script = ("from aiprobe.probes.nvml.probe import NvmlProbe\n"
+              "with NvmlProbe() as probe:\n    print(probe.status().span)\n")
+    span = subprocess.run([sys.executable, "-c", script], env={**nvml_env, "FAKE_NVML_REFUSE_EVENTS": "1"},
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert span.split("; ")[-2:] == [
+        f"GPU {i} ({name}): NVML refused its events (Not Supported), so no Xid errors"
+        for i, name in enumerate(("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"))]
+
+
+def test_a_lost_gpu_stays_in_the_metrics(nvml_env, events, tmp_path) -> None:
+    """Xid 79, then GPU_IS_LOST on every call to GPU 0: it keeps its series, aiprobe_gpu_lost 1; the other GPU
+    0; NVML still counts 2 GPUs. The agent stops cleanly, its event thread too."""
+    lost = tmp_path / "lost"
+    env = {**nvml_env, **events.env, "FAKE_NVML_LOST": str(lost)}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env) as agent:
+        assert wait_until(lambda: _series(agent.metrics(), "aiprobe_gpu_lost"))
+        events.send((0, XID_EVENT, 79))
+        lost.write_text("0\n")
+        assert wait_until(lambda: 1 in _series(agent.metrics(), "aiprobe_gpu_lost").values())
+        metrics = agent.metrics()
+        assert wait_until(lambda: _alerts(agent, "gpu_lost").get("gpu0", {}).get("state") == "firing")
+        assert _alerts(agent, "gpu_lost")["gpu0"]["evidence"]["last_xid"] == 79
+        text = subprocess.run([AIPROBE, "gpus"], env=env, capture_output=True, text=True, check=True).stdout
+    assert agent.process.returncode == 0
+    assert "Traceback" not in agent.log.read_text()
+    assert {dict(labels)["uuid"]: value for labels, value in _series(metrics, "aiprobe_gpu_lost").items()} == \
+        {H100_UUID: 1, A100_UUID: 0}
+    assert list(_series(metrics, "aiprobe_gpus").values()) == [2]
+    assert _xid_counts(metrics) == events.delivered_xids() == {("0", "79"): 1}
+    # Nothing else is known of it: its other series are gone; GPU 1's stay.
+    assert [dict(labels)["gpu"] for labels in _series(metrics, "aiprobe_gpu_memory_used_bytes")] == ["1"]
+    # A GPU lost before `aiprobe gpus` starts: listed, lost, its UUID unknown.
+    assert "LOST: NVML answers GPU_IS_LOST" in text
+
+
+# The stand-in's GPU 0 error counts (FAKE_NVML_ERRORS, in its order) and what each becomes on /metrics.
+ERRORS = {"ecc_corrected_volatile": 11, "ecc_uncorrected_volatile": 2, "ecc_corrected_aggregate": 130,
+          "ecc_uncorrected_aggregate": 4, "remapped_rows_corrected": 6, "remapped_rows_uncorrected": 2,
+          "row_remap_pending": 1, "row_remap_failure": 0, "pcie_replays": 9}
+SERIES = {("aiprobe_gpu_ecc_errors_total", "corrected"): "ecc_corrected_volatile",
+          ("aiprobe_gpu_ecc_errors_total", "uncorrected"): "ecc_uncorrected_volatile",
+          ("aiprobe_gpu_ecc_aggregate_errors_total", "corrected"): "ecc_corrected_aggregate",
+          ("aiprobe_gpu_ecc_aggregate_errors_total", "uncorrected"): "ecc_uncorrected_aggregate",
+          ("aiprobe_gpu_remapped_rows_total", "corrected"): "remapped_rows_corrected",
+          ("aiprobe_gpu_remapped_rows_total", "uncorrected"): "remapped_rows_uncorrected",
+          ("aiprobe_gpu_row_remap_pending", ""): "row_remap_pending",
+          ("aiprobe_gpu_row_remap_failed", ""): "row_remap_failure",
+          ("aiprobe_gpu_pcie_replays_total", ""): "pcie_replays",
+          ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", ""): "ecc_corrected_volatile",
+          ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", ""): "ecc_uncorrected_volatile",
+          ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", ""): "ecc_corrected_aggregate",
+          ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", ""): "ecc_uncorrected_aggregate",
+          ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", ""): "remapped_rows_corrected",
+          ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", ""): "remapped_rows_uncorrected",
+          ("DCGM_FI_DEV_ROW_REMAP_PENDING", ""): "row_remap_pending",
+          ("DCGM_FI_DEV_ROW_REMAP_FAILURE", ""): "row_remap_failure",
+          ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", ""): "pcie_replays"}
+
+
+def _error_series(metrics: str) -> dict[tuple[str, str, str], float]:
+    """(family, gpu, error) -> value of every memory error series on /metrics."""
+    families = {family for family, _ in SERIES}
+    return {(sample.name, sample.labels["gpu"], sample.labels.get("error", "")): sample.value
+            for metric in text_string_to_metric_families(metrics) for sample in metric.samples
+            if sample.name in families}
+
+
+def test_memory_errors_are_the_stand_ins_and_a_gpu_without_them_says_why(nvml_env, tmp_path) -> None:
+    """GPU 0's ECC, row remapping and PCIe replay counts equal the stand-in's, under aiprobe's and dcgm-exporter's
+    names; GPU 1 (ECC off, no row remapping) has only its replays, and the reason for the rest, not zeros.
+    Its 2 uncorrected errors fire gpu_memory_errors, which resolves once the GPU's reset cleared them."""
+    counts = tmp_path / "errors"
+    counts.write_text(" ".join(map(str, ERRORS.values())) + "\n")
+    env = {**nvml_env, "FAKE_NVML_ERRORS": str(counts)}
+    with Agent(tmp_path, 'probes = ["nvml"]\n', env=env, args=("--dcgm-compatible",)) as agent:
+        assert wait_until(lambda: _error_series(agent.metrics()))
+        metrics, snapshot = agent.metrics(), agent.snapshot()
+        assert wait_until(lambda: _alerts(agent, "gpu_memory_errors").get("gpu0", {}).get("state") == "firing")
+        counts.write_text(" ".join(str(0 if field.endswith("_volatile") else count) for field, count in ERRORS.items()))
+        assert wait_until(lambda: _alerts(agent, "gpu_memory_errors")["gpu0"]["state"] == "resolved")
+    assert _error_series(metrics) == {
+        **{(family, "0", error): ERRORS[field] for (family, error), field in SERIES.items()},
+        ("aiprobe_gpu_pcie_replays_total", "1", ""): 3, ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "1", ""): 3}
+    assert [gpu["memory_errors_reason"] for gpu in snapshot["gpus"]] == \
+        ["", "ECC is off; no row remapping (Ampere or newer)"]
