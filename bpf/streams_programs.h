@@ -10,11 +10,11 @@
  * without server state may be a client's: client_programs.h times the requests the host sends on it.
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
- * to first byte; each later write ends a gap; the next request received, or the server's side of the
- * connection closing or reset, ends it (its duration runs to its last write). HTTP/1.x is read from the
- * response's first bytes: a write holding only the status line and headers is not a chunk (TTFB runs to
- * the first body write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response
- * without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
+ * to first byte; each later write ends a gap; the write completing the body its head frames (HTTP/1.x
+ * Content-Length), else the next request received, or the server's side of the connection closing or
+ * reset, ends it (its duration runs to its last write). HTTP/1.x is read from the response's first
+ * bytes: a write holding only the status line and headers is not a chunk (TTFB runs to the first body
+ * write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
  * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
  * say which streams they are for. docs/streams.md has the rules. A stall's GPU evidence is its
  * process's time inside CUDA synchronizations, from the map the cuda probe writes (cuda_sync.h): each

@@ -64,7 +64,8 @@ SPAN = ("each response of an accepted connection (as streams time it), counted w
         "dynamic-table entry seen inserted spells it; gRPC: the trailers' grpc-status likewise), its method "
         "from its request's first read, its duration from the request's last read to the response's last write; "
         "requests sent on connections the host opened (HTTP/1.x), from their first send "
-        "to their response's last read, counted at the next request or the close")
+        "to their response's last read, counted at the read ending the response (Content-Length, last chunk), "
+        "else after 1 s without a read, the next request or the close")
 # The streams part's strategies (the same programs), with what this part sees under each.
 STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name == "syscall" else ""))
                    for s in STREAMS_STRATEGIES)
