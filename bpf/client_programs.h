@@ -206,7 +206,7 @@ __noinline int peek_response_body(__u32 len)
 
 	if (!peek)
 		return BODY_UNKNOWN;
-	return response_body(peek->bytes, len, &peek->body_at, &peek->content_length);
+	return response_body(peek->bytes, len, &peek->head);
 }
 
 /* How the body of a response to a `method` request, with `status`, whose head is the scratch's first `len`
@@ -218,12 +218,12 @@ static __always_inline __u8 response_framing(struct stream_peek *peek, __u32 len
 {
 	__u8 body = peek_response_body(len);
 
-	if (peek->body_at && (method == HTTP_METHOD_HEAD || status == 204 || status == 304)) {
+	if (peek->head.body_at && (method == HTTP_METHOD_HEAD || status == 204 || status == 304)) {
 		body = BODY_LENGTH;
-		peek->content_length = 0;
+		peek->head.content_length = 0;
 	}
 	if (body == BODY_LENGTH)
-		*left = peek->content_length + peek->body_at;
+		*left = peek->head.content_length + peek->head.body_at;
 	return body;
 }
 

@@ -11,6 +11,9 @@
 #include "loop.h"
 #include "requests.h"
 
+/* A load the compiler must make where it is written (no copy kept from a store or an earlier load). */
+#define READ_ONCE(x) (*(volatile typeof(x) *)&(x))
+
 /* Of a response's first write, the bytes read to tell its protocol; the SSE content type is searched
  * for in these. A buffer passed to has_event_stream() holds this many. */
 #define HTTP1_PEEK_BYTES 512
@@ -66,13 +69,22 @@ enum http1_body {
 	BODY_CHUNKED,	/* at the last chunk */
 };
 
-/* The search of a response's head for its end and its framing headers, one byte per turn. */
-struct head_search {
-	const char *bytes;
-	__u32 len;
-	__u32 end;		/* the body's first byte; 0: the blank line is not in the bytes */
+/* A response's head, as far as its framing goes. */
+struct http1_head {
+	__u32 len;		/* the bytes searched */
+	__u32 body_at;		/* the body's first byte; 0: the blank line is not in the bytes read */
 	__u32 length_at;	/* Content-Length's value; 0: none */
 	__u32 chunked_at;	/* Transfer-Encoding's value; 0: none */
+	__s64 content_length;	/* -1: none */
+};
+
+/* The search of a response's head for its end and its framing headers, one byte per turn. Its length and
+ * what it finds are in `head`, in map memory, which the verifier does not track: a turn that finds a header,
+ * or compares the length, leaves the same state as one that does not, so a bounded loop's turns are walked
+ * once each, not once per place where each header may have been found or the bytes may end. */
+struct head_search {
+	const char *bytes;
+	struct http1_head *head;
 };
 
 /* At a line's start (after byte `i`, a '\n'): the blank line ending the head, or one of the headers. */
@@ -80,17 +92,18 @@ static long head_search_at(__u32 i, struct head_search *search)
 {
 	const char *line;
 	__u64 name, rest;
+	__u32 len = READ_ONCE(search->head->len);	/* read each turn (above) */
 
-	if (i + 3 > search->len || i > HTTP1_PEEK_BYTES - 20)
+	if (i + 3 > len || i > HTTP1_PEEK_BYTES - 20)
 		return 1;
 	line = search->bytes + i + 1;
 	if (search->bytes[i] != '\n')
 		return 0;
 	if (line[0] == '\r' && line[1] == '\n') {
-		search->end = i + 3;
+		search->head->body_at = i + 3;
 		return 1;
 	}
-	if (i + 19 > search->len)
+	if (i + 19 > len)
 		return 0;
 	__builtin_memcpy(&name, line, 8);
 	__builtin_memcpy(&rest, line + 8, 8);
@@ -98,10 +111,10 @@ static long head_search_at(__u32 i, struct head_search *search)
 	rest |= LOWER8;
 	if (name == BYTES8('c', 'o', 'n', 't', 'e', 'n', 't', '-') &&
 	    (rest & 0x00ffffffffffffffULL) == BYTES8('l', 'e', 'n', 'g', 't', 'h', ':', 0))
-		search->length_at = i + 16;
+		search->head->length_at = i + 16;
 	else if (name == BYTES8('t', 'r', 'a', 'n', 's', 'f', 'e', 'r') &&
 		 rest == BYTES8('-', 'e', 'n', 'c', 'o', 'd', 'i', 'n') && (line[16] | 0x20) == 'g' && line[17] == ':')
-		search->chunked_at = i + 19;
+		search->head->chunked_at = i + 19;
 	return 0;
 }
 
@@ -147,20 +160,27 @@ static __always_inline bool chunked_value(const char *bytes, __u32 len, __u32 at
 	return ((word | LOWER8) & 0x00ffffffffffffffULL) == BYTES8('c', 'h', 'u', 'n', 'k', 'e', 'd', 0);
 }
 
-/* A response head's framing, from its first `len` bytes: how its body ends; `*end` the body's first byte,
- * `*length` its Content-Length. */
-static __always_inline __u8 response_body(const char *bytes, __u32 len, __u32 *end, __s64 *length)
+/* A response head's framing, from its first `len` bytes, into `head` (map memory): how its body ends. */
+static __always_inline __u8 response_body(const char *bytes, __u32 len, struct http1_head *head)
 {
-	struct head_search search = { .bytes = bytes, .len = len };
+	struct head_search search = { .bytes = bytes, .head = head };
+	__u32 length_at, chunked_at;
 
+	__builtin_memset(head, 0, sizeof(*head));
+	head->len = len;
+	head->content_length = -1;
 	LOOP(HTTP1_PEEK_BYTES - 20, head_search_at, &search);
-	*end = search.end;
-	if (!search.end)
+	/* Read back from the map: the compiler keeps no copy of what a turn found (in a register or on the
+	 * stack, the verifier would track it). */
+	length_at = READ_ONCE(head->length_at);
+	chunked_at = READ_ONCE(head->chunked_at);
+	if (!READ_ONCE(head->body_at))
 		return BODY_UNKNOWN;
-	if (search.chunked_at && chunked_value(bytes, len, search.chunked_at))
+	if (chunked_at && chunked_value(bytes, len, chunked_at))
 		return BODY_CHUNKED;
-	*length = search.length_at ? content_length(bytes, len, search.length_at) : -1;
-	return *length >= 0 ? BODY_LENGTH : BODY_UNKNOWN;
+	if (length_at)
+		head->content_length = content_length(bytes, len, length_at);
+	return head->content_length >= 0 ? BODY_LENGTH : BODY_UNKNOWN;
 }
 
 /* Chunked encoding's end, "0\r\n\r\n" (5 bytes). */

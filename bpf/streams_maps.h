@@ -99,8 +99,7 @@ struct {
  * frame walk's cursor and the header block walk's, with its copy of the connection's table. */
 struct stream_peek {
 	char bytes[HTTP1_PEEK_BYTES];
-	__u32 body_at;		/* response_body()'s: the body's first byte in `bytes` (0: the head is longer) */
-	__s64 content_length;	/* and the head's Content-Length (-1: none) */
+	struct http1_head head;	/* response_body()'s: the framing of the head in `bytes` */
 	struct msg_cursor cursor;
 	struct msg_cursor block;
 	struct hpack_block fields;
