@@ -118,11 +118,18 @@ static long head_search_at(__u32 i, struct head_search *search)
 	return 0;
 }
 
+/* `at` within HTTP1_PEEK_BYTES, as the verifier sees it: masked where the compiler cannot drop the mask
+ * (it would, having checked the bound on another register, which 5.10's verifier does not link). */
+static __always_inline __u32 peek_index(__u32 at)
+{
+	return opaque(at) & (HTTP1_PEEK_BYTES - 1);
+}
+
 /* The first non-space byte of a header's value at `at` (up to 2 spaces skipped). */
 static __always_inline __u32 header_value(const char *bytes, __u32 at)
 {
 	for (int i = 0; i < 2; i++) {
-		if (at < HTTP1_PEEK_BYTES && bytes[at & (HTTP1_PEEK_BYTES - 1)] == ' ')
+		if (at < HTTP1_PEEK_BYTES && bytes[peek_index(at)] == ' ')
 			at++;
 	}
 	return at;
@@ -140,7 +147,7 @@ static __always_inline __s64 content_length(const char *bytes, __u32 len, __u32 
 		j = at + i;
 		if (j >= len || j >= HTTP1_PEEK_BYTES)
 			break;
-		c = bytes[j & (HTTP1_PEEK_BYTES - 1)];
+		c = bytes[peek_index(j)];
 		if (c < '0' || c > '9')
 			break;
 		length = (length < 0 ? 0 : length * 10) + (c - '0');
@@ -156,7 +163,7 @@ static __always_inline bool chunked_value(const char *bytes, __u32 len, __u32 at
 	at = header_value(bytes, at);
 	if (at + 7 > len || at > HTTP1_PEEK_BYTES - 8)
 		return false;
-	__builtin_memcpy(&word, bytes + at, 8);
+	__builtin_memcpy(&word, bytes + peek_index(at), 8);	/* within the map value: 8 bytes follow */
 	return ((word | LOWER8) & 0x00ffffffffffffffULL) == BYTES8('c', 'h', 'u', 'n', 'k', 'e', 'd', 0);
 }
 
