@@ -43,10 +43,10 @@ def _slot_upper_units(index: int) -> int:
     return (mantissa + HIST_SUB + 1) << (shift - 1)
 
 
-def slot_of_microseconds(microseconds: int, slots: int) -> int:
+def slot_of_nanoseconds(nanoseconds: int, slots: int) -> int:
     """The slot of `slots` a duration falls in, as bpf/hist.h files one: the histogram of a value
-    user space reads (a connection's RTT) decodes like the kernel's."""
-    units = microseconds * UNITS_PER_MS // 1000
+    user space reads (a connection's RTT) or counts (a request) decodes like the kernel's."""
+    units = nanoseconds * UNITS_PER_MS // 1_000_000
     if units < 2 * HIST_SUB:
         return min(units, slots - 1)
     top = units.bit_length() - 1  # units lie in [2^top, 2^(top + 1)): 16 slots of 2^(top - 4) each

@@ -50,4 +50,11 @@ static __always_inline __u32 first4(const char *bytes)
 	return word;
 }
 
+/* `value`, hidden from the compiler: a bound checked on it stays on the register that is used after. */
+static __always_inline __u64 opaque(__u64 value)
+{
+	asm volatile("" : "+r"(value));
+	return value;
+}
+
 #endif /* AIPROBE_COMMON_H */

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /* HTTP/1.x responses, from the bytes of a write: a status line, Server-Sent Events (the content type
- * text/event-stream), the end of the headers, chunked encoding's last chunk. */
+ * text/event-stream), the end of the headers, chunked encoding's last chunk; and where a response's
+ * body ends, from its head (Content-Length, chunked). */
 #ifndef AIPROBE_HTTP1_H
 #define AIPROBE_HTTP1_H
 
@@ -9,6 +10,9 @@
 #include "common.h"
 #include "loop.h"
 #include "requests.h"
+
+/* A load the compiler must make where it is written (no copy kept from a store or an earlier load). */
+#define READ_ONCE(x) (*(volatile typeof(x) *)&(x))
 
 /* Of a response's first write, the bytes read to tell its protocol; the SSE content type is searched
  * for in these. A buffer passed to has_event_stream() holds this many. */
@@ -51,6 +55,139 @@ static __always_inline bool has_event_stream(const char *bytes, __u32 len)
 
 	LOOP(HTTP1_PEEK_BYTES - 11, sse_search_at, &search);
 	return search.found;
+}
+
+/* Eight bytes as one little-endian word. */
+#define BYTES8(a, b, c, d, e, f, g, h) ((__u64)BYTES4(a, b, c, d) | (__u64)BYTES4(e, f, g, h) << 32)
+/* ASCII letters (and '-', ':', which have the bit already) in lower case: header names are case-insensitive. */
+#define LOWER8 0x2020202020202020ULL
+
+/* How a response's body ends, as its head tells (RFC 9112 6.3). */
+enum http1_body {
+	BODY_UNKNOWN,	/* at the connection's close, or not told in the bytes read (the head longer than them) */
+	BODY_LENGTH,	/* after Content-Length bytes */
+	BODY_CHUNKED,	/* at the last chunk */
+};
+
+/* A response's head, as far as its framing goes. */
+struct http1_head {
+	__u32 len;		/* the bytes searched */
+	__u32 body_at;		/* the body's first byte; 0: the blank line is not in the bytes read */
+	__u32 length_at;	/* Content-Length's value; 0: none */
+	__u32 chunked_at;	/* Transfer-Encoding's value; 0: none */
+	__s64 content_length;	/* -1: none */
+};
+
+/* The search of a response's head for its end and its framing headers, one byte per turn. Its length and
+ * what it finds are in `head`, in map memory, which the verifier does not track: a turn that finds a header,
+ * or compares the length, leaves the same state as one that does not, so a bounded loop's turns are walked
+ * once each, not once per place where each header may have been found or the bytes may end. */
+struct head_search {
+	const char *bytes;
+	struct http1_head *head;
+};
+
+/* At a line's start (after byte `i`, a '\n'): the blank line ending the head, or one of the headers. */
+static long head_search_at(__u32 i, struct head_search *search)
+{
+	const char *line;
+	__u64 name, rest;
+	__u32 len = READ_ONCE(search->head->len);	/* read each turn (above) */
+
+	if (i + 3 > len || i > HTTP1_PEEK_BYTES - 20)
+		return 1;
+	line = search->bytes + i + 1;
+	if (search->bytes[i] != '\n')
+		return 0;
+	if (line[0] == '\r' && line[1] == '\n') {
+		search->head->body_at = i + 3;
+		return 1;
+	}
+	if (i + 19 > len)
+		return 0;
+	__builtin_memcpy(&name, line, 8);
+	__builtin_memcpy(&rest, line + 8, 8);
+	name |= LOWER8;
+	rest |= LOWER8;
+	if (name == BYTES8('c', 'o', 'n', 't', 'e', 'n', 't', '-') &&
+	    (rest & 0x00ffffffffffffffULL) == BYTES8('l', 'e', 'n', 'g', 't', 'h', ':', 0))
+		search->head->length_at = i + 16;
+	else if (name == BYTES8('t', 'r', 'a', 'n', 's', 'f', 'e', 'r') &&
+		 rest == BYTES8('-', 'e', 'n', 'c', 'o', 'd', 'i', 'n') && (line[16] | 0x20) == 'g' && line[17] == ':')
+		search->head->chunked_at = i + 19;
+	return 0;
+}
+
+/* `at` within HTTP1_PEEK_BYTES, as the verifier sees it: masked where the compiler cannot drop the mask
+ * (it would, having checked the bound on another register, which 5.10's verifier does not link). */
+static __always_inline __u32 peek_index(__u32 at)
+{
+	return opaque(at) & (HTTP1_PEEK_BYTES - 1);
+}
+
+/* The first non-space byte of a header's value at `at` (up to 2 spaces skipped). */
+static __always_inline __u32 header_value(const char *bytes, __u32 at)
+{
+	for (int i = 0; i < 2; i++) {
+		if (at < HTTP1_PEEK_BYTES && bytes[peek_index(at)] == ' ')
+			at++;
+	}
+	return at;
+}
+
+/* Content-Length's value at `at` (up to 12 digits); -1 where none is readable. */
+static __always_inline __s64 content_length(const char *bytes, __u32 len, __u32 at)
+{
+	__s64 length = -1;
+	__u32 j;
+	char c;
+
+	at = header_value(bytes, at);
+	for (int i = 0; i < 12; i++) {
+		j = at + i;
+		if (j >= len || j >= HTTP1_PEEK_BYTES)
+			break;
+		c = bytes[peek_index(j)];
+		if (c < '0' || c > '9')
+			break;
+		length = (length < 0 ? 0 : length * 10) + (c - '0');
+	}
+	return length;
+}
+
+/* Whether Transfer-Encoding's value at `at` is "chunked" (its only coding, as servers send it). */
+static __always_inline bool chunked_value(const char *bytes, __u32 len, __u32 at)
+{
+	__u64 word = 0;
+
+	at = header_value(bytes, at);
+	if (at + 7 > len || at > HTTP1_PEEK_BYTES - 8)
+		return false;
+	__builtin_memcpy(&word, bytes + peek_index(at), 8);	/* within the map value: 8 bytes follow */
+	return ((word | LOWER8) & 0x00ffffffffffffffULL) == BYTES8('c', 'h', 'u', 'n', 'k', 'e', 'd', 0);
+}
+
+/* A response head's framing, from its first `len` bytes, into `head` (map memory): how its body ends. */
+static __always_inline __u8 response_body(const char *bytes, __u32 len, struct http1_head *head)
+{
+	struct head_search search = { .bytes = bytes, .head = head };
+	__u32 length_at, chunked_at;
+
+	__builtin_memset(head, 0, sizeof(*head));
+	head->len = len;
+	head->content_length = -1;
+	LOOP(HTTP1_PEEK_BYTES - 20, head_search_at, &search);
+	/* Read back from the map: the compiler keeps no copy of what a turn found (in a register or on the
+	 * stack, the verifier would track it). */
+	length_at = READ_ONCE(head->length_at);
+	chunked_at = READ_ONCE(head->chunked_at);
+	if (!READ_ONCE(head->body_at))
+		return BODY_UNKNOWN;
+	if (chunked_at && chunked_value(bytes, len, chunked_at))
+		return BODY_CHUNKED;
+	if (length_at)
+		head->content_length = content_length(bytes, len, length_at);
+	return head->content_length >= 0 ? BODY_LENGTH : BODY_UNKNOWN;
 }
 
 /* Chunked encoding's end, "0\r\n\r\n" (5 bytes). */

@@ -64,4 +64,20 @@ struct client_stats {
 	char comm[16];
 };
 
+/* A client request whose response's end the kernel cannot see (bpf/client_programs.h): the agent counts
+ * it once its response has had no read for a while, unless the kernel counts it first (the next request,
+ * the close). Whichever deletes the entry counts the request. */
+struct client_pending_key {
+	__u64 sock;		/* the socket's address */
+	__u64 request_ns;	/* the request's first send */
+};
+
+struct client_pending {
+	struct client_key key;
+	__u64 request_ns;	/* its first send */
+	__u64 first_read_ns;	/* its response's first read */
+	__u64 last_read_ns;	/* its response's last read */
+	char comm[16];		/* the sender's name, where the first read was its own */
+};
+
 #endif /* AIPROBE_REQUESTS_H */

@@ -59,6 +59,8 @@ struct stream_socket {
 	__u8 classified;	/* protocol read from the connection's first response */
 	__u8 frames;		/* HTTP/2: entries of frame_stream/frame_carries for the send in progress */
 	__u8 tls_awaiting;	/* enum tls_version: the server's ServerHello is out, the client's Finished awaited */
+	__u8 body;		/* HTTP/1.x: enum http1_body, how the response in progress ends */
+	__s64 body_left;	/* BODY_LENGTH: its body's bytes still to write */
 	__u32 frame_stream[H2_FRAMES];
 	__u8 frame_carries[H2_FRAMES];	/* enum h2_carries */
 	struct h2_stream h2[H2_STREAMS];
@@ -93,10 +95,11 @@ struct {
 	__uint(max_entries, 64 * 1024);
 } stream_stalls SEC(".maps");
 
-/* Per-CPU scratch: the first bytes of a response (too large for the stack), the frame walk's cursor
- * and the header block walk's, with its copy of the connection's table. */
+/* Per-CPU scratch: the first bytes of a response (too large for the stack) and how its body ends, the
+ * frame walk's cursor and the header block walk's, with its copy of the connection's table. */
 struct stream_peek {
 	char bytes[HTTP1_PEEK_BYTES];
+	struct http1_head head;	/* response_body()'s: the framing of the head in `bytes` */
 	struct msg_cursor cursor;
 	struct msg_cursor block;
 	struct hpack_block fields;

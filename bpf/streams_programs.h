@@ -10,11 +10,11 @@
  * without server state may be a client's: client_programs.h times the requests the host sends on it.
  *
  * A response: the server, having received bytes (the request), writes. Its first write ends the time
- * to first byte; each later write ends a gap; the next request received, or the server's side of the
- * connection closing or reset, ends it (its duration runs to its last write). HTTP/1.x is read from the
- * response's first bytes: a write holding only the status line and headers is not a chunk (TTFB runs to
- * the first body write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response
- * without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
+ * to first byte; each later write ends a gap; the write completing the body its head frames (HTTP/1.x
+ * Content-Length), else the next request received, or the server's side of the connection closing or
+ * reset, ends it (its duration runs to its last write). HTTP/1.x is read from the response's first
+ * bytes: a write holding only the status line and headers is not a chunk (TTFB runs to the first body
+ * write) and chunked encoding's last-chunk write ("0\r\n\r\n") ends the response without being a chunk. On cleartext HTTP/2 each stream is a response of its own: the frame headers
  * of each write, and of each read of the client, walked with bpf_loop (the verifier sees one frame),
  * say which streams they are for. docs/streams.md has the rules. A stall's GPU evidence is its
  * process's time inside CUDA synchronizations, from the map the cuda probe writes (cuda_sync.h): each
@@ -183,15 +183,9 @@ static __always_inline __u8 protocol_of(struct stream_peek *peek, __u32 len)
 	return STREAM_PROTOCOL_TCP;
 }
 
-/* `value`, hidden from the compiler: a bound checked on it stays on the register that is used after. */
-static __always_inline __u64 opaque(__u64 value)
-{
-	asm volatile("" : "+r"(value));
-	return value;
-}
-
-/* What a later write of a classified HTTP/1.x connection needs read: its status line's code (12
- * bytes), or the last chunk (5); the connection's first write is read further (an SSE header). */
+/* What a later write of a classified HTTP/1.x connection needs read: the last chunk (5 bytes); a
+ * response's first write is read further (its head: status, framing; the connection's first: an SSE
+ * header). */
 #define HTTP1_WRITE_PEEK_BYTES 16
 
 /* What a write of an HTTP/1.x response holds: a 5-byte "0\r\n\r\n" is chunked encoding's end; its
@@ -456,7 +450,7 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	len = peek->cursor.left;
 	if (!user || !len)
 		return;
-	limit = s->classified ? HTTP1_WRITE_PEEK_BYTES : HTTP1_PEEK_BYTES;
+	limit = s->classified && s->phase != STREAM_REQUEST ? HTTP1_WRITE_PEEK_BYTES : HTTP1_PEEK_BYTES;
 	n = opaque(len < limit ? len : limit);
 	if (n > HTTP1_PEEK_BYTES || bpf_probe_read_user(peek->bytes, n, (void *)user))
 		return;
@@ -473,8 +467,12 @@ static __always_inline void stream_send_begin(struct sock *sk, struct msghdr *ms
 	if (s->key.protocol != STREAM_PROTOCOL_HTTP && s->key.protocol != STREAM_PROTOCOL_SSE)
 		return;
 	s->write = http_write(s, peek->bytes, user, len, msg->msg_iter.count);
-	if (s->phase == STREAM_REQUEST && !s->t.status)
+	if (s->phase != STREAM_REQUEST || !is_http1(peek->bytes, n))
+		return;
+	/* The response's head: its status, how its body ends. */
+	if (!s->t.status)
 		s->t.status = http1_status(peek->bytes, n);
+	s->body = response_framing(peek, n, s->t.method, s->t.status, &s->body_left);
 }
 
 /* --- the server's reads --- */
@@ -532,6 +530,7 @@ static __always_inline void request_received(struct stream_socket *s, int ret)
 		return;
 	}
 	s->phase = STREAM_REQUEST;
+	s->body = BODY_UNKNOWN;
 	s->t.request_bytes = ret;
 	s->t.method = HTTP_METHOD_OTHER;
 	if (!requests_enabled || (s->classified && !speaks_http(s)) || ret < (int)sizeof(first))
@@ -772,8 +771,10 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	}
 	if (write == WRITE_HEADERS)
 		s->t.last_write_ns = now;	/* a response of headers alone ends here */
-	if (s->phase == STREAM_IDLE || write == WRITE_HEADERS)
-		goto done;	/* the server speaks first, or the headers alone: not a chunk */
+	if (s->phase == STREAM_IDLE)
+		goto done;	/* the server speaks first */
+	if (write == WRITE_HEADERS)
+		goto body;	/* the headers alone: not a chunk */
 	if (write == WRITE_LAST_CHUNK) {
 		stream_end(s);
 		s->phase = STREAM_IDLE;	/* also a response without a body write: no stream */
@@ -788,6 +789,13 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	}
 	if (stats)
 		timing_write(sk, s, &s->t, stats, 0, ret, now, start_ns);
+body:
+	/* The write that ends a body of known length ends its response (a body of none: its headers'). */
+	s->body_left -= ret;
+	if (s->body == BODY_LENGTH && s->body_left <= 0) {
+		stream_end(s);
+		s->phase = STREAM_IDLE;
+	}
 done:
 	if (left_full(sk)) {
 		if (!s->full_since_ns)

@@ -195,8 +195,8 @@ def keepalive_server(*args: str) -> Iterator[subprocess.Popen]:
 
 
 def connections_of(shape: str) -> list[list[str]]:
-    """The request targets, per client connection: keep-alive (a slow response ends at the next request,
-    the last at the connection's end), one per connection (`Connection: close`, or a client that
+    """The request targets, per client connection: keep-alive (each response ends at its body's last
+    write, not at the next request), one per connection (`Connection: close`, or a client that
     half-closes after its request and reads the answer), or keep-alive connections each ending in a slow
     response the client resets midway."""
     quick, slow = ["/?delay_ms=0"], [f"/?delay_ms={ms}" for ms in DELAYS_MS]
@@ -241,19 +241,20 @@ def ended_durations(probe: StreamsProbe, server: subprocess.Popen, count: int) -
 def durations_one_by_one(probe: StreamsProbe, server: subprocess.Popen,
                          connections: list[list[str]]) -> list[tuple[float, float]]:
     """(when the client sent it, its duration as the probe counted it) of each response in turn: what
-    the endpoint's sum grew by when its end came (a keep-alive response's at the next request, the
-    last one's at the connection's end). The server has answered one request before, on a connection
-    of its own."""
+    the endpoint's sum grew by when its end came (at the write completing its Content-Length, on a
+    keep-alive connection too; a response cut midway at the connection's reset). The server has answered
+    one request before, on a connection of its own."""
     sums, sent, ended = [ended_durations(probe, server, 1)], [], 1
     for targets in connections:
         with contextlib.closing(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)) as connection:
-            for i, target in enumerate(targets):
+            for target in targets:
                 sent.append(fetch(connection, target))
-                if i:
+                if "cut" not in target:
                     ended += 1
                     sums.append(ended_durations(probe, server, ended))
-        ended += 1
-        sums.append(ended_durations(probe, server, ended))
+        if "cut" in targets[-1]:
+            ended += 1
+            sums.append(ended_durations(probe, server, ended))
     return list(zip(sent, (after - before for before, after in itertools.pairwise(sums)), strict=True))
 
 

@@ -28,7 +28,7 @@ from ...histogram import (
     kernel_buckets,
     no_observations,
     quantile,
-    slot_of_microseconds,
+    slot_of_nanoseconds,
 )
 from ...libbpf import BpfError
 from ...loader import BpfObject, ProbeUnavailable, Strategy, enum_labels
@@ -219,7 +219,7 @@ class PathQualities:
             before = self._retransmits.get(connection.cookie, info.total_retrans if self._first else 0)
             quality.retransmitted += max(info.total_retrans - before, 0)
             if connection.state == sockdiag.TCP_ESTABLISHED and info.rtt_us > 0:
-                slot = slot_of_microseconds(info.rtt_us, len(quality.now))
+                slot = slot_of_nanoseconds(info.rtt_us * 1000, len(quality.now))
                 quality.now[slot] += 1
                 quality.slots[slot] += 1
                 quality.sum_seconds += info.rtt_us / 1e6

@@ -62,11 +62,11 @@ THREAD_ENTRIES = 16384
 # Where BTF programs cannot use socket storage (before 5.11) per-socket state is an entry of a
 # preallocated hash by socket address (bpf/sk_state.h), deleted as its connection closes (by
 # sendlat_socket_close for `sockets`, by streams_set_state for the others): room per map, and what it
-# takes (entry: value and 8-byte key, plus ~48 bytes of the kernel's; 8.2 MiB in all).
+# takes (entry: value and 8-byte key, plus ~48 bytes of the kernel's; 8.6 MiB in all).
 SOCKET_CLOSE = "sendlat_socket_close"
 SOCKET_ENTRIES = {
-    "stream_sockets": 8192,  # accepted connections in flight (776 bytes each: 6.7 MiB)
-    "client_sockets": 16384,  # connections the host opened (40 bytes each: 1.5 MiB)
+    "stream_sockets": 8192,  # accepted connections in flight (784 bytes each: 6.8 MiB)
+    "client_sockets": 16384,  # connections the host opened (56 bytes each: 1.75 MiB)
     "sockets": 4096,  # sockets unwritable at once (8 bytes each: 0.25 MiB)
 }
 # Indexes of the `counters` array (enum sendlat_counter in bpf/sendlat.h).

@@ -275,7 +275,8 @@ class RequestEndpoint(ServerEndpoint, Placed):
 class ClientRequests(Placed):
     """HTTP/1.x requests one process (in one cgroup) sent to one server (address, port) on connections it
     opened, by method and status code, since the probe started: those whose response was read and that
-    ended (the next request on the connection, or its close; docs/requests.md)."""
+    ended (the read completing its body; where its head does not tell, 1 s without a read, the next request
+    on the connection or its close; docs/requests.md)."""
 
     pid: int
     comm: str  # empty until the sender itself ends one of them (a close may end them in softirq)

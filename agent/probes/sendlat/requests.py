@@ -13,14 +13,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import socket
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, KernelBuckets, exported_buckets, kernel_buckets, quantile
+from ... import btf
+from ...histogram import (
+    NS_PER_SECOND,
+    REQUEST_BOUNDS,
+    KernelBuckets,
+    exported_buckets,
+    hist_slots,
+    kernel_buckets,
+    quantile,
+    slot_of_nanoseconds,
+)
+from ...loader import Map
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -43,6 +56,9 @@ from .streams import STRATEGIES as STREAMS_STRATEGIES
 from .streams import InStreamLogic
 from .view import REQUESTS_VIEW
 
+# A client request whose response's end the kernel cannot see is counted by the agent once its response has
+# had no read for this long (docs/requests.md).
+IDLE_FLUSH_NS = 1_000_000_000
 # The counter of requests each aggregate map had no room for.
 FULL_COUNTERS = {"request_stats": "request_endpoints_full", "client_stats": "client_endpoints_full"}
 NO_RESPONSES = "; counts nothing: the syscall strategy reads no response's bytes (no protocol, no status)"
@@ -51,7 +67,8 @@ SPAN = ("each response of an accepted connection (as streams time it), counted w
         "dynamic-table entry seen inserted spells it; gRPC: the trailers' grpc-status likewise), its method "
         "from its request's first read, its duration from the request's last read to the response's last write; "
         "requests sent on connections the host opened (HTTP/1.x), from their first send "
-        "to their response's last read, counted at the next request or the close")
+        "to their response's last read, counted at the read ending the response (Content-Length, last chunk), "
+        "else after 1 s without a read, the next request or the close")
 # The streams part's strategies (the same programs), with what this part sees under each.
 STRATEGIES = tuple(dataclasses.replace(s, span=SPAN + (NO_RESPONSES if s.name == "syscall" else ""))
                    for s in STREAMS_STRATEGIES)
@@ -80,18 +97,94 @@ def _requests(key: dict[str, Any], value: Any, started: int) -> tuple[Requests, 
     ), fine
 
 
-def _client_requests(key: dict[str, Any], value: Any, started: int) -> ClientRequests:
-    """One entry of `client_stats`."""
-    fine, ttfb = kernel_buckets(value.duration.slots), kernel_buckets(value.ttfb.slots)
+Counts = np.ndarray[Any, np.dtype[np.uint64]]
+
+
+@dataclasses.dataclass
+class ClientCounts:
+    """The requests of one `client_stats` key: the kernel's entry's, or those the agent counted itself (the
+    idle flush), or both added."""
+
+    duration: Counts  # slots of `struct hist`
+    ttfb: Counts
+    count: int = 0
+    duration_sum_ns: int = 0
+    ttfb_sum_ns: int = 0
+    comm: bytes = b""
+
+    @classmethod
+    def of(cls, value: Any) -> ClientCounts:
+        """A `client_stats` value's."""
+        return cls(np.array(value.duration.slots, dtype=np.uint64), np.array(value.ttfb.slots, dtype=np.uint64),
+                   value.duration.count, value.duration.sum_ns, value.ttfb.sum_ns, bytes(value.comm))
+
+    def count_pending(self, entry: Any) -> None:
+        """Counts a `client_pending` entry, as the kernel counts a request (bpf/client_programs.h)."""
+        duration, ttfb = entry.last_read_ns - entry.request_ns, entry.first_read_ns - entry.request_ns
+        if duration >= 0:
+            self.duration[slot_of_nanoseconds(duration, len(self.duration))] += 1
+            self.count += 1
+            self.duration_sum_ns += duration
+        if ttfb >= 0:
+            self.ttfb[slot_of_nanoseconds(ttfb, len(self.ttfb))] += 1
+            self.ttfb_sum_ns += ttfb
+        self.comm = self.comm.strip(b"\0") or bytes(entry.comm)
+
+    def __add__(self, other: ClientCounts) -> ClientCounts:
+        return ClientCounts(self.duration + other.duration, self.ttfb + other.ttfb, self.count + other.count,
+                            self.duration_sum_ns + other.duration_sum_ns, self.ttfb_sum_ns + other.ttfb_sum_ns,
+                            self.comm.strip(b"\0") or other.comm)
+
+
+def _client_requests(key: dict[str, Any], counts: ClientCounts, started: int) -> ClientRequests:
+    """The requests of one `client_stats` key."""
+    fine, ttfb = kernel_buckets(counts.duration), kernel_buckets(counts.ttfb)
     return ClientRequests(
-        pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"],
+        pid=key["tgid"], comm=comm_text(counts.comm), cgroup_id=key["cgroup_id"],
         server_address=ip_text(bytes(key["addr"]), key["family"] == socket.AF_INET6), server_port=key["port"],
         method=_method(key["method"]), status_code=key["status"],
-        count=value.duration.count, duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND,
-        duration_histogram=exported_buckets(fine), ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND,
+        count=counts.count, duration_sum_seconds=counts.duration_sum_ns / NS_PER_SECOND,
+        duration_histogram=exported_buckets(fine), ttfb_sum_seconds=counts.ttfb_sum_ns / NS_PER_SECOND,
         ttfb_histogram=exported_buckets(ttfb), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
         ttfb_p50_seconds=quantile(ttfb, 0.5), start_ticks=started,
     )
+
+
+ClientIdentity = tuple[Any, ...]  # a client_stats key's field values
+
+
+def _no_slots() -> Counts:
+    return np.zeros(hist_slots(), dtype=np.uint64)
+
+
+class IdleFlush:
+    """The agent's side of client requests whose response's end the kernel cannot see (map client_pending):
+    one whose response has had no read for IDLE_FLUSH_NS is counted here, once; the kernel counts those it
+    ends first (the next request, the close). Whichever deletes the entry counts it."""
+
+    def __init__(self) -> None:
+        self.counted: dict[ClientIdentity, tuple[dict[str, Any], ClientCounts]] = {}
+
+    def flush(self, pending: Map) -> None:
+        """Counts the requests of `pending` idle for IDLE_FLUSH_NS (bpf_ktime_get_ns's clock: CLOCK_MONOTONIC)."""
+        idle_since = time.monotonic_ns() - IDLE_FLUSH_NS
+        for key, entry in pending.items():
+            if entry.last_read_ns <= idle_since and pending.delete(key):
+                client_key = btf.decode(entry.key)
+                _, counts = self.counted.setdefault(
+                    tuple(client_key.values()), (client_key, ClientCounts(_no_slots(), _no_slots())))
+                counts.count_pending(entry)
+
+    def added(self, entries: list[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, Any], ClientCounts]]:
+        """The `client_stats` entries with the requests counted here added; those of exited processes (absent
+        from `entries` once deleted there) are reported this once more, then forgotten."""
+        merged = {tuple(key.values()): (key, ClientCounts.of(value)) for key, value in entries}
+        for identity, (key, counts) in self.counted.items():
+            kernel = merged.get(identity)
+            merged[identity] = (key, kernel[1] + counts if kernel else counts)
+        self.counted = {identity: entry for identity, entry in self.counted.items()
+                        if os.path.exists(f"/proc/{entry[0]['tgid']}")}
+        return list(merged.values())
 
 
 def _statuses(records: list[Requests]) -> dict[str, int]:
@@ -134,6 +227,7 @@ class RequestsProbe(InStreamLogic):
         super().__init__(host)
         self._started = False
         self._counted: dict[str, int] = {}  # entries by map, at the last read
+        self._idle_flush = IdleFlush()
 
     def start(self) -> None:
         self._runnable_host()
@@ -149,11 +243,13 @@ class RequestsProbe(InStreamLogic):
 
     def read(self) -> RequestsSnapshot:
         """Everything counted since start; entries of exited processes are reported once more, then deleted."""
+        self._idle_flush.flush(self._obj().maps["client_pending"])
         served, sent = self._entries_of("request_stats"), self._entries_of("client_stats")
         self._counted = {"request_stats": len(served), "client_stats": len(sent)}
         entries = [_requests(key, value, self._starts.of(key["tgid"])) for key, value in served]
-        clients = [_client_requests(key, value, self._starts.of(key["tgid"])) for key, value in sent]
-        self._starts.keep_only({key["tgid"] for key, _ in [*served, *sent]})
+        clients = [_client_requests(key, counts, self._starts.of(key["tgid"]))
+                   for key, counts in self._idle_flush.added(sent)]
+        self._starts.keep_only({key["tgid"] for key, _ in served} | {record.pid for record in clients})
         records = [record for record, _ in entries]
         return RequestsSnapshot(
             strategy=self.strategy or "", span=SPAN,
