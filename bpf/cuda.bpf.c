@@ -458,10 +458,14 @@ SEC("uretprobe")
 int BPF_KRETPROBE(uretprobe_mem_alloc, long rc)
 {
 	struct gpu_thread *t = current_thread_entry();
+	struct gpu_process *p;
 	__u64 now;
 
 	if (!t || !t->alloc_depth || --t->alloc_depth)
 		return 0;
+	p = bpf_map_lookup_elem(&processes, &t->tgid);
+	if (p)
+		__sync_fetch_and_add(&p->alloc_calls, 1);
 	now = bpf_ktime_get_ns();
 	if ((int)rc)
 		alloc_failed(t->tgid, t->alloc_size, (__u32)rc, now);

@@ -82,6 +82,7 @@ struct gpu_process {
 	__u64 first_launch_ns;		/* first kernel or graph launch */
 	__u64 call_count[TIMED_CALLS];
 	__u64 call_ns[TIMED_CALLS];
+	__u64 alloc_calls;		/* allocation calls returned (the CPU budget charges their probes) */
 	char comm[16];			/* the process's (group leader's) name */
 };
 

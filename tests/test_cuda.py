@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.budget import CpuBudget
 from aiprobe.config import RuleConfig
 from aiprobe.deltas import Window
 from aiprobe.elf import ElfError, function_offsets
@@ -31,11 +32,14 @@ from aiprobe.probes.cuda.hooks import out_of_memory_signals, time_slicing_signal
 from aiprobe.probes.cuda.probe import (
     CLOCK_TICKS,
     DRIVER,
+    MAX_DUTY_EVERY,
     RUNTIME,
     STATIC_RUNTIME,
     CudaProbe,
     LibraryScanner,
+    allocation_cpu_share,
     gpus_of,
+    launch_cpu_share,
     loaded_program,
     mapped_cuda_libraries,
     process_record,
@@ -468,10 +472,13 @@ def test_allocation_failures_per_process_and_error_tell_retried_from_final_and_o
         drivers += [retrying, giving_up]
         _wait_attached(probe, retrying.library)
         truths = {driver.pid: counters(driver.go()) for driver in (retrying, giving_up)}
+        calls = {key.value: value.alloc_calls for key, value in probe.loaded.obj.maps["processes"].items()
+                 if key.value in truths}  # what the CPU budget charges
         snapshot = probe.read()
         [library] = [lib for lib in probe.libraries if lib.path == retrying.library]
     assert {pid: (t["alloc_failures"], t["allocs"]) for pid, t in truths.items()} == {
         retrying.pid: (5, 1), giving_up.pid: (3, 0)}
+    assert calls == {retrying.pid: 6, giving_up.pid: 3}
     assert set(ALLOCATION_ENTRY_POINTS) <= set(library.symbols) and library.missing == []
     ours = [f for f in snapshot.allocation_failures if f.pid in truths]
     assert {(f.pid, f.comm, f.error): (f.failures, f.failed_bytes, f.retried) for f in ours} == {
@@ -500,6 +507,16 @@ def test_a_driver_without_the_allocation_entry_points_is_probed_for_the_rest_and
     assert (library.error, library.missing) == ("", list(ALLOCATION_ENTRY_POINTS))
     process = _process(snapshot, driver.pid)
     assert (process.kernel_launches, process.graph_launches) == (truth["kernel_launches"], truth["graph_launches"])
+
+
+def test_allocation_probes_are_charged_to_the_launch_budget_first() -> None:
+    """They stay attached: the launch probes are duty-cycled within what they leave of the budget."""
+    budget = CpuBudget(0.05, MAX_DUTY_EVERY, launch_cpu_share)
+    launches = 0.04 / launch_cpu_share(1.0, 1)  # counting every launch costs 0.04 CPU: within the budget
+    assert budget.every(launches, 1) == 1
+    assert allocation_cpu_share(1400) == pytest.approx(0.028)  # two traps of 10 us each per call
+    assert budget.every(launches, 1, allocation_cpu_share(1400)) == 2  # 0.02 + 0.028
+    assert budget.every(launches, 1, allocation_cpu_share(1e6)) == MAX_DUTY_EVERY  # over budget alone
 
 
 COLD = {"before_init_ms": 1000, "init_ms": 200, "ctx_ms": 150, "module_ms": 60, "modules": 3, "before_launch_ms": 100}

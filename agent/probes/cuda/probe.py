@@ -520,6 +520,9 @@ def detach_links(obj: BpfObject, links: Sequence[Link]) -> None:
 # (benchmarks/bench_cuda.py: 5.4-9.4 us per cuLaunchKernel here; a runtime launch adds the trap of
 # its uretprobe). Rounded up; the budget multiplies it by the launch rate.
 LAUNCH_COST_NS = 10_000
+# An allocation traps twice (its entry and its return probe). Those probes stay attached (a failure
+# must not go unseen): their cost is charged to the budget first, and the launch probes get what is left.
+ALLOCATION_COST_NS = 2 * LAUNCH_COST_NS
 MAX_DUTY_EVERY = 64
 # Attached 1/N of each period: long enough for detaching, ~0.1 s per uprobe (benchmarks/bench_cuda.py;
 # 18 for one libcuda and one libcudart), and for a window of 1/64 of it (125 ms) to see a steady rate.
@@ -529,6 +532,11 @@ DUTY_PERIOD = 8.0
 def launch_cpu_share(launches_per_second: float, every: int) -> float:
     """Estimated CPU (fraction of one CPU) of the launch probes, attached 1/`every` of the time."""
     return launches_per_second * LAUNCH_COST_NS / every / NS_PER_SECOND
+
+
+def allocation_cpu_share(allocations_per_second: float) -> float:
+    """Estimated CPU (fraction of one CPU) of the allocation probes, always attached."""
+    return allocations_per_second * ALLOCATION_COST_NS / NS_PER_SECOND
 
 
 class LaunchProbes:
@@ -553,6 +561,7 @@ class LaunchProbes:
         self._on = True  # the sites are attached
         self._epoch = 0
         self._seen: dict[int, int] = {}  # pid -> launches seen at the last period's end
+        self._allocations = 0  # allocation calls of all processes at the last period's end
         self._estimated: dict[int, float] = {}  # pid -> launches estimated so far
         self._pending: dict[int, tuple[float, float]] = {}  # pid -> (launches/s in the last window, off after it)
 
@@ -583,13 +592,20 @@ class LaunchProbes:
             self._sites += sites
             self._descriptors.append(fd)
 
-    def run(self, stop: threading.Event, seen: Callable[[], dict[int, int]]) -> None:
-        """Periods until `stop`; `seen()` reads each process's launches seen so far."""
-        self._seen = seen()
+    def run(self, stop: threading.Event, seen: Callable[[], dict[int, int]], allocations: Callable[[], int]) -> None:
+        """Periods until `stop`; `seen()` reads each process's launches seen so far, `allocations()`
+        the allocation calls of all processes."""
+        self._seen, self._allocations = seen(), allocations()
         while not stop.is_set():
             start = time.monotonic()
             window = self._period(stop, start)
-            self._account(seen(), time.monotonic() - start, window)
+            elapsed = time.monotonic() - start
+            self._account(seen(), elapsed, window, self._allocation_share(allocations(), elapsed))
+
+    def _allocation_share(self, allocations: int, elapsed: float) -> float:
+        """The allocation probes' CPU over the last period (processes gone take theirs away: none is negative)."""
+        added, self._allocations = max(0, allocations - self._allocations), allocations
+        return allocation_cpu_share(added / elapsed) if elapsed > 0 else 0.0
 
     def _period(self, stop: threading.Event, start: float) -> float | None:
         """One period; how long launches were counted, None: all of it."""
@@ -626,11 +642,11 @@ class LaunchProbes:
     def _write_duty(self, **values: int) -> None:
         self._obj.set_data(".data.launch_duty", **values)
 
-    def _account(self, seen: dict[int, int], elapsed: float, window: float | None) -> None:
+    def _account(self, seen: dict[int, int], elapsed: float, window: float | None, allocation_share: float) -> None:
         """Each process's launches in the time the probes were off: that time times the mean of its
         rates in the windows before and after it (so a change of rate between two windows is half
         in each, not all in one); added a period late, once the next window is known. Then N for
-        the next period, from the rate seen in this window."""
+        the next period, from the rate seen in this window, within what the allocation probes left of the budget."""
         counted = elapsed if window is None else window
         off = 0.0 if window is None else elapsed - window
         rates = {pid: max(0, count - self._seen.get(pid, 0)) / counted for pid, count in seen.items()}
@@ -643,7 +659,7 @@ class LaunchProbes:
         self._pending = {pid: pending for pid, pending in self._pending.items() if pid in seen}
         self._estimated = {pid: n for pid, n in self._estimated.items() if pid in seen}
         if self._budget is not None:
-            self.every = self._budget.every(sum(rates.values()), self.every)
+            self.every = self._budget.every(sum(rates.values()), self.every, allocation_share)
 
     def close(self) -> None:
         """The links go with the object; the libraries' descriptors here."""
@@ -856,7 +872,7 @@ class CudaProbe(Probe):
 
     def _duty_loop(self) -> None:
         assert self._launch_probes is not None  # set before the thread starts
-        self._launch_probes.run(self._stop, self._launches_seen)
+        self._launch_probes.run(self._stop, self._launches_seen, self._allocations_seen)
 
     def _launches_seen(self) -> dict[int, int]:
         """Each process's kernel launches the probes saw."""
@@ -864,6 +880,13 @@ class CudaProbe(Probe):
             if self.loaded is None:
                 return {}
             return {key.value: value.kernel_launches for key, value in self.loaded.obj.maps["processes"].items()}
+
+    def _allocations_seen(self) -> int:
+        """The allocation calls of every process the maps hold."""
+        with self._lock:
+            if self.loaded is None:
+                return 0
+            return sum(value.alloc_calls for _, value in self.loaded.obj.maps["processes"].items())
 
     def loading(self) -> Loading:
         return Loading(self._kernel_strategies(), self._configure, self._attach_scheduler)
