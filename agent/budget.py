@@ -38,13 +38,14 @@ class CpuBudget:
         self._last, self._last_time = dict(totals), now
         return new / elapsed if elapsed > 0 else 0.0
 
-    def every(self, rate: float, current: int) -> int:
+    def every(self, rate: float, current: int, fixed: float = 0.0) -> int:
         """1-in-N for the coming interval: the finest N within budget (the coarsest there is when
-        none is); coarser at once, finer only with room to spare."""
+        none is); coarser at once, finer only with room to spare. `fixed`: CPU the budget also pays
+        for that no 1-in-N makes cheaper."""
         wanted = 1
-        while wanted < self.max_every and self._cost(rate, wanted) > self.cpu_budget:
+        while wanted < self.max_every and self._cost(rate, wanted) + fixed > self.cpu_budget:
             wanted *= 2
-        if wanted >= current or self._cost(rate, wanted) <= BUDGET_HYSTERESIS * self.cpu_budget:
+        if wanted >= current or self._cost(rate, wanted) + fixed <= BUDGET_HYSTERESIS * self.cpu_budget:
             return wanted
         return current
 

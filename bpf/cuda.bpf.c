@@ -178,6 +178,14 @@ static __always_inline bool current_thread(struct caller *c)
 	return current_caller(c) && c->thread;
 }
 
+/* The calling thread's state, where it has one (it made a probed call before). */
+static __always_inline struct gpu_thread *current_thread_entry(void)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	return bpf_map_lookup_elem(&threads, &tid);
+}
+
 /* CUresult cuCtxSetCurrent(CUcontext ctx): replaces the top of the stack; NULL pops it. */
 SEC("uprobe")
 int BPF_KPROBE(uprobe_ctx_set_current, void *cuctx)
@@ -359,6 +367,113 @@ done:
 	return 0;
 }
 
+/* ---- allocations: failures by CUresult, and which of them were retried ---- */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);	/* preallocated: uprobes must not allocate (5.10-5.19 warn) */
+	__uint(max_entries, MAX_ALLOC_FAILURES);
+	__type(key, struct alloc_failure_key);
+	__type(value, struct alloc_failure);
+} alloc_failures SEC(".maps");
+
+/* User space deletes entries long past the window (agent/probes/cuda/probe.py). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ALLOC_PENDING);
+	__type(key, struct alloc_pending_key);
+	__type(value, struct alloc_pending);
+} alloc_pending SEC(".maps");
+
+static __always_inline void alloc_enter(__u64 size)
+{
+	struct caller c;
+
+	if (current_thread(&c) && c.thread->alloc_depth++ == 0)
+		c.thread->alloc_size = size;
+}
+
+/* CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize), cuMemAllocAsync(.., size_t bytesize,
+ * CUstream), cuMemAllocManaged(.., size_t bytesize, unsigned int flags), cuMemCreate(
+ * CUmemGenericAllocationHandle *handle, size_t size, ..): the size is the second argument of each. */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_mem_alloc, void *out, __u64 size)
+{
+	alloc_enter(size);
+	return 0;
+}
+
+/* CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+ * unsigned int ElementSizeBytes): asks for width x height bytes (the pitch may pad them). */
+SEC("uprobe")
+int BPF_KPROBE(uprobe_mem_alloc_pitch, void *out, void *pitch, __u64 width, __u64 height)
+{
+	alloc_enter(width * height);
+	return 0;
+}
+
+/* A failure of `size`: counted, and waiting for a retry of the same size (a run of failures of one
+ * size waits as one, from its last failure). The entry comes before the count, so a read that sees
+ * the count sees what waits too. */
+static __always_inline void alloc_failed(__u32 tgid, __u64 size, __u32 error, __u64 now)
+{
+	struct alloc_pending_key pending_key = { .tgid = tgid, .size = size };
+	struct alloc_failure_key key = { .tgid = tgid, .error = error };
+	struct alloc_failure zero = {}, *failure;
+	struct alloc_pending fresh = { .failures = 1, .last_ns = now, .error = error }, *pending;
+
+	pending = bpf_map_lookup_elem(&alloc_pending, &pending_key);
+	if (pending && now - pending->last_ns <= ALLOC_RETRY_WINDOW_NS) {
+		__sync_fetch_and_add(&pending->failures, 1);
+		pending->last_ns = now;
+		pending->error = error;
+	} else {
+		bpf_map_update_elem(&alloc_pending, &pending_key, &fresh, BPF_ANY);
+	}
+	failure = lookup_or_init(&alloc_failures, &key, &zero);
+	if (!failure)
+		return;	/* map full: the failure goes uncounted */
+	__sync_fetch_and_add(&failure->failures, 1);
+	__sync_fetch_and_add(&failure->bytes, size);
+}
+
+/* A success of `size`: the failures of that size within the window before it were retried. */
+static __always_inline void alloc_succeeded(__u32 tgid, __u64 size, __u64 now)
+{
+	struct alloc_pending_key pending_key = { .tgid = tgid, .size = size };
+	struct alloc_pending *pending = bpf_map_lookup_elem(&alloc_pending, &pending_key);
+	struct alloc_failure_key key = { .tgid = tgid };
+	struct alloc_failure *failure;
+
+	if (!pending)
+		return;
+	key.error = pending->error;
+	failure = now - pending->last_ns <= ALLOC_RETRY_WINDOW_NS ? bpf_map_lookup_elem(&alloc_failures, &key) : NULL;
+	if (failure)
+		__sync_fetch_and_add(&failure->retried, pending->failures);
+	bpf_map_delete_elem(&alloc_pending, &pending_key);
+}
+
+/* An allocation returns its CUresult. */
+SEC("uretprobe")
+int BPF_KRETPROBE(uretprobe_mem_alloc, long rc)
+{
+	struct gpu_thread *t = current_thread_entry();
+	struct gpu_process *p;
+	__u64 now;
+
+	if (!t || !t->alloc_depth || --t->alloc_depth)
+		return 0;
+	p = bpf_map_lookup_elem(&processes, &t->tgid);
+	if (p)
+		__sync_fetch_and_add(&p->alloc_calls, 1);
+	now = bpf_ktime_get_ns();
+	if ((int)rc)
+		alloc_failed(t->tgid, t->alloc_size, (__u32)rc, now);
+	else
+		alloc_succeeded(t->tgid, t->alloc_size, now);
+	return 0;
+}
+
 /* ---- launches ---- */
 
 /* The context the thread launches into. A runtime thread that never chose a device uses device 0's
@@ -439,13 +554,6 @@ int BPF_KPROBE(uprobe_runtime_graph_launch)
 {
 	count_launch(true, true);
 	return 0;
-}
-
-static __always_inline struct gpu_thread *current_thread_entry(void)
-{
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-
-	return bpf_map_lookup_elem(&threads, &tid);
 }
 
 /* A runtime launch (or cudaSetDevice) returns. */

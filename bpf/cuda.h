@@ -13,6 +13,11 @@
 #define MAX_GPU_PROCESSES 2048
 /* Contexts with launch counts (LRU: a context not launched on for long makes room). */
 #define MAX_GPU_CONTEXTS 8192
+/* Processes' allocation failures by error, and failures waiting for a retry of their size. */
+#define MAX_ALLOC_FAILURES 8192
+#define MAX_ALLOC_PENDING 8192
+/* A failure followed by a success of the same size this soon, in the same process, was retried. */
+#define ALLOC_RETRY_WINDOW_NS 1000000000ULL
 /* Contexts remembered below the current one (cuCtxPushCurrent); deeper pushes are counted only. */
 #define CTX_STACK_DEPTH 8
 
@@ -51,6 +56,8 @@ struct gpu_thread {
 	__u64 pending_pctx;		/* CUcontext * of a cuCtxCreate / cuDevicePrimaryCtxRetain in flight */
 	__s32 pending_ctx_device;
 	__u32 pending_ctx_pushed;	/* 1: the new context becomes current (cuCtxCreate pushes it) */
+	__u32 alloc_depth;		/* nested allocation calls in flight (the outermost is judged) */
+	__u64 alloc_size;		/* bytes the outermost asked for */
 };
 
 /* Cumulative counts of one process, keyed by its host tgid in map `processes`. Every thread adds
@@ -75,6 +82,7 @@ struct gpu_process {
 	__u64 first_launch_ns;		/* first kernel or graph launch */
 	__u64 call_count[TIMED_CALLS];
 	__u64 call_ns[TIMED_CALLS];
+	__u64 alloc_calls;		/* allocation calls returned (the CPU budget charges their probes) */
 	char comm[16];			/* the process's (group leader's) name */
 };
 
@@ -90,6 +98,32 @@ struct gpu_context {
 	__u32 primary;			/* 1: a device's primary context (threads use it as PRIMARY_CTX_TAG | device) */
 	__u64 kernel_launches;
 	__u64 graph_launches;
+};
+
+/* A process's failed allocations with one CUresult (map `alloc_failures`). */
+struct alloc_failure_key {
+	__u32 tgid;
+	__u32 error;			/* CUresult */
+};
+
+struct alloc_failure {
+	__u64 failures;			/* calls that returned `error` */
+	__u64 bytes;			/* bytes they asked for */
+	__u64 retried;			/* of them, followed by a success of the same size within the window */
+};
+
+/* Failures of one size in one process waiting for a retry (map `alloc_pending`). */
+struct alloc_pending_key {
+	__u32 tgid;
+	__u32 _pad;
+	__u64 size;
+};
+
+struct alloc_pending {
+	__u64 failures;			/* since the first of this run of failures */
+	__u64 last_ns;			/* the last of them */
+	__u32 error;			/* its CUresult: a retry is counted under it */
+	__u32 _pad;
 };
 
 #endif /* AIPROBE_CUDA_H */

@@ -20,20 +20,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe.budget import CpuBudget
 from aiprobe.config import RuleConfig
+from aiprobe.deltas import Window
 from aiprobe.elf import ElfError, function_offsets
 from aiprobe.histogram import EXPORTED_BOUNDS, hist_slots, kernel_buckets
 from aiprobe.loader import Strategy
 from aiprobe.names import printable
-from aiprobe.probes.cuda.hooks import time_slicing_signals
+from aiprobe.probes.cuda.allocations import ALLOCATION_ENTRY_POINTS
+from aiprobe.probes.cuda.hooks import out_of_memory_signals, time_slicing_signals
 from aiprobe.probes.cuda.probe import (
     CLOCK_TICKS,
     DRIVER,
+    MAX_DUTY_EVERY,
     RUNTIME,
     STATIC_RUNTIME,
     CudaProbe,
     LibraryScanner,
+    allocation_cpu_share,
     gpus_of,
+    launch_cpu_share,
     loaded_program,
     mapped_cuda_libraries,
     process_record,
@@ -41,10 +47,14 @@ from aiprobe.probes.cuda.probe import (
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.records import CudaSnapshot
 from aiprobe.probes.cuda.sched import STRATEGIES as SCHED_STRATEGIES
+from aiprobe.refresh import SIGNAL_WINDOW_SECONDS
 from aiprobe.registry import rules
 from aiprobe.rules import RuleEngine
 from aiprobe.top_views import header_lines
 from exported_histograms import assert_histograms_consistent
+from fixtures.cuda_fake import (
+    DRIVER as DRIVER_PROGRAM,
+)
 from fixtures.cuda_fake import (
     RUNTIME_DRIVER,
     STATIC_RUNTIME_DRIVER,
@@ -443,6 +453,70 @@ def test_two_threads_on_two_contexts_share_one_gpu_and_the_rule_fires_and_resolv
     [final] = [p for s in readings for p in s.processes][-1:]
     assert final.context_switches == truth["ctx_changes"] == 2
     assert final.kernel_launches == truth["kernel_launches"]
+
+
+ALLOC_SIZE = 3 << 20
+
+
+@pytest.mark.bpf
+def test_allocation_failures_per_process_and_error_tell_retried_from_final_and_oom_fires_for_final_only(
+        cuda_libs, drivers, tmp_path) -> None:
+    """One process fails 5 allocations, then succeeds at the same size (retried); another fails 3 for good."""
+    (tmp_path / "oom_retrying").symlink_to(DRIVER_PROGRAM)  # two names: two targets, as the rule file's
+    (tmp_path / "oom_giving_up").symlink_to(DRIVER_PROGRAM)
+    with CudaProbe(rescan_interval=0.2) as probe:
+        retrying, giving_up = (
+            Driver(cuda_libs.libdir, "alloc", calls, ALLOC_SIZE, program=(str(tmp_path / name),),
+                   env={"FAKE_CUDA_ALLOC_FAILURES": str(failures)})
+            for name, calls, failures in (("oom_retrying", 10, 5), ("oom_giving_up", 3, 3)))
+        drivers += [retrying, giving_up]
+        _wait_attached(probe, retrying.library)
+        truths = {driver.pid: counters(driver.go()) for driver in (retrying, giving_up)}
+        calls = {key.value: value.alloc_calls for key, value in probe.loaded.obj.maps["processes"].items()
+                 if key.value in truths}  # what the CPU budget charges
+        snapshot = probe.read()
+        [library] = [lib for lib in probe.libraries if lib.path == retrying.library]
+    assert {pid: (t["alloc_failures"], t["allocs"]) for pid, t in truths.items()} == {
+        retrying.pid: (5, 1), giving_up.pid: (3, 0)}
+    assert calls == {retrying.pid: 6, giving_up.pid: 3}
+    assert set(ALLOCATION_ENTRY_POINTS) <= set(library.symbols) and library.missing == []
+    ours = [f for f in snapshot.allocation_failures if f.pid in truths]
+    assert {(f.pid, f.comm, f.error): (f.failures, f.failed_bytes, f.retried) for f in ours} == {
+        (retrying.pid, "oom_retrying", "CUDA_ERROR_OUT_OF_MEMORY"): (5, 5 * ALLOC_SIZE, 5),
+        (giving_up.pid, "oom_giving_up", "CUDA_ERROR_OUT_OF_MEMORY"): (3, 3 * ALLOC_SIZE, 0)}
+    # The rule over the agent's window of recent counts, on its own clock: the final failures fire, then
+    # resolve once the window has passed them.
+    engine = RuleEngine(rules(), {})
+    window = Window(SIGNAL_WINDOW_SECONDS)
+    states = [(a.target, a.state) for now in (0, 3, 5, 3 + SIGNAL_WINDOW_SECONDS)
+              for a in engine.evaluate(out_of_memory_signals(ours, window, now), now)]
+    target = "oom_giving_up@host"
+    assert states == [(target, "pending"), (target, "firing"), (target, "resolved")]
+    [alert] = engine.resolved
+    assert alert.evidence == {"processes": [{"pid": giving_up.pid, "final_failures": 3, "failures": 3,
+                                             "retried": 0, "failed_bytes": 3 * ALLOC_SIZE}]}
+
+
+@pytest.mark.bpf
+def test_a_driver_without_the_allocation_entry_points_is_probed_for_the_rest_and_says_what_it_lacks(
+        cuda_libs, drivers) -> None:
+    with CudaProbe(rescan_interval=0.2) as probe:
+        driver = Driver(cuda_libs.old_dir, "graphs", GRAPH_NODES, GRAPH_REPLAYS)
+        truth, snapshot = _run(probe, drivers, driver)
+        [library] = [lib for lib in probe.libraries if lib.path == driver.library]
+    assert (library.error, library.missing) == ("", list(ALLOCATION_ENTRY_POINTS))
+    process = _process(snapshot, driver.pid)
+    assert (process.kernel_launches, process.graph_launches) == (truth["kernel_launches"], truth["graph_launches"])
+
+
+def test_allocation_probes_are_charged_to_the_launch_budget_first() -> None:
+    """They stay attached: the launch probes are duty-cycled within what they leave of the budget."""
+    budget = CpuBudget(0.05, MAX_DUTY_EVERY, launch_cpu_share)
+    launches = 0.04 / launch_cpu_share(1.0, 1)  # counting every launch costs 0.04 CPU: within the budget
+    assert budget.every(launches, 1) == 1
+    assert allocation_cpu_share(1400) == pytest.approx(0.028)  # two traps of 10 us each per call
+    assert budget.every(launches, 1, allocation_cpu_share(1400)) == 2  # 0.02 + 0.028
+    assert budget.every(launches, 1, allocation_cpu_share(1e6)) == MAX_DUTY_EVERY  # over budget alone
 
 
 COLD = {"before_init_ms": 1000, "init_ms": 200, "ctx_ms": 150, "module_ms": 60, "modules": 3, "before_launch_ms": 100}

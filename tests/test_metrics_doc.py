@@ -14,7 +14,7 @@ from aiprobe.config import Config
 from aiprobe.exporters.prometheus import AgentCollector, doc_tables
 from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
 from aiprobe.model import Alert, MapUsage, ProbeStatus, Readings
-from aiprobe.probes.cuda.records import ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
+from aiprobe.probes.cuda.records import AllocationFailures, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
 from aiprobe.probes.netstat.records import TcpCounters
 from aiprobe.probes.nvml.records import GpuEngine, GpuEventCount, GpuInfo, GpuProcess, GpuSnapshot
@@ -53,7 +53,8 @@ def every_kind_of_reading() -> Readings:
             "cuda": CudaSnapshot([CudaProcess(1, "x", "lib", 1, 1, 1, 0.1, 0.1, HISTOGRAM, 0.1, 0.1, HISTOGRAM, 1,
                                               cold_start=ColdStart(0.1, 0.1, 1, 0.1, 1, 0.1, 0.2))],
                                  "tp_btf", [], [CudaContext(1, "x", "0x1", 0, "0", 1, 0, 1.0, True)],
-                                 [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)]),
+                                 [CudaGpu("0", 1, ["1/0x1"], [1], 1.0)],
+                                 allocation_failures=[AllocationFailures(1, "x", "CUDA_ERROR_OUT_OF_MEMORY", 3, 3, 1)]),
             "nvml": GpuSnapshot(True, gpu_count=1, gpus=[gpu], processes=[GpuProcess(1, "x", 0, "u", 1, 0.5, 0.2)],
                                 event_counts=[GpuEventCount(0, "u", None, "", None, event, xid, 1)
                                               for event, xid in (("xid", 79), ("single_bit_ecc", None))]),

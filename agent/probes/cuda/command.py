@@ -61,6 +61,8 @@ def print_table(snapshot: CudaSnapshot) -> None:
 
 def _announce(library: AttachedLibrary) -> None:
     outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
+    if library.missing:
+        outcome += f"; lacks {', '.join(library.missing)}: their failures go unseen"
     click.echo(f"aiprobe cuda: probing {library.kind} {printable(library.path)} via "
                f"{printable(library.host_path)} ({outcome})", err=True)
 

@@ -1,5 +1,5 @@
 """The cuda probe in the agent's refresh: each process's call rates, the context-switch storm,
-starved GPU threads and time-slicing rules, each GPU's active contexts (into NVML's GPUs), and its
+starved GPU threads, out-of-memory and time-slicing rules, each GPU's active contexts (into NVML's GPUs), and its
 columns of the process table."""
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from ...refresh import Hooks, ProcessRows, Refresh, recent_buckets, target
 from ...rules import Signal
 from ..nvml.records import GpuInfo, GpuProcess
 from ..nvml.signals import share_evidence, switching_evidence
-from .records import CudaContext, CudaGpu, CudaProcess, CudaSnapshot
+from .allocations import OUT_OF_MEMORY
+from .records import AllocationFailures, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 
 
 class CudaHooks(Hooks):
     def join(self, reading: CudaSnapshot, readings: Readings, refresh: Refresh) -> Iterable[int]:
         _join_active_contexts(readings.of(GpuInfo), reading.gpus)
-        procs: list[CudaProcess | CudaContext] = [*reading.processes, *reading.contexts]
+        procs: list[CudaProcess | CudaContext | AllocationFailures] = [
+            *reading.processes, *reading.contexts, *reading.allocation_failures]
         for proc in procs:
             workload = refresh.workload_of_pid(proc.pid)
             workload.label(proc)
@@ -43,8 +45,8 @@ class CudaHooks(Hooks):
                 signals.append(Signal("gpu_threads_starved", target(cuda), p99, {
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
                     "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
-        return signals + time_slicing_signals(reading.gpus, reading.contexts, readings.of(GpuInfo),
-                                              readings.of(GpuProcess))
+        return signals + out_of_memory_signals(reading.allocation_failures, refresh, now) + \
+            time_slicing_signals(reading.gpus, reading.contexts, readings.of(GpuInfo), readings.of(GpuProcess))
 
     def process_rows(self, reading: CudaSnapshot, rows: ProcessRows) -> None:
         for cuda in reading.processes:
@@ -57,6 +59,21 @@ class CudaHooks(Hooks):
             entry.cuda_time_to_first_launch_seconds = cuda.cold_start.to_first_launch_seconds \
                 if cuda.cold_start else None
             entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
+
+
+def out_of_memory_signals(failures: list[AllocationFailures], refresh: Refresh, now: float) -> list[Signal]:
+    """cuda_out_of_memory: per process name and container (as the rule file sums them), the out-of-memory
+    failures of the last SIGNAL_WINDOW_SECONDS that were not retried; the evidence names the processes that
+    had them."""
+    by_target: dict[str, list[tuple[AllocationFailures, float]]] = {}
+    for failed in failures:
+        if failed.error == OUT_OF_MEMORY:
+            [final] = refresh.recent(("cuda_oom", failed.identity()), [failed.final], now)
+            by_target.setdefault(target(failed), []).append((failed, final))
+    return [Signal("cuda_out_of_memory", name, sum(final for _, final in group), {"processes": [
+        {"pid": failed.pid, "final_failures": final, "failures": failed.failures, "retried": failed.retried,
+         "failed_bytes": failed.failed_bytes} for failed, final in group if final > 0]})
+        for name, group in by_target.items()]
 
 
 def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:

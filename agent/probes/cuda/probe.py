@@ -56,10 +56,25 @@ from ...procfs import StartTimes, start_ticks
 from ...registry import Face, Loading, Probe, ProbeSpec, strategies_named
 from ...supervisor import ATTACHMENTS, SUPERVISOR, Backoff, attach_reason
 from . import sched
+from .allocations import (
+    ALLOCATION_ENTRY_POINTS,
+    ALLOCATION_SYMBOLS,
+    PITCH_ALLOCATION_SYMBOL,
+    allocation_failures,
+    expire_pending,
+)
 from .atomics import fetch_atomics
 from .hooks import CudaHooks
-from .records import AttachedLibrary, ColdStart, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
-from .rules import CUDA_CONTEXT_SWITCH_STORM, GPU_TIME_SLICED
+from .records import (
+    AllocationFailures,
+    AttachedLibrary,
+    ColdStart,
+    CudaContext,
+    CudaGpu,
+    CudaProcess,
+    CudaSnapshot,
+)
+from .rules import CUDA_CONTEXT_SWITCH_STORM, CUDA_OUT_OF_MEMORY, GPU_TIME_SLICED
 from .settings import CudaSettings
 from .view import PROCESS_COLUMNS
 
@@ -70,7 +85,8 @@ LIBRARY_PREFIX = "libcuda.so"
 # libcudart.so.12, and the renamed copies wheels bundle (auditwheel: libcudart-<hash>.so.12).
 RUNTIME_LIBRARY = re.compile(r"libcudart(-[0-9a-f]+)?\.so")
 DRIVER, RUNTIME, STATIC_RUNTIME = "driver", "runtime", "static runtime"
-_COUNTED_MAPS = ("threads", "processes", "contexts")  # bounded maps reported as aiprobe_bpf_map_entries
+# Bounded maps reported as aiprobe_bpf_map_entries.
+_COUNTED_MAPS = ("threads", "processes", "contexts", "alloc_failures", "alloc_pending")
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,8 @@ DRIVER_ENTRY_POINTS = (
     *_with_exit(_ptsz("cuStreamSynchronize"), "uprobe_sync_stream", "uretprobe_sync_exit"),
     *_with_exit(("cuCtxSynchronize",), "uprobe_sync_device", "uretprobe_sync_exit"),
     *_with_exit(("cuEventSynchronize",), "uprobe_sync_event", "uretprobe_sync_exit"),
+    *_with_exit(ALLOCATION_SYMBOLS, "uprobe_mem_alloc", "uretprobe_mem_alloc"),
+    *_with_exit((PITCH_ALLOCATION_SYMBOL,), "uprobe_mem_alloc_pitch", "uretprobe_mem_alloc"),
 )
 
 # What is probed in libcudart (shared, or linked into the executable).
@@ -138,7 +156,7 @@ LIBRARY_KINDS = {
 ENTRY_POINTS = DRIVER_ENTRY_POINTS + RUNTIME_ENTRY_POINTS
 UPROBE_PROGRAMS = tuple(dict.fromkeys(entry.program for entry in ENTRY_POINTS))
 _UPROBE_SPAN = ("libcuda.so and libcudart.so entry points (launches, graph launches, syncs, context changes, "
-                "cold-start calls)")
+                "cold-start calls, allocations)")
 
 # The programs that move a thread into or out of its process's synchronizations come twice (bpf/cuda.bpf.c,
 # SYNC_PROGRAMS): with atomic fetch instructions, and as NAME_locked for kernels without them.
@@ -194,6 +212,7 @@ def _syncs(field_suffix: str) -> tuple[tuple[str, str], ...]:
 
 
 _GPU_LABELS = (("gpu", "gpu"),)
+_ALLOCATION_LABELS = (*PROCESS_LABELS, ("error", "error"))
 
 SPEC = ProbeSpec(
     name="cuda",
@@ -245,6 +264,17 @@ SPEC = ProbeSpec(
         _cold_start_gauge("module_loads", "Module and library loads (cuModuleLoad*, cuLibraryLoad*)."),
         _cold_start_gauge("module_load_seconds", "Time loading modules and libraries."),
         _cold_start_gauge("to_first_launch_seconds", "From the process's start to its first kernel or graph launch."),
+        Family("aiprobe_cuda_memory_allocation_failures_total", "counter",
+               "Failed CUDA allocations (cuMemAlloc_v2, cuMemAllocAsync, cuMemAllocPitch_v2, cuMemAllocManaged, "
+               "cuMemCreate) by the CUresult's name (error; `other` for codes aiprobe does not name).",
+               AllocationFailures, "failures", _ALLOCATION_LABELS, per_identity=True),
+        Family("aiprobe_cuda_memory_allocation_retried_total", "counter",
+               "Of the failed CUDA allocations, those followed within 1 s by a success of the same size in the same "
+               "process (retried, as a caching allocator does after freeing its cache); the rest failed for good.",
+               AllocationFailures, "retried", _ALLOCATION_LABELS, per_identity=True),
+        Family("aiprobe_cuda_memory_allocation_failed_bytes_total", "counter",
+               "Bytes the failed CUDA allocations asked for (cuMemAllocPitch_v2: width x height).",
+               AllocationFailures, "failed_bytes", _ALLOCATION_LABELS, per_identity=True),
         Family("aiprobe_gpu_active_contexts", "gauge",
                "CUDA contexts that launched work on the GPU since the previous refresh: two or more busy "
                "contexts are time-sliced by the GPU.", CudaGpu, "active_contexts", _GPU_LABELS),
@@ -254,7 +284,7 @@ SPEC = ProbeSpec(
     ),
     hooks=CudaHooks(),
     process_columns=PROCESS_COLUMNS,
-    rules=(CUDA_CONTEXT_SWITCH_STORM, GPU_TIME_SLICED),
+    rules=(CUDA_CONTEXT_SWITCH_STORM, GPU_TIME_SLICED, CUDA_OUT_OF_MEMORY),
 )
 
 
@@ -490,6 +520,9 @@ def detach_links(obj: BpfObject, links: Sequence[Link]) -> None:
 # (benchmarks/bench_cuda.py: 5.4-9.4 us per cuLaunchKernel here; a runtime launch adds the trap of
 # its uretprobe). Rounded up; the budget multiplies it by the launch rate.
 LAUNCH_COST_NS = 10_000
+# An allocation traps twice (its entry and its return probe). Those probes stay attached (a failure
+# must not go unseen): their cost is charged to the budget first, and the launch probes get what is left.
+ALLOCATION_COST_NS = 2 * LAUNCH_COST_NS
 MAX_DUTY_EVERY = 64
 # Attached 1/N of each period: long enough for detaching, ~0.1 s per uprobe (benchmarks/bench_cuda.py;
 # 18 for one libcuda and one libcudart), and for a window of 1/64 of it (125 ms) to see a steady rate.
@@ -499,6 +532,11 @@ DUTY_PERIOD = 8.0
 def launch_cpu_share(launches_per_second: float, every: int) -> float:
     """Estimated CPU (fraction of one CPU) of the launch probes, attached 1/`every` of the time."""
     return launches_per_second * LAUNCH_COST_NS / every / NS_PER_SECOND
+
+
+def allocation_cpu_share(allocations_per_second: float) -> float:
+    """Estimated CPU (fraction of one CPU) of the allocation probes, always attached."""
+    return allocations_per_second * ALLOCATION_COST_NS / NS_PER_SECOND
 
 
 class LaunchProbes:
@@ -523,6 +561,7 @@ class LaunchProbes:
         self._on = True  # the sites are attached
         self._epoch = 0
         self._seen: dict[int, int] = {}  # pid -> launches seen at the last period's end
+        self._allocations = 0  # allocation calls of all processes at the last period's end
         self._estimated: dict[int, float] = {}  # pid -> launches estimated so far
         self._pending: dict[int, tuple[float, float]] = {}  # pid -> (launches/s in the last window, off after it)
 
@@ -553,13 +592,20 @@ class LaunchProbes:
             self._sites += sites
             self._descriptors.append(fd)
 
-    def run(self, stop: threading.Event, seen: Callable[[], dict[int, int]]) -> None:
-        """Periods until `stop`; `seen()` reads each process's launches seen so far."""
-        self._seen = seen()
+    def run(self, stop: threading.Event, seen: Callable[[], dict[int, int]], allocations: Callable[[], int]) -> None:
+        """Periods until `stop`; `seen()` reads each process's launches seen so far, `allocations()`
+        the allocation calls of all processes."""
+        self._seen, self._allocations = seen(), allocations()
         while not stop.is_set():
             start = time.monotonic()
             window = self._period(stop, start)
-            self._account(seen(), time.monotonic() - start, window)
+            elapsed = time.monotonic() - start
+            self._account(seen(), elapsed, window, self._allocation_share(allocations(), elapsed))
+
+    def _allocation_share(self, allocations: int, elapsed: float) -> float:
+        """The allocation probes' CPU over the last period (processes gone take theirs away: none is negative)."""
+        added, self._allocations = max(0, allocations - self._allocations), allocations
+        return allocation_cpu_share(added / elapsed) if elapsed > 0 else 0.0
 
     def _period(self, stop: threading.Event, start: float) -> float | None:
         """One period; how long launches were counted, None: all of it."""
@@ -596,11 +642,11 @@ class LaunchProbes:
     def _write_duty(self, **values: int) -> None:
         self._obj.set_data(".data.launch_duty", **values)
 
-    def _account(self, seen: dict[int, int], elapsed: float, window: float | None) -> None:
+    def _account(self, seen: dict[int, int], elapsed: float, window: float | None, allocation_share: float) -> None:
         """Each process's launches in the time the probes were off: that time times the mean of its
         rates in the windows before and after it (so a change of rate between two windows is half
         in each, not all in one); added a period late, once the next window is known. Then N for
-        the next period, from the rate seen in this window."""
+        the next period, from the rate seen in this window, within what the allocation probes left of the budget."""
         counted = elapsed if window is None else window
         off = 0.0 if window is None else elapsed - window
         rates = {pid: max(0, count - self._seen.get(pid, 0)) / counted for pid, count in seen.items()}
@@ -613,7 +659,7 @@ class LaunchProbes:
         self._pending = {pid: pending for pid, pending in self._pending.items() if pid in seen}
         self._estimated = {pid: n for pid, n in self._estimated.items() if pid in seen}
         if self._budget is not None:
-            self.every = self._budget.every(sum(rates.values()), self.every)
+            self.every = self._budget.every(sum(rates.values()), self.every, allocation_share)
 
     def close(self) -> None:
         """The links go with the object; the libraries' descriptors here."""
@@ -826,7 +872,7 @@ class CudaProbe(Probe):
 
     def _duty_loop(self) -> None:
         assert self._launch_probes is not None  # set before the thread starts
-        self._launch_probes.run(self._stop, self._launches_seen)
+        self._launch_probes.run(self._stop, self._launches_seen, self._allocations_seen)
 
     def _launches_seen(self) -> dict[int, int]:
         """Each process's kernel launches the probes saw."""
@@ -834,6 +880,13 @@ class CudaProbe(Probe):
             if self.loaded is None:
                 return {}
             return {key.value: value.kernel_launches for key, value in self.loaded.obj.maps["processes"].items()}
+
+    def _allocations_seen(self) -> int:
+        """The allocation calls of every process the maps hold."""
+        with self._lock:
+            if self.loaded is None:
+                return 0
+            return sum(value.alloc_calls for _, value in self.loaded.obj.maps["processes"].items())
 
     def loading(self) -> Loading:
         return Loading(self._kernel_strategies(), self._configure, self._attach_scheduler)
@@ -923,6 +976,8 @@ class CudaProbe(Probe):
             library.error = printable(str(exc))
         else:
             ATTACHMENTS.succeeded(SPEC.name, library.path)
+            if mapped.kind == DRIVER:
+                library.missing = [symbol for symbol in ALLOCATION_ENTRY_POINTS if symbol not in library.symbols]
             self._backoff.forget(mapped.key)
             self._retry.pop(mapped.key, None)
         probed = None if mapped.kind == STATIC_RUNTIME and library.error else library
@@ -966,11 +1021,16 @@ class CudaProbe(Probe):
             entries = {key.value: decode(value) for key, value in maps["processes"].items()}
             processes = [self._process(pid, entry) for pid, entry in sorted(entries.items())]
             self._starts.keep_only(set(entries))
-            contexts = self._contexts(maps["contexts"].items(), {p.pid: p.comm for p in processes})
+            comms = {p.pid: p.comm for p in processes}
+            contexts = self._contexts(maps["contexts"].items(), comms)
+            failures = allocation_failures(maps["alloc_failures"].items(), comms,
+                                           {p.pid: p.start_ticks for p in processes})
+            expire_pending(maps["alloc_pending"])
             self._forget(maps, gone)
             self._reported = entries.keys() - gone
             duty_cycle = self._launch_probes.duty_cycle
-        return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts), duty_cycle)
+        return CudaSnapshot(processes, self.sched_strategy, self.libraries, contexts, gpus_of(contexts), duty_cycle,
+                            failures)
 
     def _process(self, pid: int, entry: dict[str, Any]) -> CudaProcess:
         process = process_record(pid, entry, self._process_library.get(pid, ""), self._starts.of(pid))
@@ -1021,7 +1081,8 @@ class CudaProbe(Probe):
         maps["processes"].delete_keys(pids)
         maps["cuda_sync_time"].delete_keys(pids)
         maps["threads"].delete_keys(key for key, thread in maps["threads"].items() if thread.tgid in pids)
-        maps["contexts"].delete_keys(key for key in maps["contexts"].keys() if key.tgid in pids)
+        for name in ("contexts", "alloc_failures", "alloc_pending"):
+            maps[name].delete_keys(key for key in maps[name].keys() if key.tgid in pids)
         for pid in pids:
             self._process_library.pop(pid, None)
             self._process_runtime.pop(pid, None)

@@ -66,6 +66,31 @@ class CudaProcess(Placed):
 
 
 @dataclass
+class AllocationFailures(Placed):
+    """A process's failed CUDA allocations (cuMemAlloc_v2, cuMemAllocAsync, cuMemAllocPitch_v2,
+    cuMemAllocManaged, cuMemCreate) with one error."""
+
+    pid: int
+    comm: str
+    error: str  # the CUresult's name (CUDA_ERROR_OUT_OF_MEMORY); "other" for a code aiprobe does not name
+    failures: int
+    failed_bytes: int  # what the failed calls asked for
+    # Of failures, those followed within 1 s by a success of the same size in the process (retried); the
+    # rest failed for good, or wait for a retry for up to 1 s.
+    retried: int
+    start_ticks: int = 0
+    pod_uid: str = field(default="", metadata=JOINED)
+
+    @property
+    def final(self) -> int:
+        """Failures not retried."""
+        return self.failures - self.retried
+
+    def identity(self) -> Identity:
+        return self.pid, self.start_ticks, self.error
+
+
+@dataclass
 class CudaContext(Placed):
     """A context that launched work, in its process."""
 
@@ -102,6 +127,7 @@ class AttachedLibrary(Record):
     symbols: list[str] = field(default_factory=list)
     error: str = ""
     kind: str = "driver"  # "driver" (libcuda), "runtime" (libcudart) or "static runtime" (an executable)
+    missing: list[str] = field(default_factory=list)  # allocation entry points a probed driver lacks (unseen)
 
 
 @dataclass
@@ -114,3 +140,4 @@ class CudaSnapshot(Record):
     # Fraction of the time the kernel-launch probes are attached (1: every launch counted; less:
     # duty-cycled under the CPU budget, launch counts partly estimated).
     launch_duty_cycle: float = 1.0
+    allocation_failures: list[AllocationFailures] = field(default_factory=list)

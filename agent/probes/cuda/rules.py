@@ -39,3 +39,25 @@ GPU_THREADS_STARVED = RuleSpec(
     # p99 run-queue delay of GPU-driving threads, seconds
     default=RuleConfig(threshold=0.005, clear=0.002, for_seconds=10, severity="critical"),
 )
+
+
+# Out-of-memory failures of a process in the rule file's window, less those retried: a series born with its
+# first failure has no sample 5m before, so it counts from 0.
+def _new(series: str) -> str:
+    return f"({series} - ({series} offset 5m or {series} * 0))"
+
+
+_OOM = '{error="CUDA_ERROR_OUT_OF_MEMORY"}'
+CUDA_OUT_OF_MEMORY = RuleSpec(
+    False, "{target} failed {value:.0f} CUDA allocation(s) for good: out of GPU memory (not retried; the evidence "
+    "names the process, the bytes asked and the retries)",
+    "sum by (instance, process, container) (\n  " + _new(f"aiprobe_cuda_memory_allocation_failures_total{_OOM}")
+    + "\n  - " + _new(f"aiprobe_cuda_memory_allocation_retried_total{_OOM}") + "\n)",
+    "{{ $labels.process }} fails CUDA allocations for good: out of GPU memory",
+    "CUDA allocations returned CUDA_ERROR_OUT_OF_MEMORY and were not retried with success within a second: the "
+    "process's work fails (lower its batch size or memory fraction, or give it a GPU of its own).",
+    name="cuda_out_of_memory",
+    # CUDA_ERROR_OUT_OF_MEMORY failures of one process not retried with success, in the window; held longer
+    # than the 1 s a retry may take
+    default=RuleConfig(threshold=0, clear=0, for_seconds=2, severity="critical"),
+)
