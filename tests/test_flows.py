@@ -454,7 +454,14 @@ def test_a_flow_sending_between_reads_further_apart_than_its_idle_timeout_does_n
     with FlowsProbe([veth.host], idle_timeout=0.3) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
         port = s.getsockname()[1]
-        first = _flow(probe.read(), "egress", "udp", port, 9)
+        reads: list[FlowsSnapshot] = []
+
+        def read() -> FlowsSnapshot:
+            reads.append(probe.read())
+            return reads[-1]
+        # The frame leaves once the peer has answered ARP, which a loaded host may not have done yet.
+        assert wait_until(lambda: any(f.local_port == port for f in read().flows))
+        first = _flow(reads[-1], "egress", "udp", port, 9)
         for _ in range(20):  # a second of frames, 50 ms apart, then the next read at once
             time.sleep(0.05)
             s.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
