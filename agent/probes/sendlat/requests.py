@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import socket
 import time
 from collections import defaultdict
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import btf
+from ... import btf, procfs
 from ...histogram import (
     NS_PER_SECOND,
     REQUEST_BOUNDS,
@@ -183,7 +182,7 @@ class IdleFlush:
             kernel = merged.get(identity)
             merged[identity] = (key, kernel[1] + counts if kernel else counts)
         self.counted = {identity: entry for identity, entry in self.counted.items()
-                        if os.path.exists(f"/proc/{entry[0]['tgid']}")}
+                        if not procfs.exited(entry[0]["tgid"])}
         return list(merged.values())
 
 
