@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
+import numpy as np
+
 from . import elf, libbpf, uprobe_events
 from .btf import Btf, decode
 from .libbpf import BpfError
@@ -334,6 +336,25 @@ def _program_info(fd: int) -> libbpf.BpfProgInfo:
     return info
 
 
+@dataclass
+class MapTable:
+    """A map's entries read at once (Map.table()): raw keys, and their values in one buffer, read a value
+    at a time as ctypes structs or a field of all of them at once (aiprobe.histogram.Histograms.of_field)."""
+
+    keys: list[bytes]
+    buffer: bytearray  # the values, value_type's size each
+    value_type: Any
+
+    def values(self) -> list[Any]:
+        """The values as ctypes structs over the buffer (no copy)."""
+        size = ctypes.sizeof(self.value_type)
+        return [self.value_type.from_buffer(self.buffer, offset) for offset in range(0, len(self.buffer), size)]
+
+    def rows(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The values as an (entries, value size) byte array over the buffer (no copy)."""
+        return np.frombuffer(self.buffer, np.uint8).reshape(len(self.keys), ctypes.sizeof(self.value_type))
+
+
 class Map:
     """A BPF map with keys and values typed from BTF (raw byte arrays where BTF has none)."""
 
@@ -492,6 +513,15 @@ class Map:
         pairs = self.items()
         if pairs:
             yield len(pairs), b"".join(bytes(k) for k, _ in pairs), b"".join(bytes(v) for _, v in pairs)
+
+    def table(self) -> MapTable:
+        """Every entry of a map that is not per-CPU, its values in one buffer (raw_items' batches joined)."""
+        keys, values = [], bytearray()
+        for count, raw_keys, raw_values in self.raw_items():
+            packed = bytes(memoryview(raw_keys)[:count * self.key_size])
+            keys += [packed[i:i + self.key_size] for i in range(0, len(packed), self.key_size)]
+            values += memoryview(raw_values)[:count * self.value_size]
+        return MapTable(keys, values, self.value_type)
 
     def _items_batch(self) -> list[tuple[Any, Any]]:
         out: list[tuple[Any, Any]] = []

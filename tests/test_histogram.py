@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 from aiprobe.config import from_dict
@@ -15,6 +16,7 @@ from aiprobe.histogram import (
     FAST_BOUNDS,
     REQUEST_BOUNDS,
     STREAM_BOUNDS,
+    Histograms,
     buckets_to_json,
     exported_buckets,
     hist_slots,
@@ -32,6 +34,32 @@ def test_quantile_interpolates_inside_its_bucket() -> None:
     buckets = kernel_buckets(slots)
     assert quantile(buckets, 0.5) == pytest.approx(3.0625e-3)
     assert quantile(buckets, 1.0) == pytest.approx(3.125e-3)
+
+
+def test_histograms_at_once_are_the_ones_worked_out_one_at_a_time() -> None:
+    """Histograms (1k endpoints' histograms in a few numpy calls) gives exported_buckets() and quantile() of each,
+    to the bit: empty ones, one observation, the first slot, the open bucket, counts spread wide."""
+    rng = np.random.default_rng(7)
+    rows = np.zeros((400, hist_slots()), dtype=np.uint64)
+    for row in rows[1:]:
+        spread = rng.integers(0, hist_slots(), size=rng.integers(1, 40))
+        row[spread] = rng.integers(0, 5000, size=len(spread))
+    rows[2, :] = 0
+    rows[2, 0] = 3
+    rows[3, :] = 0
+    rows[3, -1] = 4
+    rows[4, :] = 0
+    rows[4, 300] = 1
+    summaries = Histograms.of(list(rows)).summaries()
+    for row, summary in zip(rows, summaries, strict=True):
+        fine = kernel_buckets(row)
+        alone = exported_buckets(fine)
+        assert (summary.buckets.counts, summary.buckets.native) == (alone.counts, alone.native)
+        assert (summary.p50, summary.p99) == (quantile(fine, 0.5), quantile(fine, 0.99))
+    groups = [list(range(len(rows)))[group::3] for group in range(3)]
+    summed = Histograms.of(list(rows)).summed(groups).cumulative
+    for group in range(3):
+        assert summed[group].tolist() == rows[group::3].sum(axis=0).cumsum().tolist()
 
 
 def test_quantile_without_observations_or_in_the_open_bucket() -> None:

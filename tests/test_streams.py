@@ -25,13 +25,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from aiprobe.config import ConfigError, from_dict
-from aiprobe.histogram import exported_buckets, hist_slots, kernel_buckets
+from aiprobe.histogram import Summary, exported_buckets, field_summaries, hist_slots, kernel_buckets
+from aiprobe.loader import object_btf
 from aiprobe.probes.cuda.probe import STRATEGIES as CUDA_STRATEGIES
 from aiprobe.probes.cuda.probe import CudaProbe
 from aiprobe.probes.sendlat.probe import SendLatencyProbe
@@ -438,28 +440,39 @@ def test_cli_prints_the_stream_as_json(aiprobe_cli: list[str]) -> None:
     assert document["stall_threshold_seconds"] == 0.25
 
 
-def _entry(**fields: object) -> SimpleNamespace:
-    """A `stream_stats` value as the probe reads it, field by field (nested structs as namespaces)."""
-    return SimpleNamespace(**{name: _entry(**value) if isinstance(value, dict) else value
-                              for name, value in fields.items()})
+def _entry(value: Any = None, **fields: Any) -> tuple[Any, tuple[Summary, ...]]:
+    """A `stream_stats` value of the object's own type with these fields (nested structs as dicts), and the
+    summaries of its histograms as the probe works them out (a table of one entry)."""
+    value = object_btf("sendlat").struct_ctype("stream_stats")() if value is None else value
+    for name, field in fields.items():
+        if isinstance(field, dict):
+            _entry(getattr(value, name), **field)
+        elif isinstance(field, bytes | tuple):  # arrays: comm (signed chars), stalls
+            getattr(value, name)[:len(field)] = list(field)
+        else:
+            setattr(value, name, field)
+    if type(value).__name__ != "stream_stats":
+        return value, ()
+    rows = np.frombuffer(bytearray(value), np.uint8).reshape(1, -1)
+    return value, field_summaries(rows, type(value), [0], "ttfb", "gap", "duration", "handshake")[0]
 
 
 def test_endpoint_entry_becomes_a_record() -> None:
-    hist = {"slots": [0] * hist_slots(), "count": 0, "sum_ns": 0}
-    value = _entry(comm=b"uvicorn\0", streams=2, chunks=7, bytes=90, stalls=[1, 2, 0, 0],
-                   ttfb={**hist, "sum_ns": 3 * 10**8}, gap=hist, duration={**hist, "count": 1}, durations_unknown=1)
-    record = _endpoint({"tgid": 5, "port": 8000, "protocol": 2, "cgroup_id": 9}, value, 77)
+    value, (ttfb, gap, duration, _) = _entry(
+        comm=b"uvicorn\0", streams=2, chunks=7, bytes=90, stalls=(1, 2, 0, 0), ttfb={"sum_ns": 3 * 10**8},
+        duration={"count": 1}, durations_unknown=1)
+    record = _endpoint({"tgid": 5, "port": 8000, "protocol": 2, "cgroup_id": 9}, value, 77, ttfb, gap, duration)
     assert (record.protocol, record.comm, record.streams, record.ttfb_sum_seconds) == ("sse", "uvicorn", 2, 0.3)
     assert (record.completed, record.durations_unknown) == (2, 1)  # ended: timed or not
     assert record.stalls == {"server": 1, "network": 2, "cpu": 0, "gpu": 0}
     assert record.gap_p50_seconds is None
-    assert _endpoint({"tgid": 5, "port": 1, "protocol": 99, "cgroup_id": 0}, value, 0).protocol == "tcp"
+    other = _endpoint({"tgid": 5, "port": 1, "protocol": 99, "cgroup_id": 0}, value, 0, ttfb, gap, duration)
+    assert other.protocol == "tcp"
 
 
 def test_handshake_entry_becomes_a_record() -> None:
-    hist = {"slots": [0] * hist_slots(), "count": 2, "sum_ns": 6 * 10**8}
-    record = _handshakes({"tgid": 5, "port": 8443, "tls_version": 4, "cgroup_id": 9},
-                         _entry(comm=b"nginx\0", handshake=hist), 77)
+    value, (*_, handshake) = _entry(comm=b"nginx\0", handshake={"count": 2, "sum_ns": 6 * 10**8})
+    record = _handshakes({"tgid": 5, "port": 8443, "tls_version": 4, "cgroup_id": 9}, value, 77, handshake)
     assert (record.tls_version, record.comm, record.count, record.sum_seconds) == ("1.3", "nginx", 2, 0.6)
     assert record.identity() == (5, 77, 9, 8443, "1.3")
 

@@ -16,7 +16,6 @@ import math
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -25,14 +24,13 @@ from ... import btf, procfs
 from ...histogram import (
     NS_PER_SECOND,
     REQUEST_BOUNDS,
-    KernelBuckets,
-    exported_buckets,
+    Histograms,
+    Summary,
+    field_slots,
     hist_slots,
-    kernel_buckets,
-    quantile,
     slot_of_nanoseconds,
 )
-from ...loader import Map
+from ...loader import Map, MapTable
 from ...metrics import PROCESS_LABELS, Family, Getter
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -78,22 +76,18 @@ def _method(code: int) -> str:
     return METHODS[code] if code < len(METHODS) else "_OTHER"
 
 
-def _requests(key: dict[str, Any], value: Any, started: int) -> tuple[Requests, KernelBuckets]:
-    """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many),
-    and its durations at full resolution (for its endpoint's quantiles)."""
+def _requests(key: dict[str, Any], value: Any, started: int, duration: Summary) -> Requests:
+    """One entry of `request_stats` (a BTF ctypes struct, read field by field: its 433 slots are many)."""
     protocol = PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp"
-    duration = value.duration
-    fine = kernel_buckets(duration.slots)
     kind = functools.partial(RpcRequests, grpc_status=key["rpc_status"] - 1) if protocol == "grpc" else HttpRequests
     return kind(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         protocol=protocol, method=_method(key["method"]),
-        status_code=key["status"], count=duration.count + value.durations_unknown,
-        duration_sum_seconds=duration.sum_ns / NS_PER_SECOND,
-        duration_histogram=exported_buckets(fine), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
-        durations_unknown=value.durations_unknown, request_bytes=value.request_bytes,
-        response_bytes=value.response_bytes, start_ticks=started,
-    ), fine
+        status_code=key["status"], count=value.duration.count + value.durations_unknown,
+        duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND, duration_histogram=duration.buckets,
+        p50_seconds=duration.p50, p99_seconds=duration.p99, durations_unknown=value.durations_unknown,
+        request_bytes=value.request_bytes, response_bytes=value.response_bytes, start_ticks=started,
+    )
 
 
 Counts = np.ndarray[Any, np.dtype[np.uint64]]
@@ -112,10 +106,9 @@ class ClientCounts:
     comm: bytes = b""
 
     @classmethod
-    def of(cls, value: Any) -> ClientCounts:
-        """A `client_stats` value's."""
-        return cls(np.array(value.duration.slots, dtype=np.uint64), np.array(value.ttfb.slots, dtype=np.uint64),
-                   value.duration.count, value.duration.sum_ns, value.ttfb.sum_ns, bytes(value.comm))
+    def of(cls, value: Any, duration: Counts, ttfb: Counts) -> ClientCounts:
+        """A `client_stats` value's, with its histograms' slots."""
+        return cls(duration, ttfb, value.duration.count, value.duration.sum_ns, value.ttfb.sum_ns, bytes(value.comm))
 
     def count_pending(self, entry: Any) -> None:
         """Counts a `client_pending` entry, as the kernel counts a request (bpf/client_programs.h)."""
@@ -135,17 +128,17 @@ class ClientCounts:
                             self.comm.strip(b"\0") or other.comm)
 
 
-def _client_requests(key: dict[str, Any], counts: ClientCounts, started: int) -> ClientRequests:
+def _client_requests(key: dict[str, Any], counts: ClientCounts, started: int, duration: Summary,
+                     ttfb: Summary) -> ClientRequests:
     """The requests of one `client_stats` key."""
-    fine, ttfb = kernel_buckets(counts.duration), kernel_buckets(counts.ttfb)
     return ClientRequests(
         pid=key["tgid"], comm=comm_text(counts.comm), cgroup_id=key["cgroup_id"],
         server_address=ip_text(bytes(key["addr"]), key["family"] == socket.AF_INET6), server_port=key["port"],
         method=_method(key["method"]), status_code=key["status"],
         count=counts.count, duration_sum_seconds=counts.duration_sum_ns / NS_PER_SECOND,
-        duration_histogram=exported_buckets(fine), ttfb_sum_seconds=counts.ttfb_sum_ns / NS_PER_SECOND,
-        ttfb_histogram=exported_buckets(ttfb), p50_seconds=quantile(fine, 0.5), p99_seconds=quantile(fine, 0.99),
-        ttfb_p50_seconds=quantile(ttfb, 0.5), start_ticks=started,
+        duration_histogram=duration.buckets, ttfb_sum_seconds=counts.ttfb_sum_ns / NS_PER_SECOND,
+        ttfb_histogram=ttfb.buckets, p50_seconds=duration.p50, p99_seconds=duration.p99,
+        ttfb_p50_seconds=ttfb.p50, start_ticks=started,
     )
 
 
@@ -167,17 +160,23 @@ class IdleFlush:
     def flush(self, pending: Map) -> None:
         """Counts the requests of `pending` idle for IDLE_FLUSH_NS (bpf_ktime_get_ns's clock: CLOCK_MONOTONIC)."""
         idle_since = time.monotonic_ns() - IDLE_FLUSH_NS
+        decoded: dict[bytes, dict[str, Any]] = {}  # a client sends many requests a round
         for key, entry in pending.items():
             if entry.last_read_ns <= idle_since and pending.delete(key):
-                client_key = btf.decode(entry.key)
+                packed = bytes(entry.key)
+                client_key = decoded.get(packed) or decoded.setdefault(packed, btf.decode(entry.key))
                 _, counts = self.counted.setdefault(
                     tuple(client_key.values()), (client_key, ClientCounts(_no_slots(), _no_slots())))
                 counts.count_pending(entry)
 
-    def added(self, entries: list[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, Any], ClientCounts]]:
-        """The `client_stats` entries with the requests counted here added; those of exited processes (absent
-        from `entries` once deleted there) are reported this once more, then forgotten."""
-        merged = {tuple(key.values()): (key, ClientCounts.of(value)) for key, value in entries}
+    def added(self, table: MapTable, entries: list[tuple[dict[str, Any], Any]]
+              ) -> list[tuple[dict[str, Any], ClientCounts]]:
+        """The `client_stats` entries (read whole as `table`) with the requests counted here added; those of exited
+        processes (absent from `entries` once deleted there) are reported this once more, then forgotten."""
+        every = range(len(entries))
+        durations, ttfbs = (field_slots(table.rows(), table.value_type, name, every) for name in ("duration", "ttfb"))
+        merged = {tuple(key.values()): (key, ClientCounts.of(value, duration, ttfb))
+                  for (key, value), duration, ttfb in zip(entries, durations, ttfbs, strict=True)}
         for identity, (key, counts) in self.counted.items():
             kernel = merged.get(identity)
             merged[identity] = (key, kernel[1] + counts if kernel else counts)
@@ -193,26 +192,29 @@ def _statuses(records: list[Requests]) -> dict[str, int]:
     return dict(sorted(statuses.items()))
 
 
-def _endpoints(entries: Iterable[tuple[Requests, KernelBuckets]]) -> list[RequestEndpoint]:
-    """Per (process, port, protocol): the entries' counts by status class, quantiles over their durations."""
-    groups: dict[tuple[int, int, int, str], list[tuple[Requests, KernelBuckets]]] = defaultdict(list)
-    for record, fine in entries:
-        groups[(record.pid, record.cgroup_id, record.port, record.protocol)].append((record, fine))
+def _endpoints(records: list[Requests], durations: Histograms) -> list[RequestEndpoint]:
+    """Per (process, port, protocol): the records' counts by status class, quantiles over their durations
+    (`durations`: the records' own, in their order; summed where an endpoint has several records)."""
+    groups: dict[tuple[int, int, int, str], list[int]] = {}
+    for index, r in enumerate(records):
+        groups.setdefault((r.pid, r.cgroup_id, r.port, r.protocol), []).append(index)
+    several = [group for group in groups.values() if len(group) > 1]
+    summed = durations.summed(several)
+    merged = zip(summed.quantiles(0.5), summed.quantiles(0.99), strict=True)
+    quantiles = {group[0]: both for group, both in zip(several, merged, strict=True)}
     endpoints = []
-    for members in groups.values():
-        first, merged = members[0]
-        if len(members) > 1:  # cumulative counts add up as the slots do
-            merged = KernelBuckets(np.sum([fine.cumulative for _, fine in members], axis=0))
-        records = [record for record, _ in members]
+    for group in groups.values():
+        members = [records[index] for index in group]
+        first = members[0]
+        p50, p99 = quantiles.get(group[0], (first.p50_seconds, first.p99_seconds))
         endpoints.append(RequestEndpoint(
             pid=first.pid, comm=first.comm, cgroup_id=first.cgroup_id, port=first.port, protocol=first.protocol,
-            count=sum(r.count for r in records),
-            client_errors=sum(r.count for r in records if 400 <= r.status_code < 500),
-            server_errors=sum(r.count for r in records if r.status_code >= 500),
-            throttled=sum(r.count for r in records if r.status_code == 429),
-            status_unknown=sum(r.count for r in records if not r.status_code),
-            p50_seconds=quantile(merged, 0.5), p99_seconds=quantile(merged, 0.99), statuses=_statuses(records),
-            start_ticks=first.start_ticks,
+            count=sum(r.count for r in members),
+            client_errors=sum(r.count for r in members if 400 <= r.status_code < 500),
+            server_errors=sum(r.count for r in members if r.status_code >= 500),
+            throttled=sum(r.count for r in members if r.status_code == 429),
+            status_unknown=sum(r.count for r in members if not r.status_code),
+            p50_seconds=p50, p99_seconds=p99, statuses=_statuses(members), start_ticks=first.start_ticks,
         ))
     return endpoints
 
@@ -243,18 +245,22 @@ class RequestsProbe(InStreamLogic):
     def read(self) -> RequestsSnapshot:
         """Everything counted since start; entries of exited processes are reported once more, then deleted."""
         self._idle_flush.flush(self._obj().maps["client_pending"])
-        served, sent = self._entries_of("request_stats"), self._entries_of("client_stats")
+        (served_table, served), (sent_table, sent) = self._entries_of("request_stats"), self._entries_of("client_stats")
         self._counted = {"request_stats": len(served), "client_stats": len(sent)}
-        entries = [_requests(key, value, self._starts.of(key["tgid"])) for key, value in served]
-        clients = [_client_requests(key, counts, self._starts.of(key["tgid"]))
-                   for key, counts in self._idle_flush.added(sent)]
+        durations = Histograms.of_field(served_table.rows(), served_table.value_type, "duration", range(len(served)))
+        records = [_requests(key, value, self._starts.of(key["tgid"]), duration)
+                   for (key, value), duration in zip(served, durations.summaries(), strict=True)]
+        sent_counts = self._idle_flush.added(sent_table, sent)
+        clients = [_client_requests(key, counts, self._starts.of(key["tgid"]), duration, ttfb)
+                   for (key, counts), duration, ttfb in zip(
+                       sent_counts, Histograms.of([counts.duration for _, counts in sent_counts]).summaries(),
+                       Histograms.of([counts.ttfb for _, counts in sent_counts]).summaries(), strict=True)]
         self._starts.keep_only({key["tgid"] for key, _ in served} | {record.pid for record in clients})
-        records = [record for record, _ in entries]
         return RequestsSnapshot(
             strategy=self.strategy or "", span=SPAN,
             http=[r for r in records if isinstance(r, HttpRequests)],
             rpc=[r for r in records if isinstance(r, RpcRequests)],
-            endpoints=_endpoints(entries),
+            endpoints=_endpoints(records, durations),
             uncounted_requests=self._uncounted("request_stats"),
             clients=clients, uncounted_client_requests=self._uncounted("client_stats"),
         )

@@ -9,11 +9,12 @@ and reads the per-endpoint aggregates (port, protocol, process, cgroup) and the 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from ... import btf
-from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, STREAM_BOUNDS, exported_buckets, kernel_buckets, quantile
-from ...loader import BpfObject, Lazy, Loaded, ProbeUnavailable, RingRecords, Strategy, enum_labels
+from ...histogram import NS_PER_SECOND, REQUEST_BOUNDS, STREAM_BOUNDS, Summary, field_summaries
+from ...loader import BpfObject, Lazy, Loaded, MapTable, ProbeUnavailable, RingRecords, Strategy, enum_labels
 from ...metrics import PROCESS_LABELS, Family
 from ...model import MapUsage, ProbeStatus
 from ...names import comm_text, ip_text
@@ -50,35 +51,41 @@ STRATEGIES = (
 )
 
 
-def _endpoint(key: dict[str, Any], value: Any, started: int) -> StreamEndpoint:
+def _endpoint(key: dict[str, Any], value: Any, started: int, ttfb: Summary, gap: Summary,
+              duration: Summary) -> StreamEndpoint:
     """One endpoint from its `stream_stats` entry (a BTF ctypes struct, read field by field, as
-    sendlat's processes are: decoding it whole costs a third of the read)."""
-    ttfb, gap, duration = (kernel_buckets(hist.slots) for hist in (value.ttfb, value.gap, value.duration))
+    sendlat's processes are: decoding it whole costs a third of the read) and its histograms."""
     return StreamEndpoint(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         protocol=PROTOCOLS[key["protocol"]] if key["protocol"] < len(PROTOCOLS) else "tcp",
         streams=value.streams, chunks=value.chunks, bytes=value.bytes,
         completed=value.duration.count + value.durations_unknown,
-        ttfb_p50_seconds=quantile(ttfb, 0.5), ttfb_p99_seconds=quantile(ttfb, 0.99),
-        ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND, ttfb_histogram=exported_buckets(ttfb),
-        gaps=value.gap.count, gap_p50_seconds=quantile(gap, 0.5), gap_p99_seconds=quantile(gap, 0.99),
-        gap_sum_seconds=value.gap.sum_ns / NS_PER_SECOND, gap_histogram=exported_buckets(gap),
+        ttfb_p50_seconds=ttfb.p50, ttfb_p99_seconds=ttfb.p99,
+        ttfb_sum_seconds=value.ttfb.sum_ns / NS_PER_SECOND, ttfb_histogram=ttfb.buckets,
+        gaps=value.gap.count, gap_p50_seconds=gap.p50, gap_p99_seconds=gap.p99,
+        gap_sum_seconds=value.gap.sum_ns / NS_PER_SECOND, gap_histogram=gap.buckets,
         duration_sum_seconds=value.duration.sum_ns / NS_PER_SECOND,
-        duration_histogram=exported_buckets(duration), durations_unknown=value.durations_unknown,
+        duration_histogram=duration.buckets, durations_unknown=value.durations_unknown,
         stalls=dict(zip(CAUSES, value.stalls[:], strict=True)),
         start_ticks=started,
     )
 
 
-def _handshakes(key: dict[str, Any], value: Any, started: int) -> TlsHandshakes:
+def _handshakes(key: dict[str, Any], value: Any, started: int, handshake: Summary) -> TlsHandshakes:
     """One process's TLS handshakes from its `stream_stats` entry (as _endpoint reads it)."""
-    handshake = kernel_buckets(value.handshake.slots)
     return TlsHandshakes(
         pid=key["tgid"], comm=comm_text(bytes(value.comm)), cgroup_id=key["cgroup_id"], port=key["port"],
         tls_version=TLS_VERSIONS[key["tls_version"]], count=value.handshake.count,
-        sum_seconds=value.handshake.sum_ns / NS_PER_SECOND, p50_seconds=quantile(handshake, 0.5),
-        p99_seconds=quantile(handshake, 0.99), histogram=exported_buckets(handshake), start_ticks=started,
+        sum_seconds=value.handshake.sum_ns / NS_PER_SECOND, p50_seconds=handshake.p50,
+        p99_seconds=handshake.p99, histogram=handshake.buckets, start_ticks=started,
     )
+
+
+def _with_summaries(table: MapTable, entries: list[tuple[dict[str, Any], Any]], indexes: list[int],
+                    *fields: str) -> Iterator[tuple[tuple[dict[str, Any], Any], tuple[Summary, ...]]]:
+    """These entries (by index) with the summaries of these histograms of their values."""
+    summaries = field_summaries(table.rows(), table.value_type, indexes, *fields)
+    return zip((entries[index] for index in indexes), summaries, strict=True)
 
 
 def _stall(event: dict[str, Any]) -> StreamStall:
@@ -129,15 +136,15 @@ class InStreamLogic(Probe):
             raise ProbeUnavailable(self.part, {host.strategy.name: "needs socket storage (BTF programs)"})
         return host
 
-    def _entries_of(self, name: str) -> list[tuple[dict[str, Any], Any]]:
-        """The (decoded key, value) entries of map `name`; those of exited processes are deleted from it
-        (reported this once more)."""
+    def _entries_of(self, name: str) -> tuple[MapTable, list[tuple[dict[str, Any], Any]]]:
+        """Map `name` read whole, and its (decoded key, value) entries; those of exited processes are deleted
+        from it (reported this once more)."""
         stats, known = self._obj().maps[name], self._keys.get(name, {})
-        entries = [(raw, known.get(packed) or btf.decode(raw), value, packed)
-                   for raw, value in stats.items() for packed in (bytes(raw),)]
-        self._keys[name] = {packed: key for _, key, _, packed in entries}
-        stats.delete_keys(raw for raw, key, _, _ in entries if self._gone(key["tgid"]))
-        return [(key, value) for _, key, value, _ in entries]
+        table = stats.table()
+        keys = [known.get(packed) or btf.decode(stats.key_type.from_buffer_copy(packed)) for packed in table.keys]
+        self._keys[name] = dict(zip(table.keys, keys, strict=True))
+        stats.delete_keys(packed for packed, key in zip(table.keys, keys, strict=True) if self._gone(key["tgid"]))
+        return table, list(zip(keys, table.values(), strict=True))
 
     def _gone(self, pid: int) -> bool:
         """Whether `pid` had exited when this round first read its start (one read per process and round)."""
@@ -203,12 +210,14 @@ class StreamsProbe(InStreamLogic):
         """Everything counted since start; endpoints of exited processes are reported once more, then
         deleted."""
         stalls = self._stall_records().take()
-        entries = self._entries_of("stream_stats")
+        table, entries = self._entries_of("stream_stats")
         self._entries = len(entries)
-        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"])) for key, value in entries
-                     if not key["tls_version"]]
-        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"])) for key, value in entries
-                      if 0 < key["tls_version"] < len(TLS_VERSIONS)]
+        served = [index for index, (key, _) in enumerate(entries) if not key["tls_version"]]
+        tls = [index for index, (key, _) in enumerate(entries) if 0 < key["tls_version"] < len(TLS_VERSIONS)]
+        endpoints = [_endpoint(key, value, self._starts.of(key["tgid"]), *histograms)
+                     for (key, value), histograms in _with_summaries(table, entries, served, "ttfb", "gap", "duration")]
+        handshakes = [_handshakes(key, value, self._starts.of(key["tgid"]), *histograms)
+                      for (key, value), histograms in _with_summaries(table, entries, tls, "handshake")]
         self._starts.keep_only({key["tgid"] for key, _ in entries})
         return StreamsSnapshot(
             strategy=self.strategy or "", span=self.status().span,
