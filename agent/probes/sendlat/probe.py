@@ -21,7 +21,7 @@ import numpy as np
 from ... import btf, libbpf, procfs
 from ...budget import CpuBudget
 from ...features import helper_available, sk_storage_in_tracing
-from ...histogram import FAST_BOUNDS, NS_PER_SECOND, exported_buckets, kernel_buckets, no_observations, quantile
+from ...histogram import FAST_BOUNDS, NS_PER_SECOND, Histograms, Summary, no_observations
 from ...loader import (
     BpfObject,
     Lazy,
@@ -244,29 +244,27 @@ def _proc_slots(index_of: Map) -> Iterator[tuple[bytes, int, int, int]]:
                        decoded["cgroup_id"].tolist(), np.frombuffer(values, np.uint32, count).tolist(), strict=True)
 
 
-def _process(tgid: int, cgroup_id: int, value: Any, waits: Any) -> ProcessSendLatency:
+def _process(tgid: int, cgroup_id: int, value: Any, latency: Summary, waits: Any,
+             waited: Summary | None) -> ProcessSendLatency:
     """One process from its `procs` and `unwritable` entries (BTF ctypes structs, read field by
-    field: decoding 433 slots item by item costs a millisecond a process)."""
-    latency = value.latency
-    fine = kernel_buckets(latency.slots)
-    waited = kernel_buckets(waits.slots) if waits is not None else None
+    field: decoding 433 slots item by item costs a millisecond a process) and their histograms."""
     return ProcessSendLatency(
         pid=tgid,
         comm=comm_text(bytes(value.comm)),
         cgroup_id=cgroup_id,
-        count=latency.count + value.untimed_sends,
+        count=value.latency.count + value.untimed_sends,
         bytes=value.bytes,
-        sum_seconds=latency.sum_ns / NS_PER_SECOND,
-        p50_seconds=quantile(fine, 0.5),
-        p99_seconds=quantile(fine, 0.99),
-        histogram=exported_buckets(fine),
+        sum_seconds=value.latency.sum_ns / NS_PER_SECOND,
+        p50_seconds=latency.p50,
+        p99_seconds=latency.p99,
+        histogram=latency.buckets,
         start_ticks=procfs.ticks_of_boottime(value.start_boottime_ns),
-        timed=latency.count,
+        timed=value.latency.count,
         errors={name: count for name, count in zip(SEND_ERRORS, value.errors[:], strict=True) if count},
         unwritable_count=waits.count if waits is not None else 0,
         unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
-        unwritable_p99_seconds=quantile(waited, 0.99) if waited is not None else None,
-        unwritable_histogram=exported_buckets(waited) if waited is not None else no_observations(),
+        unwritable_p99_seconds=waited.p99 if waited is not None else None,
+        unwritable_histogram=waited.buckets if waited is not None else no_observations(),
     )
 
 
@@ -421,13 +419,16 @@ class SendLatencyProbe(Probe):
         counts moved since the last read is of a process that was alive since: only new entries and those
         that did not move are checked, with one syscall each."""
         index_of, procs, unwritable = obj.maps["proc_slots"], obj.maps["procs"], obj.maps["unwritable"]
-        processes, exited, sends = [], [], {}
+        exited, sends = [], {}
         waits_of = {index.value: waits for index, waits in unwritable.items()}  # few: one read, not one per process
-        for raw_key, tgid, cgroup_id, index in _proc_slots(index_of):
-            stats = procs.lookup(index)
-            if stats is None:
-                continue
-            process = _process(tgid, cgroup_id, stats, waits_of.get(index))
+        waited_of = dict(zip(waits_of, Histograms.of([waits.slots for waits in waits_of.values()]).summaries(),
+                             strict=True))
+        entries = [(raw_key, tgid, cgroup_id, index, stats) for raw_key, tgid, cgroup_id, index in _proc_slots(index_of)
+                   if (stats := procs.lookup(index)) is not None]
+        latencies = Histograms.of([stats.latency.slots for *_, stats in entries]).summaries()
+        processes = []
+        for (raw_key, tgid, cgroup_id, index, stats), latency in zip(entries, latencies, strict=True):
+            process = _process(tgid, cgroup_id, stats, latency, waits_of.get(index), waited_of.get(index))
             processes.append(process)
             sends[index] = moved = process.count + sum(process.errors.values())
             if self._sends.get(index, moved) == moved and procfs.exited(tgid):
