@@ -327,22 +327,25 @@ def test_gpu_memory_pressure_fires_while_a_full_gpus_process_runs_out_of_memory(
 
 @pytest.mark.bpf
 def test_out_of_memory_evidence_has_the_5xx_share_of_the_same_process(cuda_libs, tmp_path) -> None:
-    """The server fails 3 allocations for good and answers those requests 503: cuda_out_of_memory fires for it,
+    """The server fails its allocations for good and answers those requests 503: cuda_out_of_memory fires for it,
     and its evidence names the server's port and its 5xx share (the requests part's count), the chain from the
-    failed allocations to the failed requests."""
-    with alloc_server(cuda_libs, failures=3) as server, \
+    failed allocations to the failed requests. Requests go on until the evidence has both (each refresh judges
+    the last 10 s; a loaded host may count a response a refresh late)."""
+    with alloc_server(cuda_libs, failures=1000) as server, \
             Agent(tmp_path, 'probes = ["cuda", "sendlat"]\n') as agent:
         assert wait_until(lambda: agent.snapshot()["probes"].get("requests", {}).get("up"), timeout=PATIENCE)
-        for _ in range(3):
-            server.generate()
 
         def evidence() -> dict:
+            server.generate()
             alerts = [a for a in agent.snapshot()["alerts"] if a["rule"] == "cuda_out_of_memory"]
             return next((p for a in alerts for p in a["evidence"]["processes"] if p["pid"] == server.pid), {})
-        assert wait_until(lambda: evidence().get("server_errors", [{}])[0].get("requests") == 3)
+        assert wait_until(lambda: evidence().get("server_errors"), interval=0.5), agent.log.read_text()
         joined = evidence()
         assert wait_until(lambda: any(e["state"] == "firing" for e in _transitions(agent, "cuda_out_of_memory")))
-    assert [(a["status"], a["cuda"]) for a in server.accounts] == [(503, 2)] * 3
-    assert server.accounts[-1]["alloc_failures"] == joined["final_failures"] == joined["failures"] == 3
-    assert joined["server_errors"] == [{"port": server.port, "protocol": "http", "requests": 3, "server_errors": 3,
-                                        "server_error_share": 1.0}]
+    assert {(a["status"], a["cuda"]) for a in server.accounts} == {(503, 2)}
+    [erring] = joined["server_errors"]
+    assert (erring["port"], erring["protocol"], erring["server_error_share"]) == (server.port, "http", 1.0)
+    # In the window: some of the requests the server answered, every one a 5xx, each a failed allocation.
+    assert 0 < erring["server_errors"] == erring["requests"] <= len(server.accounts)
+    assert 0 < joined["final_failures"] <= joined["failures"] <= server.accounts[-1]["alloc_failures"]
+    assert joined["retried"] == 0
