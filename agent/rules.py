@@ -78,6 +78,12 @@ def p99(histogram: str) -> str:
     return histogram_quantile(0.99, histogram, PROCESS, "[1m]")
 
 
+def added_in_window(counter: str, window: str = "5m") -> str:
+    """What a counter added in the rule file's window, in PromQL: a series born within it (its first
+    failure, its first Xid) has no sample `window` before, so it counts from 0."""
+    return f"({counter} - ({counter} offset {window} or {counter} * 0))"
+
+
 def alert_name(rule: str) -> str:
     """`network_send_stall` -> `AiprobeNetworkSendStall`, in Alertmanager and in the rule file."""
     return "Aiprobe" + "".join(part.title() for part in rule.split("_"))

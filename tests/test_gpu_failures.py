@@ -1,18 +1,27 @@
 """GPU failures through the real pynvml and the stand-in libnvidia-ml.so.1 (tests/fixtures/nvml_libnvidia_ml.c):
 Xid and ECC events from NVML's event API, a GPU NVML answers GPU_IS_LOST for. The truth is the stand-in's own
-record of the events it delivered (FAKE_NVML_EVENTS_DELIVERED)."""
+record of the events it delivered (FAKE_NVML_EVENTS_DELIVERED). Memory pressure and the out-of-memory chain
+through a small server (tests/fixtures/cuda_alloc_server.py) that allocates through the stand-in libcuda.so.1 and
+answers 503 when that fails: the stand-in's own count of failed allocations and the server's account of its
+responses are the truth."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from aiprobe.probes.nvml.events import XIDS
-from helpers import wait_until
+from fixtures import cuda_fake
+from fixtures.cuda_fake import FakeCuda
+from helpers import PATIENCE, free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import AIPROBE, Agent
 from test_nvml import A100_UUID, H100_UUID
@@ -211,3 +220,132 @@ def test_memory_errors_are_the_stand_ins_and_a_gpu_without_them_says_why(nvml_en
         ("aiprobe_gpu_pcie_replays_total", "1", ""): 3, ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "1", ""): 3}
     assert [gpu["memory_errors_reason"] for gpu in snapshot["gpus"]] == \
         ["", "ECC is off; no row remapping (Ampere or newer)"]
+
+
+# --- running out of GPU memory: a server that allocates through the stand-in libcuda.so.1 per request ---
+
+ALLOC_SERVER = Path(__file__).parent / "fixtures" / "cuda_alloc_server.py"
+REQUEST_BYTES = 2 << 30  # what each request allocates
+MIB = 1 << 20
+FULL_MIB, HALF_MIB = 77824, 40960  # of GPU 0's 80 GiB: 95% (above gpu_memory_pressure's 0.9), 50% (below 0.85)
+SERVER_MIB = 70000  # the server's memory on GPU 0, as NVML lists it
+
+
+@pytest.fixture(scope="module")
+def cuda_libs(cbuild) -> FakeCuda:
+    return cuda_fake.build(cbuild)
+
+
+class AllocServer:
+    """The server on a free port; `generate()` sends one request and returns the server's account of it."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc, self.port, self.pid = proc, port, proc.pid
+        self.accounts: list[dict] = []
+
+    def generate(self) -> dict:
+        with httpx.Client() as client:  # a connection of its own: the response ends with it
+            client.get(f"http://127.0.0.1:{self.port}/generate", timeout=30)
+        self.accounts.append(json.loads(self.proc.stdout.readline()))
+        return self.accounts[-1]
+
+
+@contextlib.contextmanager
+def alloc_server(cuda: FakeCuda, failures: int) -> Iterator[AllocServer]:
+    """Started before the agent, so that the cuda probe's first scan finds its libcuda.so.1 mapped and probes
+    it before its first allocation; the stand-in fails its first `failures` allocations."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ALLOC_SERVER), str(port), str(cuda.libdir / "libcuda.so.1"),
+                             str(REQUEST_BYTES)], env={**os.environ, "FAKE_CUDA_ALLOC_FAILURES": str(failures)},
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield AllocServer(proc, port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _transitions(agent: Agent, rule: str) -> list[dict]:
+    """The alert log's transitions of `rule`, in order."""
+    lines = agent.alert_log.read_text().splitlines() if agent.alert_log.exists() else []
+    return [event for event in map(json.loads, lines) if event["rule"] == rule]
+
+
+def _states(agent: Agent) -> list[str]:
+    return [event["state"] for event in _transitions(agent, "gpu_memory_pressure") if event["target"] == "gpu0"]
+
+
+def _failures_counted(agent: Agent, pid: int) -> float:
+    """The agent's count of the process's out-of-memory allocation failures, as /metrics has it."""
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    return sum(value for labels, value in _series(agent.metrics(), "aiprobe_cuda_memory_allocation_failures_total")
+               .items() if dict(labels)["process"] == comm and dict(labels)["error"] == "CUDA_ERROR_OUT_OF_MEMORY")
+
+
+@pytest.mark.bpf
+def test_gpu_memory_pressure_fires_while_a_full_gpus_process_runs_out_of_memory(nvml_env, cuda_libs,
+                                                                               tmp_path) -> None:
+    """GPU 0 95% used with the server on it: nothing while it only listens; its failed allocations fire
+    gpu_memory_pressure, the GPU's processes with their memory and failures in the evidence. The memory falls to
+    50% while it goes on failing: resolved; full again: fires again; its failures over: resolved once they left
+    the agent's window. GPU 1 is never under pressure (nothing of it fails)."""
+    memory, processes = tmp_path / "memory", tmp_path / "processes"
+    memory.write_text(f"{FULL_MIB} 39000\n")  # GPU 1: 39000 of its 40 GiB, a process on it, no failure
+    with alloc_server(cuda_libs, failures=1000) as server:
+        processes.write_text(f"0 {server.pid} {SERVER_MIB} 50 20\n1 {os.getpid()} 30000 10 5\n")
+        env = {**nvml_env, "FAKE_NVML_MEMORY": str(memory), "FAKE_NVML_PROCESSES": str(processes)}
+        with Agent(tmp_path, 'probes = ["nvml", "cuda"]\n', env=env) as agent:
+            assert wait_until(lambda: [g["memory_used_bytes"] for g in agent.snapshot()["gpus"]] ==
+                              [FULL_MIB * MIB, 39000 * MIB])
+            assert _alerts(agent, "gpu_memory_pressure") == {}  # full, but no allocation failed
+            for _ in range(3):
+                server.generate()
+            assert wait_until(lambda: _alerts(agent, "gpu_memory_pressure").get("gpu0", {}).get("evidence", {})
+                              .get("processes", [{}])[0].get("out_of_memory_failures") == 3)
+            evidence = _alerts(agent, "gpu_memory_pressure")["gpu0"]["evidence"]
+            memory.write_text(f"{HALF_MIB} 39000\n")
+            assert wait_until(lambda: server.generate() and _states(agent) == ["pending", "firing", "resolved"],
+                              timeout=PATIENCE, interval=0.5)
+            memory.write_text(f"{FULL_MIB} 39000\n")
+            assert wait_until(lambda: server.generate() and _states(agent)[-1:] == ["firing"],
+                              timeout=PATIENCE, interval=0.5)
+            assert wait_until(lambda: _states(agent)[-1:] == ["resolved"])  # no request since: no failure
+            counted = _failures_counted(agent, server.pid)
+            server_comm = Path(f"/proc/{server.pid}/comm").read_text().strip()
+    assert [event["target"] for event in _transitions(agent, "gpu_memory_pressure")] == ["gpu0"] * 6
+    assert (evidence["uuid"], evidence["memory_used_bytes"], evidence["memory_total_bytes"]) == \
+        (H100_UUID, FULL_MIB * MIB, 80 << 30)
+    [on_gpu] = evidence["processes"]
+    assert {k: on_gpu[k] for k in ("pid", "used_memory_bytes", "out_of_memory_failures", "retried")} == \
+        {"pid": server.pid, "used_memory_bytes": SERVER_MIB * MIB, "out_of_memory_failures": 3, "retried": 0}
+    assert on_gpu["process"].startswith(f"{server_comm}@")
+    # Every request failed its allocation and was answered 503: the agent counted each, as the stand-in did.
+    assert {(a["status"], a["cuda"]) for a in server.accounts} == {(503, 2)}
+    assert counted == server.accounts[-1]["alloc_failures"] == len(server.accounts)
+
+
+@pytest.mark.bpf
+def test_out_of_memory_evidence_has_the_5xx_share_of_the_same_process(cuda_libs, tmp_path) -> None:
+    """The server fails its allocations for good and answers those requests 503: cuda_out_of_memory fires for it,
+    and its evidence names the server's port and its 5xx share (the requests part's count), the chain from the
+    failed allocations to the failed requests. Requests go on until the evidence has both (each refresh judges
+    the last 10 s; a loaded host may count a response a refresh late)."""
+    with alloc_server(cuda_libs, failures=1000) as server, \
+            Agent(tmp_path, 'probes = ["cuda", "sendlat"]\n') as agent:
+        assert wait_until(lambda: agent.snapshot()["probes"].get("requests", {}).get("up"), timeout=PATIENCE)
+
+        def evidence() -> dict:
+            server.generate()
+            alerts = [a for a in agent.snapshot()["alerts"] if a["rule"] == "cuda_out_of_memory"]
+            return next((p for a in alerts for p in a["evidence"]["processes"] if p["pid"] == server.pid), {})
+        assert wait_until(lambda: evidence().get("server_errors"), interval=0.5), agent.log.read_text()
+        joined = evidence()
+        assert wait_until(lambda: any(e["state"] == "firing" for e in _transitions(agent, "cuda_out_of_memory")))
+    assert {(a["status"], a["cuda"]) for a in server.accounts} == {(503, 2)}
+    [erring] = joined["server_errors"]
+    assert (erring["port"], erring["protocol"], erring["server_error_share"]) == (server.port, "http", 1.0)
+    # In the window: some of the requests the server answered, every one a 5xx, each a failed allocation.
+    assert 0 < erring["server_errors"] == erring["requests"] <= len(server.accounts)
+    assert 0 < joined["final_failures"] <= joined["failures"] <= server.accounts[-1]["alloc_failures"]
+    assert joined["retried"] == 0

@@ -12,7 +12,7 @@ GPUs) and resolves when it stops, and its evidence matches the kernel's own coun
 - cuda_context_switch_storm from a fake-CUDA program alternating between two contexts.
 
 network_send_stall is tested in test_agent.py, gpu_time_sliced and cuda_out_of_memory in test_cuda.py, gpu_xid_error,
-gpu_lost and gpu_memory_errors in test_gpu_failures.py.
+gpu_lost, gpu_memory_errors, gpu_memory_pressure and cuda_out_of_memory's 5xx evidence in test_gpu_failures.py.
 """
 
 from __future__ import annotations

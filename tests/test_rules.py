@@ -9,9 +9,9 @@ from aiprobe.config import RuleConfig
 from aiprobe.deltas import Window
 from aiprobe.exporters.rules_file import render
 from aiprobe.probes.cuda.hooks import time_slicing_signals
-from aiprobe.probes.cuda.records import CudaContext, CudaGpu
+from aiprobe.probes.cuda.records import AllocationFailures, CudaContext, CudaGpu
 from aiprobe.probes.nvml.records import GpuEngine, GpuEventCount, GpuInfo, GpuProcess
-from aiprobe.probes.nvml.signals import failure_signals, xid_signals
+from aiprobe.probes.nvml.signals import failure_signals, memory_pressure_signals, xid_signals
 from aiprobe.refresh import SIGNAL_WINDOW_SECONDS
 from aiprobe.registry import catalog, fleet_rules, rules
 from aiprobe.rules import RuleEngine, Signal, alert_name
@@ -164,6 +164,34 @@ def test_a_lost_gpu_and_memory_errors_fire_then_resolve() -> None:
     assert rules.evaluate(gpus(True, 0, True), now=2) == []
     assert {(a.rule, a.state) for a in rules.evaluate(gpus(False, 0, False), now=3)} == {
         ("gpu_lost", "resolved"), ("gpu_memory_errors", "resolved")}
+
+
+def test_memory_pressure_fires_while_a_full_gpus_processes_run_out_of_memory_and_resolves() -> None:
+    """GPU 0 95% used: nothing while its process allocates; its failures (retried ones too) fire the rule with the
+    GPU's processes, their memory and failures; it resolves when the memory falls, and when the failures leave the
+    window. GPU 1 is as full, and its process fails only with another error: never."""
+    rules, window = RuleEngine(RULES.values(), DEFAULT_RULES), Window(SIGNAL_WINDOW_SECONDS)
+    processes = [*ON_GPU0, GpuProcess(9, "sidecar", 0, "GPU-a", 1 << 28)]
+
+    def signals(used_gib: int, failed: int, retried: int, now: float) -> list[Signal]:
+        gpus = [GpuInfo(0, "GPU-a", "H100", memory_total_bytes=80 << 30, memory_used_bytes=used_gib << 30),
+                GpuInfo(1, "GPU-b", "A100", memory_total_bytes=80 << 30, memory_used_bytes=76 << 30)]
+        failures = [AllocationFailures(7, "vllm", "CUDA_ERROR_OUT_OF_MEMORY", failed, failed << 20, retried),
+                    AllocationFailures(8, "other", "CUDA_ERROR_INVALID_VALUE", 4, 4 << 20, 0)]
+        return memory_pressure_signals(gpus, processes, failures, window, now)
+    assert signals(76, 0, 0, now=0) == []  # full, but nothing failed
+    fired = rules.evaluate(signals(76, 5, 5, now=1), now=1)
+    assert [(a.target, a.state, a.value) for a in fired] == [("gpu0", "pending", 0.95), ("gpu0", "firing", 0.95)]
+    assert fired[1].evidence == {
+        "uuid": "GPU-a", "memory_used_bytes": 76 << 30, "memory_total_bytes": 80 << 30, "processes": [
+            {"pid": 7, "process": "vllm@host", "used_memory_bytes": 1 << 30, "out_of_memory_failures": 5, "retried": 5},
+            {"pid": 9, "process": "sidecar@host", "used_memory_bytes": 1 << 28, "out_of_memory_failures": 0,
+             "retried": 0}]}
+    assert [a.state for a in rules.evaluate(signals(60, 5, 5, now=2), now=2)] == ["resolved"]  # memory fell
+    assert [a.state for a in rules.evaluate(signals(76, 8, 5, now=3), now=3)] == ["pending", "firing"]
+    assert rules.evaluate(signals(76, 8, 5, now=1 + SIGNAL_WINDOW_SECONDS), now=1 + SIGNAL_WINDOW_SECONDS) == []
+    later = 3 + SIGNAL_WINDOW_SECONDS  # no failure since 3 s
+    assert [a.state for a in rules.evaluate(signals(76, 8, 5, now=later), now=later)] == ["resolved"]
 
 
 def test_fleet_rules_have_a_group_of_their_own_outside_the_engine() -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ...loader import Map
+from ...refresh import Refresh
 from .records import AllocationFailures
 
 # The driver's allocation entry points: the size asked for is the second argument of each but
@@ -70,3 +72,27 @@ def expire_pending(pending: Map) -> None:
     """Delete the waiting failures whose time for a retry is long over."""
     now = time.monotonic_ns()
     pending.delete_keys(key for key, value in pending.items() if now - value.last_ns > PENDING_EXPIRY_NS)
+
+
+@dataclass(frozen=True)
+class RecentFailures:
+    """A process's out-of-memory failures, and those retried, in the last SIGNAL_WINDOW_SECONDS."""
+
+    record: AllocationFailures
+    failures: float
+    retried: float
+
+    @property
+    def final(self) -> float:
+        return self.failures - self.retried
+
+
+def recent_out_of_memory(failures: list[AllocationFailures], kind: str, refresh: Refresh,
+                         now: float) -> list[RecentFailures]:
+    """The out-of-memory failures of each process in the rules' window (`kind` names the rule's own)."""
+    recent = []
+    for failed in failures:
+        if failed.error == OUT_OF_MEMORY:
+            added, retried = refresh.recent((kind, failed.identity()), [failed.failures, failed.retried], now)
+            recent.append(RecentFailures(failed, added, retried))
+    return recent

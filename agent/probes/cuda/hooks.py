@@ -4,7 +4,8 @@ columns of the process table."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ...histogram import quantile
 from ...model import Readings
@@ -12,7 +13,8 @@ from ...refresh import Hooks, ProcessRows, Refresh, recent_buckets, target
 from ...rules import Signal
 from ..nvml.records import GpuInfo, GpuProcess
 from ..nvml.signals import share_evidence, switching_evidence
-from .allocations import OUT_OF_MEMORY
+from ..sendlat.records import RequestEndpoint
+from .allocations import RecentFailures, recent_out_of_memory
 from .records import AllocationFailures, CudaContext, CudaGpu, CudaProcess, CudaSnapshot
 
 
@@ -45,7 +47,8 @@ class CudaHooks(Hooks):
                 signals.append(Signal("gpu_threads_starved", target(cuda), p99, {
                     "runqueue_delay_p99_seconds": round(p99, 6), "wakeups": int(recent[-1][1]),
                     "involuntary_preemptions": cuda.involuntary_preemptions, "pid": cuda.pid}))
-        return signals + out_of_memory_signals(reading.allocation_failures, refresh, now) + \
+        return signals + out_of_memory_signals(reading.allocation_failures, refresh, now,
+                                               readings.of(RequestEndpoint)) + \
             time_slicing_signals(reading.gpus, reading.contexts, readings.of(GpuInfo), readings.of(GpuProcess))
 
     def process_rows(self, reading: CudaSnapshot, rows: ProcessRows) -> None:
@@ -61,19 +64,41 @@ class CudaHooks(Hooks):
             entry.runqueue_delay_p99_seconds = cuda.runqueue_delay_p99_seconds
 
 
-def out_of_memory_signals(failures: list[AllocationFailures], refresh: Refresh, now: float) -> list[Signal]:
+def out_of_memory_signals(failures: list[AllocationFailures], refresh: Refresh, now: float,
+                          endpoints: Sequence[RequestEndpoint] = ()) -> list[Signal]:
     """cuda_out_of_memory: per process name and container (as the rule file sums them), the out-of-memory
     failures of the last SIGNAL_WINDOW_SECONDS that were not retried; the evidence names the processes that
-    had them."""
-    by_target: dict[str, list[tuple[AllocationFailures, float]]] = {}
-    for failed in failures:
-        if failed.error == OUT_OF_MEMORY:
-            [final] = refresh.recent(("cuda_oom", failed.identity()), [failed.final], now)
-            by_target.setdefault(target(failed), []).append((failed, final))
-    return [Signal("cuda_out_of_memory", name, sum(final for _, final in group), {"processes": [
-        {"pid": failed.pid, "final_failures": final, "failures": failed.failures, "retried": failed.retried,
-         "failed_bytes": failed.failed_bytes} for failed, final in group if final > 0]})
+    had them, and of those that serve requests the servers answering more 5xx than http_server_errors'
+    threshold allows in the same window (the chain from the failed allocations to the failed requests)."""
+    recents = recent_out_of_memory(failures, "cuda_oom", refresh, now)
+    erring = _erring_servers({recent.record.pid for recent in recents}, endpoints, refresh, now)
+    by_target: dict[str, list[RecentFailures]] = {}
+    for recent in recents:
+        by_target.setdefault(target(recent.record), []).append(recent)
+    return [Signal("cuda_out_of_memory", name, sum(recent.final for recent in group), {"processes": [
+        {"pid": recent.record.pid, "final_failures": recent.final, "failures": recent.record.failures,
+         "retried": recent.record.retried, "failed_bytes": recent.record.failed_bytes,
+         **({"server_errors": erring[recent.record.pid]} if recent.record.pid in erring else {})}
+        for recent in group if recent.final > 0]})
         for name, group in by_target.items()]
+
+
+def _erring_servers(pids: set[int], endpoints: Sequence[RequestEndpoint], refresh: Refresh,
+                    now: float) -> dict[int, list[dict[str, Any]]]:
+    """pid -> its servers (listening port, protocol) whose 5xx share in the last SIGNAL_WINDOW_SECONDS is above
+    http_server_errors' threshold, of the processes that ever ran out of memory (their windows kept every
+    refresh from their first failure; an endpoint's first counts are recent)."""
+    erring: dict[int, list[dict[str, Any]]] = {}
+    for endpoint in endpoints:
+        if endpoint.pid not in pids:
+            continue
+        requests, errors = refresh.recent(("oom_requests", endpoint.identity()),
+                                          [endpoint.count, endpoint.server_errors], now)
+        if requests and errors / requests > refresh.rule("http_server_errors").threshold:
+            erring.setdefault(endpoint.pid, []).append({
+                "port": endpoint.port, "protocol": endpoint.protocol, "requests": int(requests),
+                "server_errors": int(errors), "server_error_share": round(errors / requests, 4)})
+    return erring
 
 
 def _join_active_contexts(infos: list[GpuInfo], gpus: list[CudaGpu]) -> None:

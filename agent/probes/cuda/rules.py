@@ -4,7 +4,7 @@ its default thresholds (`[rules.<name>]` overrides them)."""
 from __future__ import annotations
 
 from ...config import RuleConfig
-from ...rules import RuleSpec, p99
+from ...rules import RuleSpec, added_in_window, p99
 
 CUDA_CONTEXT_SWITCH_STORM = RuleSpec(
     False, "{target} switches CUDA contexts {value:.0f} times/s: context-switch overhead",
@@ -41,18 +41,14 @@ GPU_THREADS_STARVED = RuleSpec(
 )
 
 
-# Out-of-memory failures of a process in the rule file's window, less those retried: a series born with its
-# first failure has no sample 5m before, so it counts from 0.
-def _new(series: str) -> str:
-    return f"({series} - ({series} offset 5m or {series} * 0))"
-
-
-_OOM = '{error="CUDA_ERROR_OUT_OF_MEMORY"}'
+# Out-of-memory failures of a process in the rule file's window, less those retried.
+OUT_OF_MEMORY_SELECTOR = '{error="CUDA_ERROR_OUT_OF_MEMORY"}'
 CUDA_OUT_OF_MEMORY = RuleSpec(
     False, "{target} failed {value:.0f} CUDA allocation(s) for good: out of GPU memory (not retried; the evidence "
     "names the process, the bytes asked and the retries)",
-    "sum by (instance, process, container) (\n  " + _new(f"aiprobe_cuda_memory_allocation_failures_total{_OOM}")
-    + "\n  - " + _new(f"aiprobe_cuda_memory_allocation_retried_total{_OOM}") + "\n)",
+    "sum by (instance, process, container) (\n  "
+    + added_in_window(f"aiprobe_cuda_memory_allocation_failures_total{OUT_OF_MEMORY_SELECTOR}")
+    + "\n  - " + added_in_window(f"aiprobe_cuda_memory_allocation_retried_total{OUT_OF_MEMORY_SELECTOR}") + "\n)",
     "{{ $labels.process }} fails CUDA allocations for good: out of GPU memory",
     "CUDA allocations returned CUDA_ERROR_OUT_OF_MEMORY and were not retried with success within a second: the "
     "process's work fails (lower its batch size or memory fraction, or give it a GPU of its own).",

@@ -1,6 +1,6 @@
 """The nvml probe in the agent's refresh: its processes' containers, the GPUs' rules (gpu_contended with the
-streams part's figures; the failures: Xid errors, lost GPUs, memory errors), its columns of the process
-table, and the snapshot's `gpus` and `gpu_events`."""
+streams part's figures; the failures: Xid errors, lost GPUs, memory errors; memory pressure with the cuda
+probe's allocation failures), its columns of the process table, and the snapshot's `gpus` and `gpu_events`."""
 
 from __future__ import annotations
 
@@ -10,13 +10,19 @@ from typing import Any
 from ...model import Readings
 from ...refresh import Hooks, ProcessRows, Refresh, Section
 from ...rules import Signal
-from ..cuda.records import CudaContext
+from ..cuda.records import AllocationFailures, CudaContext
 from ..flows.records import InterfaceTotals
 from ..sendlat.records import StreamEndpoint
 from .contention import contention_signals
 from .mps import attribute_mps
 from .records import GpuEvent, GpuInfo, GpuSnapshot
-from .signals import context_switch_signals, failure_signals, utilization_signals, xid_signals
+from .signals import (
+    context_switch_signals,
+    failure_signals,
+    memory_pressure_signals,
+    utilization_signals,
+    xid_signals,
+)
 
 
 class NvmlHooks(Hooks):
@@ -37,7 +43,8 @@ class NvmlHooks(Hooks):
             context_switch_signals(reading.gpus) + \
             contention_signals(reading.processes, readings.of(StreamEndpoint), refresh, now) + \
             xid_signals(reading.event_counts, reading.processes, refresh, now) + \
-            failure_signals(reading.gpus, reading.processes)
+            failure_signals(reading.gpus, reading.processes) + \
+            memory_pressure_signals(reading.gpus, reading.processes, readings.of(AllocationFailures), refresh, now)
 
     def process_rows(self, reading: GpuSnapshot, rows: ProcessRows) -> None:
         for gpu in reading.processes:

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from ...config import RuleConfig
-from ...rules import PROCESS, RuleSpec, histogram_quantile
+from ...rules import PROCESS, RuleSpec, added_in_window, histogram_quantile
+from ..cuda.rules import OUT_OF_MEMORY_SELECTOR
 
 GPU_SATURATED = RuleSpec(
     False, "{target} is {value:.0%} busy: the GPU is the bottleneck",
@@ -83,14 +84,12 @@ GPU_CONTENDED = RuleSpec(
 )
 
 
-# The rule file's window for new Xids (the agent's: the last 10 s). A series born with its first Xid
-# has no sample 5m before: it counts from 0.
-_XIDS = "aiprobe_gpu_xid_errors_total"
+# New Xids in the rule file's window (the agent's: the last 10 s).
 GPU_XID_ERROR = RuleSpec(
     False, "{target}: {value:.0f} new Xid error(s) (the evidence names its meaning, NVIDIA's action and the "
     "GPU's processes)",
-    f"sum by (instance, gpu, uuid, GPU_I_ID, GPU_CI_ID, xid) (\n  {_XIDS}\n"
-    f"  - ({_XIDS} offset 5m or {_XIDS} * 0)\n)",
+    "sum by (instance, gpu, uuid, GPU_I_ID, GPU_CI_ID, xid) (\n  " + added_in_window("aiprobe_gpu_xid_errors_total")
+    + "\n)",
     "GPU {{ $labels.gpu }} reported Xid {{ $labels.xid }}",
     "NVML reported a critical Xid error: the agent's evidence (or `aiprobe top`'s GPU events) names its meaning and "
     "NVIDIA's recommended action (13, 31, 43: restart the application; 48, 63, 64, 74, 79, 94, 95, 119: act on "
@@ -126,4 +125,27 @@ GPU_MEMORY_ERRORS = RuleSpec(
     name="gpu_memory_errors",
     # the larger of the uncorrected ECC errors since the driver loaded and the row-remap failure flag (0/1)
     default=RuleConfig(threshold=0, clear=0, for_seconds=0, severity="critical"),
+)
+
+
+# The processes on a GPU (or MIG instance) whose CUDA allocations ran out of memory in the rule file's window,
+# retried or not: allocation failures are counted per process, joined to the GPUs NVML lists each process on.
+_FAILING_ON_GPU = (
+    "aiprobe_gpu_process_memory_used_bytes\n  and on (instance, process, container) (\n"
+    "    sum by (instance, process, container) (\n      "
+    + added_in_window(f"aiprobe_cuda_memory_allocation_failures_total{OUT_OF_MEMORY_SELECTOR}") + "\n    ) > 0\n  )")
+GPU_MEMORY_PRESSURE = RuleSpec(
+    False, "{target} has {value:.0%} of its memory in use while CUDA allocations of its processes run out of memory "
+    "(the evidence names its processes, their memory, failures and retries)",
+    "max by (instance, gpu, uuid, GPU_I_ID) (aiprobe_gpu_memory_used_bytes / aiprobe_gpu_memory_total_bytes)",
+    "GPU {{ $labels.gpu }} has more than %(threshold_percent)s of its memory in use while CUDA allocations on it "
+    "fail",
+    "The GPU's memory is nearly full and its processes' CUDA allocations return CUDA_ERROR_OUT_OF_MEMORY (retried "
+    "after a caching allocator freed its cache, or failed for good): fragmentation or too many processes or models "
+    "on one GPU (lower memory fractions or batch sizes, or move a process to another GPU).",
+    guard=f"and on (instance, gpu, GPU_I_ID) (\n  {_FAILING_ON_GPU}\n)",
+    name="gpu_memory_pressure",
+    # a GPU's (or MIG instance's) memory used over its total, while CUDA allocations of its processes ran out of
+    # memory in the window (retried or not)
+    default=RuleConfig(threshold=0.9, clear=0.85, for_seconds=0, severity="warning"),
 )

@@ -1,13 +1,16 @@
 """The GPUs' rules: saturated, idle while the network is busy, the GPU's own context-switch cost
-(GPM), and its failures: Xid errors, lost, memory errors. Evidence helpers the cuda probe's
-time-slicing rule shares."""
+(GPM), its failures: Xid errors, lost, memory errors, and its memory pressure (with the cuda probe's
+allocation failures). Evidence helpers the cuda probe's time-slicing rule shares."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ...refresh import Refresh
 from ...rules import Signal
+from ..cuda.allocations import recent_out_of_memory
+from ..cuda.records import AllocationFailures
 from .events import XID, meaning
 from .records import GpuEventCount, GpuInfo, GpuProcess
 
@@ -64,12 +67,15 @@ def utilization_signals(infos: list[GpuInfo], ingress_bytes_per_second: float, t
     return signals
 
 
+def _with_memory(processes: Iterable[GpuProcess]) -> list[dict[str, Any]]:
+    return [{"pid": proc.pid, "process": f"{proc.comm or proc.pid}@{proc.container}",
+             "used_memory_bytes": proc.used_memory_bytes} for proc in processes]
+
+
 def _processes(processes: list[GpuProcess], index: int, gpu_instance: int | None = None) -> list[dict[str, Any]]:
     """The processes on a GPU (on one of its MIG instances where given), with their memory."""
-    return [{"pid": proc.pid, "process": f"{proc.comm or proc.pid}@{proc.container}",
-             "used_memory_bytes": proc.used_memory_bytes}
-            for proc in processes
-            if proc.gpu_index == index and gpu_instance in (None, proc.gpu_instance_id)]
+    return _with_memory(proc for proc in processes
+                        if proc.gpu_index == index and gpu_instance in (None, proc.gpu_instance_id))
 
 
 def _place(index: int, gpu_instance: int | None, profile: str) -> str:
@@ -112,4 +118,30 @@ def failure_signals(infos: list[GpuInfo], processes: list[GpuProcess]) -> list[S
                 "remapped_rows_uncorrected": gpu.remapped_rows_uncorrected,
                 "row_remap_pending": gpu.row_remap_pending, "row_remap_failure": gpu.row_remap_failure,
                 "processes": on_gpu}))
+    return signals
+
+
+def memory_pressure_signals(infos: list[GpuInfo], processes: list[GpuProcess], failures: list[AllocationFailures],
+                            refresh: Refresh, now: float) -> list[Signal]:
+    """gpu_memory_pressure: per GPU (or MIG instance) whose processes' CUDA allocations ran out of memory in the
+    last SIGNAL_WINDOW_SECONDS, retried or not, its memory used over its total (no signal while none failed).
+    A process is on the GPU (or instance) whose UUID NVML lists it under; failures are counted per process, so
+    a process on two GPUs counts for both."""
+    failed: dict[int, dict[str, int]] = {}
+    for recent in recent_out_of_memory(failures, "gpu_memory_pressure", refresh, now):
+        counts = failed.setdefault(recent.record.pid, {"out_of_memory_failures": 0, "retried": 0})
+        counts["out_of_memory_failures"] += int(recent.failures)
+        counts["retried"] += int(recent.retried)
+    signals = []
+    for gpu in infos:
+        on_gpu = _with_memory(proc for proc in processes if proc.gpu_uuid == gpu.uuid)
+        if not gpu.memory_total_bytes or gpu.memory_used_bytes is None or \
+                not any(failed.get(proc["pid"], {}).get("out_of_memory_failures") for proc in on_gpu):
+            continue
+        signals.append(Signal(
+            "gpu_memory_pressure", _place(gpu.index, gpu.gpu_instance_id, gpu.mig_profile),
+            gpu.memory_used_bytes / gpu.memory_total_bytes,
+            {"uuid": gpu.uuid, "memory_used_bytes": gpu.memory_used_bytes, "memory_total_bytes": gpu.memory_total_bytes,
+             "processes": [{**proc, "out_of_memory_failures": 0, "retried": 0, **failed.get(proc["pid"], {})}
+                           for proc in on_gpu]}))
     return signals
