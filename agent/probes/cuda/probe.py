@@ -12,10 +12,10 @@ counted at libcudart's entry point, and a driver entry point firing inside it is
 Libraries are found, not configured: every CUDA library file that a process maps is probed once
 per file (dev, inode), whatever path or container it is reached through; those installed where
 the dynamic loader and the NVIDIA container toolkit look for them are probed at start, before any
-process maps them (discovery.py), so the first process to load one has its cold start seen too. Files are parsed by
-aiprobe.elf (bounded, checked) and uprobes attach at the offsets found, only where the library
-defines its anchor symbol. A uprobe on a file covers every process mapping it, so the probe cost
-grows only with calls. A background thread scans /proc
+process maps them (discovery.py), so the first process to load one has its cold start seen too.
+Files are parsed by aiprobe.elf (bounded, checked) and uprobes attach at the offsets found, only
+where the library defines its anchor symbol. A uprobe on a file covers every process mapping it,
+so the probe cost grows only with calls. A background thread scans /proc
 every RESCAN_INTERVAL seconds (`close()` stops it), incrementally (see LibraryScanner): a process
 not seen before has its maps read at the next scan, so processes started later are picked up
 within about RESCAN_INTERVAL; a process already seen is looked at again only after as long as it
