@@ -520,20 +520,23 @@ def test_allocation_probes_are_charged_to_the_launch_budget_first() -> None:
 
 
 COLD = {"before_init_ms": 1000, "init_ms": 200, "ctx_ms": 150, "module_ms": 60, "modules": 3, "before_launch_ms": 100}
+COLD_ENV = {"FAKE_CUDA_INIT_MS": str(COLD["init_ms"]), "FAKE_CUDA_CTX_MS": str(COLD["ctx_ms"]),
+            "FAKE_CUDA_MODULE_MS": str(COLD["module_ms"])}
 
 
 @pytest.mark.realtime  # phases against the process's own clock
 @pytest.mark.bpf
 def test_cold_start_phases_of_a_process_started_while_watching(cuda_libs, drivers) -> None:
-    env = {"FAKE_CUDA_INIT_MS": str(COLD["init_ms"]), "FAKE_CUDA_CTX_MS": str(COLD["ctx_ms"]),
-           "FAKE_CUDA_MODULE_MS": str(COLD["module_ms"])}
     with CudaProbe(rescan_interval=0.1) as probe:
         driver = Driver(cuda_libs.libdir, "coldstart", COLD["before_init_ms"], COLD["before_launch_ms"],
-                        COLD["modules"], handshake=False, env=env)
+                        COLD["modules"], handshake=False, env=COLD_ENV)
         drivers.append(driver)
         _wait_attached(probe, driver.library, within=PICKUP_SECONDS)  # well before its cuInit
         truth = counters(driver.finish())
-        cold = _process(probe.read(), driver.pid).cold_start
+        _assert_cold_start(_process(probe.read(), driver.pid).cold_start, truth)
+
+
+def _assert_cold_start(cold, truth: dict[str, int]) -> None:
     assert (truth["inits"], truth["ctx_creates"], truth["module_loads"]) == (1, 1, COLD["modules"])
     assert (cold.context_creates, cold.module_loads) == (1, COLD["modules"])
     # The fake's own clock, not the sleeps it was asked for: a loaded host oversleeps. Its start is
@@ -543,6 +546,38 @@ def test_cold_start_phases_of_a_process_started_while_watching(cuda_libs, driver
                                (cold.module_load_seconds, truth["module_load_ns"]),
                                (cold.to_first_launch_seconds, truth["to_first_launch_ns"])):
         assert measured == pytest.approx(truth_ns / 1e9, rel=CLOCK_TOLERANCE), (measured, truth_ns)
+
+
+def _installed_driver(cuda_libs: FakeCuda, root: Path, found: str) -> tuple[dict[str, tuple[str, ...]], Path]:
+    """A copy of the fake libcuda (a new file) installed as a driver package does, a versioned file that
+    ldconfig links libcuda.so.1 to, under driver root `root`; the search that finds it there (through the
+    root's loader cache, or a configured directory) and the directory the process loads it from."""
+    libdir = root / "opt/fakecuda"
+    libdir.mkdir(parents=True)
+    shutil.copy(cuda_libs.libdir / "libcuda.so.1", libdir / "libcuda.so.550.54")
+    (root / "etc").mkdir()
+    (root / "etc/ld.so.conf").write_text("/opt/fakecuda\n")
+    subprocess.run(["ldconfig", "-r", root, "-C", "/etc/ld.so.cache", "-f", "/etc/ld.so.conf"], check=True)
+    if found == "ld.so.cache":
+        return {"driver_roots": (str(root),), "library_dirs": ()}, libdir
+    return {"driver_roots": (), "library_dirs": (str(libdir),)}, libdir
+
+
+@pytest.mark.realtime  # phases against the process's own clock
+@pytest.mark.bpf
+@pytest.mark.parametrize("found", ["ld.so.cache", "directory"])
+def test_the_first_process_to_map_an_installed_driver_has_its_cold_start(cuda_libs, drivers, tmp_path,
+                                                                         found) -> None:
+    search, libdir = _installed_driver(cuda_libs, tmp_path, found)
+    # No rescan after start's (the process starts later): only the search at start can have found the library.
+    with CudaProbe(rescan_interval=3600, **search) as probe:
+        [library] = [lib for lib in probe.libraries if lib.path.startswith(str(tmp_path))]
+        assert (library.path, library.found, library.error) == (str(libdir / "libcuda.so.550.54"), found, "")
+        driver = Driver(libdir, "coldstart", COLD["before_init_ms"], COLD["before_launch_ms"], COLD["modules"],
+                        handshake=False, env=COLD_ENV)
+        drivers.append(driver)
+        truth = counters(driver.finish())
+        _assert_cold_start(_process(probe.read(), driver.pid).cold_start, truth)
 
 
 @pytest.mark.host_only  # /proc's start times, in user space

@@ -63,8 +63,9 @@ def _announce(library: AttachedLibrary) -> None:
     outcome = f"error: {library.error}" if library.error else f"{len(library.symbols)} entry points"
     if library.missing:
         outcome += f"; lacks {', '.join(library.missing)}: their failures go unseen"
+    how = "mapped by a process" if library.found == "process" else f"installed, found at start in {library.found}"
     click.echo(f"aiprobe cuda: probing {library.kind} {printable(library.path)} via "
-               f"{printable(library.host_path)} ({outcome})", err=True)
+               f"{printable(library.host_path)}, {how} ({outcome})", err=True)
 
 
 @click.command()

@@ -10,10 +10,12 @@ which need not be the exported functions probed in libcuda, so a launch made thr
 counted at libcudart's entry point, and a driver entry point firing inside it is not counted again.
 
 Libraries are found, not configured: every CUDA library file that a process maps is probed once
-per file (dev, inode), whatever path or container it is reached through. Files are parsed by
-aiprobe.elf (bounded, checked) and uprobes attach at the offsets found, only where the library
-defines its anchor symbol. A uprobe on a file covers every process mapping it, so the probe cost
-grows only with calls. A background thread scans /proc
+per file (dev, inode), whatever path or container it is reached through; those installed where
+the dynamic loader and the NVIDIA container toolkit look for them are probed at start, before any
+process maps them (discovery.py), so the first process to load one has its cold start seen too.
+Files are parsed by aiprobe.elf (bounded, checked) and uprobes attach at the offsets found, only
+where the library defines its anchor symbol. A uprobe on a file covers every process mapping it,
+so the probe cost grows only with calls. A background thread scans /proc
 every RESCAN_INTERVAL seconds (`close()` stops it), incrementally (see LibraryScanner): a process
 not seen before has its maps read at the next scan, so processes started later are picked up
 within about RESCAN_INTERVAL; a process already seen is looked at again only after as long as it
@@ -64,6 +66,15 @@ from .allocations import (
     expire_pending,
 )
 from .atomics import fetch_atomics
+from .discovery import (
+    DRIVER_ROOTS,
+    FOUND_BY_PROCESS,
+    LIBRARY_DIRECTORIES,
+    InstalledLibrary,
+    host_root,
+    installed_libraries,
+    maps_key,
+)
 from .hooks import CudaHooks
 from .records import (
     AllocationFailures,
@@ -222,7 +233,9 @@ SPEC = ProbeSpec(
     bpf_object="cuda",
     order=30,
     factory=lambda config: CudaProbe(strategies=strategies_with_scheduler(config.strategies.get("sched")),
-                                     cpu_budget=config.settings(CudaSettings).cuda_cpu_budget or None),
+                                     cpu_budget=config.settings(CudaSettings).cuda_cpu_budget or None,
+                                     driver_roots=config.settings(CudaSettings).cuda_driver_roots,
+                                     library_dirs=config.settings(CudaSettings).cuda_library_dirs),
     parts=(sched.PART,),
     settings=CudaSettings,
     command="aiprobe.probes.cuda.command:command",
@@ -306,6 +319,10 @@ class MappedLibrary:
     def key(self) -> tuple[int, int]:
         return self.dev, self.inode
 
+    @property
+    def found(self) -> str:
+        return FOUND_BY_PROCESS
+
     def host_path(self, proc: Path) -> str:
         """A path to the same file from here: through the process's root when that still leads to
         the mapped inode, else the mapping itself (a replaced or deleted file, or one on overlayfs,
@@ -358,8 +375,7 @@ def mapped_cuda_libraries(pid: int, proc: Path = Path("/proc")) -> list[MappedLi
             continue
         path = fields[5].removesuffix(" (deleted)")
         try:
-            major, minor = (int(part, 16) for part in fields[3].split(":"))
-            key = (os.makedev(major, minor), int(fields[4]))
+            key = maps_key(fields[3], fields[4])
         except ValueError:  # not a line the kernel writes; the next one may do
             continue
         mappings.setdefault(key, (path, fields[0]))
@@ -802,7 +818,8 @@ class CudaProbe(Probe):
     `max_threads` overrides the capacity of map `threads` (live GPU-driving threads).
     `cpu_budget` (a fraction of one CPU) duty-cycles the kernel-launch probes past it, in periods
     of `duty_period` seconds (LaunchProbes). `sched_linger`: seconds the scheduler side stays
-    attached once no process drives the GPU (sched.SchedulerLinks)."""
+    attached once no process drives the GPU (sched.SchedulerLinks). The libraries installed under
+    `driver_roots` and in `library_dirs` (host paths) are probed at start (discovery.py)."""
 
     spec = SPEC
 
@@ -817,8 +834,12 @@ class CudaProbe(Probe):
         cpu_budget: float | None = None,
         duty_period: float = DUTY_PERIOD,
         sched_linger: float = sched.LINGER_SECONDS,
+        driver_roots: Sequence[str] = DRIVER_ROOTS,
+        library_dirs: Sequence[str] = LIBRARY_DIRECTORIES,
     ) -> None:
         super().__init__()
+        self._driver_roots = driver_roots
+        self._library_dirs = library_dirs
         self._sched_linger = sched_linger
         self._sched_links: sched.SchedulerLinks | None = None
         self._cpu_budget = cpu_budget
@@ -864,6 +885,7 @@ class CudaProbe(Probe):
         # synchronizations would never close: counts start anew.
         sync_time = self.loaded.obj.maps["cuda_sync_time"]
         sync_time.delete_keys(list(sync_time.keys()))
+        self._probe_installed()
         self.rescan()
         self._stop.clear()
         self._scan_thread = SUPERVISOR.start_thread("cuda_scan", self._scan_loop, self._stop)
@@ -955,32 +977,46 @@ class CudaProbe(Probe):
                 self._gate_scheduler()
         return new
 
-    def _library(self, mapped: MappedLibrary) -> tuple[AttachedLibrary | None, bool]:
+    def _probe_installed(self) -> None:
+        """Attach to the libraries installed on the host before any process maps them."""
+        for installed in installed_libraries(_library_kind, self._driver_roots, self._library_dirs,
+                                             host_root(self._proc)):
+            with self._lock:
+                library, is_new = self._library(installed)
+            if is_new and library is not None and self._on_attach is not None:
+                self._on_attach(library)
+
+    def _library(self, mapped: MappedLibrary | InstalledLibrary) -> tuple[AttachedLibrary | None, bool]:
         """The file's probes, attached on first sight; None: not a CUDA library after all (an
-        executable without a runtime in it). Every outcome is remembered per file."""
+        executable without a runtime in it, a file found at start that is none). Every outcome is
+        remembered per file."""
         known = self._libraries.get(mapped.key)
         if mapped.key in self._libraries and (known is None or not known.error):
             return known, False
-        assert self.loaded is not None  # rescan() holds the lock and checked
-        library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc), kind=mapped.kind)
+        assert self.loaded is not None  # callers hold the lock and checked
+        library = AttachedLibrary(printable(mapped.path), mapped.host_path(self._proc), kind=mapped.kind,
+                                  found=mapped.found)
         self._attached_ns[mapped.key] = time.monotonic_ns()
+        candidate = mapped.kind == STATIC_RUNTIME
         try:
             library.symbols = attach_entry_points(self.loaded.obj, library.host_path, mapped.kind,
                                                   self._launch_probes)
         except BpfError as exc:  # e.g. a privilege or a busy kernel: worth another try later
             library.error = printable(str(exc))
             ATTACHMENTS.failed(SPEC.name, library.path, attach_reason(exc), library.error)
-            self._backoff.failed(mapped.key, time.monotonic())
-            self._retry[mapped.key] = mapped
+            if isinstance(mapped, MappedLibrary):  # one found at start: tried again once a process maps it
+                self._backoff.failed(mapped.key, time.monotonic())
+                self._retry[mapped.key] = mapped
         except (NotACudaLibrary, elf.ElfError, OSError) as exc:  # the file itself: not worth retrying
             library.error = printable(str(exc))
+            candidate = candidate or isinstance(mapped, InstalledLibrary)
         else:
             ATTACHMENTS.succeeded(SPEC.name, library.path)
             if mapped.kind == DRIVER:
                 library.missing = [symbol for symbol in ALLOCATION_ENTRY_POINTS if symbol not in library.symbols]
             self._backoff.forget(mapped.key)
             self._retry.pop(mapped.key, None)
-        probed = None if mapped.kind == STATIC_RUNTIME and library.error else library
+        probed = None if candidate and library.error else library
         self._libraries[mapped.key] = probed
         return probed, True
 

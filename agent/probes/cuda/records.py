@@ -128,6 +128,8 @@ class AttachedLibrary(Record):
     error: str = ""
     kind: str = "driver"  # "driver" (libcuda), "runtime" (libcudart) or "static runtime" (an executable)
     missing: list[str] = field(default_factory=list)  # allocation entry points a probed driver lacks (unseen)
+    # How it was found: "process" (a process mapped it), or at start, installed: "ld.so.cache", "directory".
+    found: str = "process"
 
 
 @dataclass
