@@ -276,6 +276,15 @@ class Histograms:
         return Histograms(np.add.reduceat(self.cumulative[members], starts, axis=0))
 
 
+SUMMARIES_AT_ONCE = 1024  # 10k processes' slots summed at once would be 70 MB of temporaries
+
+
+def summaries_of(rows: Sequence[Any]) -> list[Summary]:
+    """Histograms.of(rows).summaries(), SUMMARIES_AT_ONCE histograms at a time."""
+    return [summary for start in range(0, len(rows), SUMMARIES_AT_ONCE)
+            for summary in Histograms.of(rows[start:start + SUMMARIES_AT_ONCE]).summaries()]
+
+
 def field_slots(values: np.ndarray[Any, np.dtype[np.uint8]], value_type: Any, name: str,
                 entries: Sequence[int]) -> np.ndarray[Any, np.dtype[np.uint64]]:
     """The slots of `struct hist` field `name` of these `entries` (indexes) of map values of BTF type `value_type`

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from aiprobe import histogram
 from aiprobe.config import from_dict
 from aiprobe.exporters.prometheus import shown_bounds
 from aiprobe.histogram import (
@@ -22,6 +23,7 @@ from aiprobe.histogram import (
     hist_slots,
     kernel_buckets,
     quantile,
+    summaries_of,
 )
 from aiprobe.procfs import StartTimes, start_ticks
 from aiprobe.registry import catalog, faces
@@ -36,7 +38,7 @@ def test_quantile_interpolates_inside_its_bucket() -> None:
     assert quantile(buckets, 1.0) == pytest.approx(3.125e-3)
 
 
-def test_histograms_at_once_are_the_ones_worked_out_one_at_a_time() -> None:
+def test_histograms_at_once_are_the_ones_worked_out_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Histograms (1k endpoints' histograms in a few numpy calls) gives exported_buckets() and quantile() of each,
     to the bit: empty ones, one observation, the first slot, the open bucket, counts spread wide."""
     rng = np.random.default_rng(7)
@@ -56,6 +58,8 @@ def test_histograms_at_once_are_the_ones_worked_out_one_at_a_time() -> None:
         alone = exported_buckets(fine)
         assert (summary.buckets.counts, summary.buckets.native) == (alone.counts, alone.native)
         assert (summary.p50, summary.p99) == (quantile(fine, 0.5), quantile(fine, 0.99))
+    monkeypatch.setattr(histogram, "SUMMARIES_AT_ONCE", 7)  # chunks, the last one short
+    assert summaries_of(list(rows)) == summaries
     groups = [list(range(len(rows)))[group::3] for group in range(3)]
     summed = Histograms.of(list(rows)).summed(groups).cumulative
     for group in range(3):

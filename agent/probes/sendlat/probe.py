@@ -21,7 +21,7 @@ import numpy as np
 from ... import btf, libbpf, procfs
 from ...budget import CpuBudget
 from ...features import helper_available, sk_storage_in_tracing
-from ...histogram import FAST_BOUNDS, NS_PER_SECOND, Histograms, Summary, no_observations
+from ...histogram import FAST_BOUNDS, NS_PER_SECOND, Summary, no_observations, summaries_of
 from ...loader import (
     BpfObject,
     Lazy,
@@ -421,11 +421,10 @@ class SendLatencyProbe(Probe):
         index_of, procs, unwritable = obj.maps["proc_slots"], obj.maps["procs"], obj.maps["unwritable"]
         exited, sends = [], {}
         waits_of = {index.value: waits for index, waits in unwritable.items()}  # few: one read, not one per process
-        waited_of = dict(zip(waits_of, Histograms.of([waits.slots for waits in waits_of.values()]).summaries(),
-                             strict=True))
+        waited_of = dict(zip(waits_of, summaries_of([waits.slots for waits in waits_of.values()]), strict=True))
         entries = [(raw_key, tgid, cgroup_id, index, stats) for raw_key, tgid, cgroup_id, index in _proc_slots(index_of)
                    if (stats := procs.lookup(index)) is not None]
-        latencies = Histograms.of([stats.latency.slots for *_, stats in entries]).summaries()
+        latencies = summaries_of([stats.latency.slots for *_, stats in entries])
         processes = []
         for (raw_key, tgid, cgroup_id, index, stats), latency in zip(entries, latencies, strict=True):
             process = _process(tgid, cgroup_id, stats, latency, waits_of.get(index), waited_of.get(index))

@@ -29,6 +29,7 @@ from ...histogram import (
     field_slots,
     hist_slots,
     slot_of_nanoseconds,
+    summaries_of,
 )
 from ...loader import Map, MapTable
 from ...metrics import PROCESS_LABELS, Family, Getter
@@ -253,8 +254,8 @@ class RequestsProbe(InStreamLogic):
         sent_counts = self._idle_flush.added(sent_table, sent)
         clients = [_client_requests(key, counts, self._starts.of(key["tgid"]), duration, ttfb)
                    for (key, counts), duration, ttfb in zip(
-                       sent_counts, Histograms.of([counts.duration for _, counts in sent_counts]).summaries(),
-                       Histograms.of([counts.ttfb for _, counts in sent_counts]).summaries(), strict=True)]
+                       sent_counts, summaries_of([counts.duration for _, counts in sent_counts]),
+                       summaries_of([counts.ttfb for _, counts in sent_counts]), strict=True)]
         self._starts.keep_only({key["tgid"] for key, _ in served} | {record.pid for record in clients})
         return RequestsSnapshot(
             strategy=self.strategy or "", span=SPAN,
