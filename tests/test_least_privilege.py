@@ -103,11 +103,13 @@ def test_agent_with_only_the_daemonsets_capabilities_runs_and_counts_every_probe
 
         def drive() -> bool:
             """One driver run; true once its launches are counted. It starts once the agent has
-            defined its uprobe events (it scans for libcuda every second), or after 10 s (kernels
-            whose perf uprobe PMU still takes CAP_PERFMON define none)."""
+            defined the uprobe events of its libcuda (it scans for libcuda every second; those of the
+            CUDA libraries installed on the host come at start), or after 10 s (kernels whose perf
+            uprobe PMU still takes CAP_PERFMON define none; a library attached by a run before)."""
+            defined = len(events())
             driver = Driver(cuda_libdir, 0, LAUNCHES, 0)
             try:
-                wait_until(events, timeout=10)
+                wait_until(lambda: len(events()) > defined, timeout=10)
                 assert driver.go().startswith("done")
             finally:
                 driver.kill()
