@@ -191,12 +191,8 @@ def kernel_buckets(slots: Slots) -> KernelBuckets:
 
 def exported_buckets(fine: KernelBuckets) -> CumulativeBuckets:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
-    exact counts, since each bound is a kernel edge."""
-    if not fine.counts[-1]:  # nothing observed: one serves them all (gaps of one-chunk streams, handshakes)
-        return no_observations()
-    slots = len(fine.counts)
-    return CumulativeBuckets(_EXPORTED_AND_INF, fine.cumulative[_slots_at(slots, _EXPORTED_UNITS)].tolist(),
-                             array("Q", fine.cumulative[_slots_at(slots, _NATIVE_UNITS)].tobytes()))
+    exact counts, since each bound is a kernel edge (Histograms picks them, for one here)."""
+    return Histograms(fine.cumulative[np.newaxis])._exported()[0]
 
 
 _EXPORTED_AND_INF = (*EXPORTED_BOUNDS, math.inf)
@@ -240,6 +236,8 @@ class Histograms:
         return list(map(Summary, self._exported(), self.quantiles(0.5), self.quantiles(0.99)))
 
     def _exported(self) -> list[CumulativeBuckets]:
+        """Each one's exported_buckets(): nothing observed in one, no_observations() stands for it (gaps of
+        one-chunk streams, handshakes)."""
         slots = self.cumulative.shape[1]
         shown = self.cumulative[:, _slots_at(slots, _EXPORTED_UNITS)].tolist()
         native = self.cumulative[:, _slots_at(slots, _NATIVE_UNITS)]
@@ -298,7 +296,7 @@ def field_summaries(values: np.ndarray[Any, np.dtype[np.uint8]], value_type: Any
                     *fields: str) -> list[tuple[Summary, ...]]:
     """Each of these entries' summaries of these `struct hist` fields (field_slots), a field of all of them at once."""
     by_field = [Histograms.of_field(values, value_type, name, entries).summaries() for name in fields]
-    return list(zip(*by_field, strict=True)) if entries else []
+    return list(zip(*by_field, strict=True))
 
 
 @functools.cache
