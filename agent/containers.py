@@ -8,6 +8,7 @@ cgroupfs drivers, and plain host processes (no container).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -67,6 +68,7 @@ class Workload:
         record.container, record.namespace, record.pod = self.container, self.namespace, self.pod
 
 
+@functools.lru_cache(maxsize=4096)  # a refresh asks for every record's: parsed once per cgroup
 def workload_of(cgroup_path: str) -> Workload:
     """Parse a cgroup path such as /kubepods.slice/.../cri-containerd-<id>.scope."""
     container_id = pod_uid = ""

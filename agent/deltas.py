@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import operator
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
+
+import numpy as np
 
 Values = Sequence[float]
+TableRow = Values | np.ndarray[Any, np.dtype[Any]]  # one source's values in a table add_all() takes
 Labels = TypeVar("Labels", bound=Hashable)
 
 
@@ -71,41 +75,155 @@ class Deltas:
 
 
 class Totals(Generic[Labels]):
-    """Monotonic sums per label set of the increases of every source carrying those labels. With
+    """Monotonic sums per label set of the increases of every source carrying those labels, worked out
+    for a whole table at once (`add_all`: numpy over its rows, where a refresh adds thousands). With
     `idle_seconds`, a label set no source carried for that long is dropped (short-lived processes
     would otherwise pile up series for ever); should it return, it counts from zero, which
     Prometheus reads as a counter reset."""
 
     def __init__(self, idle_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.deltas = Deltas()
-        self.sums: dict[Labels, list[float]] = {}
+        self._sums: dict[int, _Sums[Labels]] = {}  # by width (one, but where a layout changes)
+        self._last: dict[Hashable, Row] = {}  # each source's values at its last add
+        self._sources_seen: set[Hashable] = set()
         self._idle = idle_seconds
         self._clock = clock
         self._seen: set[Labels] = set()
         self._seen_at: dict[Labels, float] = {}
 
+    @property
+    def sums(self) -> dict[Labels, list[float]]:
+        """Each label set's sums, as they are now (new lists: later adds leave them be)."""
+        return {labels: row for sums in self._sums.values() for labels, row in sums.items()}
+
+    def labels(self) -> set[Labels]:
+        return {labels for sums in self._sums.values() for labels in sums.index}
+
+    def drop(self, labels: Iterable[Labels]) -> None:
+        """Forget these label sets' sums (should one come back, it counts from zero)."""
+        gone = set(labels)
+        for width, sums in list(self._sums.items()):
+            if not sums.drop(gone):
+                del self._sums[width]
+
     def add(self, labels: Labels, source: Hashable, values: Values) -> bool:
         """Add the source's increase to its label set; returns whether all its values counted (a new or
         restarted source)."""
-        self._seen.add(labels)
-        current = self.sums.get(labels)
-        if current is None or len(current) != len(values):  # a new label set, or a new layout: start over
-            current = self.sums[labels] = [0.0] * len(values)
-        added = self.deltas.added(source, values)
-        if added is not None:
-            current[:] = map(operator.add, current, added)
-        return added is values
+        return self.add_all([labels], [source], [values])[0]
+
+    def add_all(self, labels: Sequence[Labels], sources: Sequence[Hashable], values: Sequence[TableRow]) -> list[bool]:
+        """add() for each (labels, source, values) in turn: whether each counted all its values."""
+        whole = [False] * len(sources)
+        for rows in _batches(sources, values) if sources else ():
+            counted = self._add_batch([labels[i] for i in rows], [sources[i] for i in rows],
+                                      _matrix([values[i] for i in rows]))
+            for i, counts_all in zip(rows, counted, strict=True):
+                whole[i] = counts_all
+        return whole
+
+    def _add_batch(self, labels: list[Labels], sources: list[Hashable], values: Matrix) -> list[bool]:
+        """add() for sources that each come once, with values of one width."""
+        width = values.shape[1]
+        lasts = [last if last is not None and len(last) == width else None for last in map(self._last.get, sources)]
+        new = np.fromiter((last is None for last in lasts), bool, len(lasts))
+        missing = np.zeros(width)
+        last = np.array([missing if row is None else row for row in lasts]).reshape(values.shape)
+        whole = new | (values < last).any(axis=1)  # new, or restarted: all its values count
+        added = np.where(whole[:, np.newaxis], values, values - last)
+        self._last.update(zip(sources, values, strict=True))
+        self._sources_seen.update(sources)
+        self._sum(labels, added)
+        return cast(list[bool], whole.tolist())
+
+    def _sum(self, labels: list[Labels], added: Matrix) -> None:
+        """Adds each row of `added` to the sums of its labels (a label set in a new layout starts over)."""
+        index: dict[Labels, int] = {}
+        rows = [index.setdefault(row_labels, len(index)) for row_labels in labels]
+        if len(index) < len(rows):  # label sets several sources carry
+            summed = np.zeros((len(index), added.shape[1]))
+            np.add.at(summed, rows, added)
+            added = summed
+        width = added.shape[1]
+        sums = self._sums.setdefault(width, _Sums(width))
+        if len(self._sums) > 1:  # label sets of another layout start over in this one
+            self.drop(row_labels for row_labels in index if row_labels not in sums.index)
+            sums = self._sums.setdefault(width, sums)
+        sums.add(list(index), added)
+        self._seen.update(index)
 
     def end_round(self) -> None:
-        self.deltas.end_round()
+        """Forget sources not added since the previous call (a returning one then counts afresh); drop
+        label sets idle for longer than asked."""
+        _forget_unseen(self._last, self._sources_seen)
+        self._sources_seen = set()
         if self._idle is None:
             return
         now = self._clock()
         self._seen_at.update(dict.fromkeys(self._seen, now))
         self._seen = set()
-        for labels in [labels for labels, at in self._seen_at.items() if now - at > self._idle]:
+        idle = [labels for labels, at in self._seen_at.items() if now - at > self._idle]
+        for labels in idle:
             del self._seen_at[labels]
-            self.sums.pop(labels, None)
+        if idle:
+            self.drop(idle)
+
+
+Matrix = np.ndarray[Any, np.dtype[np.float64]]
+Row = Matrix  # one source's values: a row of the matrix of its batch
+
+
+class _Sums(Generic[Labels]):
+    """Sums of one width, a row of a matrix per label set: a table's rows added in one numpy call."""
+
+    __slots__ = ("index", "rows")
+
+    def __init__(self, width: int) -> None:
+        self.index: dict[Labels, int] = {}  # label set -> its row
+        self.rows: Matrix = np.zeros((0, width))
+
+    def add(self, labels: list[Labels], added: Matrix) -> None:
+        """Adds each row of `added` to its label set's (each label set once)."""
+        index = self.index
+        if new := [row_labels for row_labels in labels if row_labels not in index]:
+            index.update(zip(new, range(len(index), len(index) + len(new)), strict=True))
+            if len(index) > len(self.rows):  # room for twice as many: a few copies as a table grows
+                grown = np.zeros((2 * len(index), self.rows.shape[1]))
+                grown[:len(self.rows)] = self.rows
+                self.rows = grown
+        self.rows[np.fromiter(map(index.__getitem__, labels), np.intp, len(labels))] += added
+
+    def items(self) -> Iterable[tuple[Labels, list[float]]]:
+        return zip(self.index, self.rows[list(self.index.values())].tolist(), strict=True)
+
+    def drop(self, labels: set[Labels]) -> int:
+        """Forgets these label sets' rows (the others move up); returns how many are left."""
+        if gone := labels & self.index.keys():
+            kept = [(row_labels, row) for row_labels, row in self.index.items() if row_labels not in gone]
+            self.rows = self.rows[[row for _, row in kept]].reshape(len(kept), self.rows.shape[1])
+            self.index = {row_labels: i for i, (row_labels, _) in enumerate(kept)}
+        return len(self.index)
+
+
+def _batches(sources: Sequence[Hashable], values: Sequence[TableRow]) -> Sequence[Sequence[int]]:
+    """The rows in runs that numpy takes at once, in their order: one width, each source at most once
+    (a source's next row starts the next run, as add() would take it after)."""
+    if len(set(sources)) == len(sources) and len(set(map(len, values))) <= 1:
+        return [range(len(sources))]
+    runs: list[list[int]] = []
+    in_run: set[Hashable] = set()
+    for i, (source, row) in enumerate(zip(sources, values, strict=True)):
+        if not runs or source in in_run or len(row) != len(values[runs[-1][0]]):
+            runs.append([])
+            in_run = set()
+        runs[-1].append(i)
+        in_run.add(source)
+    return runs
+
+
+def _matrix(values: list[TableRow]) -> Matrix:
+    """Rows of one width as a float matrix: the readers' array('d') joined as they lie in memory."""
+    if values and all(isinstance(row, array) and row.typecode == "d" for row in values):
+        return np.frombuffer(b"".join(cast("list[array[float]]", values))).reshape(len(values), -1)
+    return np.array(values, dtype=np.float64).reshape(len(values), -1)
 
 
 class Rates:

@@ -8,7 +8,6 @@ import ctypes
 import functools
 import itertools
 import math
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -20,6 +19,8 @@ from .loader import object_btf
 Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, count), ascending
 # A `struct hist`'s slots: a map value's ctypes array (read in place), an array, or a list (tests).
 Slots = Sequence[int] | ctypes.Array[Any] | np.ndarray[Any, np.dtype[np.uint64]]
+# A histogram's cumulative counts at NATIVE_BOUNDS: a row of its refresh's Histograms, shared by all its records.
+NativeCounts = np.ndarray[Any, np.dtype[np.uint64]]
 NS_PER_SECOND = 1e9
 
 
@@ -131,7 +132,7 @@ class CumulativeBuckets(Sequence[tuple[float, float]]):
 
     __slots__ = ("bounds", "counts", "native")
 
-    def __init__(self, bounds: Sequence[float], counts: Sequence[float], native: array[int] | None = None) -> None:
+    def __init__(self, bounds: Sequence[float], counts: Sequence[float], native: NativeCounts | None = None) -> None:
         self.bounds = bounds
         self.counts = counts
         self.native = native  # exported buckets: the cumulative counts at NATIVE_BOUNDS' edges
@@ -242,8 +243,8 @@ class Histograms:
         shown = self.cumulative[:, _slots_at(slots, _EXPORTED_UNITS)].tolist()
         native = self.cumulative[:, _slots_at(slots, _NATIVE_UNITS)]
         empty = no_observations()
-        return [CumulativeBuckets(_EXPORTED_AND_INF, counts, array("Q", native[i].tobytes())) if counts[-1] else empty
-                for i, counts in enumerate(shown)]
+        return [CumulativeBuckets(_EXPORTED_AND_INF, counts, native_counts) if counts[-1] else empty
+                for counts, native_counts in zip(shown, native, strict=True)]
 
     def quantiles(self, q: float) -> list[float | None]:
         """quantile() of each: the same arithmetic, on every histogram at once."""
@@ -310,7 +311,8 @@ def _slots_at(slots: int, edges: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np
 @functools.cache
 def no_observations() -> CumulativeBuckets:
     """exported_buckets() of a histogram that holds nothing yet (a listener nothing reached)."""
-    return CumulativeBuckets(_EXPORTED_AND_INF, (0,) * len(_EXPORTED_AND_INF), array("Q", [0] * len(NATIVE_BOUNDS)))
+    nothing = np.zeros(len(NATIVE_BOUNDS), dtype=np.uint64)
+    return CumulativeBuckets(_EXPORTED_AND_INF, (0,) * len(_EXPORTED_AND_INF), nothing)
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:

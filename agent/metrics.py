@@ -7,6 +7,8 @@ fails when the two differ). This module only describes: it imports no Prometheus
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,7 +62,12 @@ class Family:
         return [*names, self.expand_label] if self.expand_label else names
 
     def label_values(self, record: Any) -> tuple[str, ...]:
-        return tuple(str(value_of(record, getter)) for _, getter in self.labels)
+        return tuple([str(read(record)) for read in self._label_readers])
+
+    @functools.cached_property
+    def _label_readers(self) -> list[Callable[[Any], Any]]:
+        """The labels' getters as functions (a refresh reads thousands of records' labels)."""
+        return [getter if callable(getter) else operator.attrgetter(getter) for _, getter in self.labels]
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ def text_of(raw: bytes) -> str:
     return printable(raw.decode(errors="replace"))
 
 
+@functools.lru_cache(maxsize=4096)  # a refresh names every entry of every map: a few names, decoded once
 def comm_text(raw: bytes) -> str:
     """A task's comm as the kernel stores it (NUL-padded bytes)."""
     return text_of(raw.split(b"\0", 1)[0])

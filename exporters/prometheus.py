@@ -35,7 +35,14 @@ from aiprobe.config import Config
 from aiprobe.deltas import Totals
 from aiprobe.exporters import protobuf
 from aiprobe.exporters.series_budget import Folding, Row, most_kept
-from aiprobe.histogram import NATIVE_BOUNDS, CumulativeBuckets, bucket_indices, counts_of, nearest_exported
+from aiprobe.histogram import (
+    NATIVE_BOUNDS,
+    CumulativeBuckets,
+    NativeCounts,
+    bucket_indices,
+    counts_of,
+    nearest_exported,
+)
 from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
 from aiprobe.model import Readings
 from aiprobe.registry import faces
@@ -344,7 +351,7 @@ class _Source(NamedTuple):
 
     key: tuple[Hashable, int]
     labels: tuple[str, ...]
-    native: array[int] | None
+    native: NativeCounts | None
 
 
 class NativeTotals:
@@ -359,6 +366,7 @@ class NativeTotals:
     def __init__(self, idle_seconds: float) -> None:
         self.totals: Totals[tuple[str, ...]] = Totals(idle_seconds)
         self._latest: dict[Hashable, _Source] = {}
+        self._done: list[_Source] = []  # this refresh's sources that restarted or changed labels: last counts
         self._refresh = 0
         self._caught_up = time.monotonic()
 
@@ -369,42 +377,39 @@ class NativeTotals:
         native = buckets.native if isinstance(buckets, CumulativeBuckets) else None
         last = self._latest.get(identity)
         if last is not None and (started or labels != last.labels):
-            self._feed(last)
+            self._done.append(last)
         if last is None or started:
             return _Source((identity, self._refresh), labels, native)
         return _Source(last.key, labels, native)
 
-    def end_refresh(self, seen: dict[Hashable, _Source], shown: dict[tuple[str, ...], list[float]]) -> None:
+    def end_refresh(self, seen: dict[Hashable, _Source], shown: set[tuple[str, ...]]) -> None:
         """After a refresh's sources (`seen`): feeds those that left, and drops the label sets the
         shown totals dropped (idle: both count from zero should they return)."""
-        for identity in self._latest.keys() - seen.keys():
-            self._feed(self._latest[identity])
-        self._latest = seen
+        self._feed([*self._done, *(self._latest[identity] for identity in self._latest.keys() - seen.keys())])
+        self._done, self._latest = [], seen
         self._refresh += 1
-        for labels in self.totals.sums.keys() - shown.keys():
-            del self.totals.sums[labels]
+        self.totals.drop(self.totals.labels() - shown)
         if time.monotonic() - self._caught_up > NATIVE_ROUND_SECONDS:
             self.catch_up()
 
     def catch_up(self) -> None:
         """Feeds every source's last buckets: the totals then count all that the refreshes saw."""
-        for source in self._latest.values():
-            self._feed(source)
+        self._feed(self._latest.values())
         self.totals.end_round()
         self._caught_up = time.monotonic()
 
-    def _feed(self, source: _Source) -> None:
-        if source.native is not None:
-            self.totals.add(source.labels, source.key, source.native)
+    def _feed(self, sources: Iterable[_Source]) -> None:
+        fed = [(source, source.native) for source in sources if source.native is not None]
+        self.totals.add_all([source.labels for source, _ in fed], [source.key for source, _ in fed],
+                            [native for _, native in fed])
 
     def cumulative(self, rows: list[Row], shown: list[Row]) -> list[Sequence[float] | None]:
-        """Caught up, each shown row's cumulative counts of all its buckets (a copy: refreshes add to
-        them); None where they do not add up to the row's count (the row of folded label sets, whose
-        members' buckets are not summed; a source two records share; a refresh fed since the rows were
-        rendered), which goes out classic only."""
+        """Caught up, each shown row's cumulative counts of all its buckets; None where they do not add
+        up to the row's count (the row of folded label sets, whose members' buckets are not summed; a
+        source two records share; a refresh fed since the rows were rendered), which goes out classic only."""
         self.catch_up()
-        own = dict(rows)
-        return [counts[:] if own.get(labels) is values and (counts := self.totals.sums.get(labels, []))
+        own, sums = dict(rows), self.totals.sums
+        return [counts if own.get(labels) is values and (counts := sums.get(labels, []))
                 and counts[-1] == values[-1] else None for labels, values in shown]
 
 
@@ -492,33 +497,47 @@ class _FamilyView:
         if not self.by_identity:
             return
         self._absorbed = records
-        native = self.native
-        seen: dict[Hashable, _Source] = {}
-        for record in records:
-            values = self._read(record)
-            if values is None:
-                continue
-            labels, identity = keys.of(self, record)
-            started = self.totals.add(labels, identity, values)
-            if native is not None:
-                seen[identity] = native.source(identity, labels, value_of(record, self.family.value), started)
+        values: list[Any] = list(map(self._read, records))
+        labels, identities = keys.of(self, records)
+        if None in values:  # records the probe filled none of this family's values in
+            records, labels, identities, values = _filled(values, records, labels, identities)
+        started = self.totals.add_all(labels, identities, values)
         self.totals.end_round()
-        if native is not None:
-            native.end_refresh(seen, self.totals.sums)
+        if (native := self.native) is not None:
+            seen = {identity: native.source(identity, record_labels, value_of(record, self.family.value), whole)
+                    for record, record_labels, identity, whole in zip(records, labels, identities, started,
+                                                                      strict=True)}
+            native.end_refresh(seen, self.totals.labels())
+
+
+def _filled(values: list[Any], *columns: list[Any]) -> list[list[Any]]:
+    """Each of the columns (`values` last), less the rows whose values are None."""
+    kept = [i for i, row in enumerate(values) if row is not None]
+    return [[column[i] for i in kept] for column in (*columns, values)]
 
 
 class RecordKeys:
-    """One pass's label values and identity of each record: the families over one kind of record (six
-    for a process) share its label declaration, so a record's are worked out once per pass."""
+    """One pass's records of each kind, with their label values and identities: the families over one
+    kind of record (six for a process) share its records and label declaration, so those are worked
+    out once per pass."""
 
-    def __init__(self) -> None:
-        self._known: dict[tuple[int, int], tuple[tuple[str, ...], Hashable]] = {}
+    def __init__(self, readings: Readings) -> None:
+        self._readings = readings
+        self._records: dict[type, list[Any]] = {}
+        self._known: dict[tuple[int, int], tuple[list[tuple[str, ...]], list[Hashable]]] = {}
 
-    def of(self, view: _FamilyView, record: Any) -> tuple[tuple[str, ...], Hashable]:
-        key = (id(view.family.labels), id(record))
+    def records(self, kind: type) -> list[Any]:
+        if kind not in self._records:
+            self._records[kind] = self._readings.of(kind)
+        return self._records[kind]
+
+    def of(self, view: _FamilyView, records: list[Any]) -> tuple[list[tuple[str, ...]], list[Hashable]]:
+        """The label values and identity of each of `records` (one of records()' lists)."""
+        key = (id(view.family.labels), id(records))
         known = self._known.get(key)
         if known is None:
-            known = self._known[key] = (view.label_values(record), record.identity())
+            known = self._known[key] = ([view.label_values(record) for record in records],
+                                        [record.identity() for record in records])
         return known
 
 
@@ -590,14 +609,14 @@ class AgentCollector(Collector):
         """Adds one refresh's counters to the delta engine, scraped or not (feeding the same
         readings again, as the scrape that renders them does, adds nothing)."""
         with self._lock:
-            keys = RecordKeys()
+            keys = RecordKeys(readings)
             for view in self.views:
-                view.absorb(readings.of(view.family.record), keys)
+                view.absorb(keys.records(view.family.record), keys)
             self.processes.end_round()
 
     def _render(self, readings: Readings) -> list[Table]:
-        keys = RecordKeys()
-        rows = [view.rows(readings.of(view.family.record), keys) for view in self.views]
+        keys = RecordKeys(readings)
+        rows = [view.rows(keys.records(view.family.record), keys) for view in self.views]
         self.processes.end_round()
         keep = self._most_kept(rows)
         families = [view.table(view_rows, keep) for view, view_rows in zip(self.views, rows, strict=True)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 
 import pytest
 from aiprobe.config import Config
@@ -47,6 +48,38 @@ def test_totals_drop_label_sets_idle_longer_than_asked() -> None:
         totals.end_round()
     assert set(totals.sums) == {"daemon"}
     assert totals.sums["daemon"] == [6.0]
+
+
+def test_a_table_added_at_once_sums_what_its_rows_one_at_a_time_would() -> None:
+    """add_all (numpy over a table) against the rules worked out row by row: a new source counts
+    whole, one whose values fell restarts, a source unseen for a round is forgotten, a label set in
+    another layout starts over; tables with a source twice, layouts changing within one table."""
+    rng = random.Random(7)
+    totals: Totals[str] = Totals()
+    last: dict[int, list[float]] = {}
+    expected: dict[str, list[float]] = {}
+    for _ in range(200):
+        rows = [(f"labels {rng.randrange(4)}", rng.randrange(8),
+                 [float(rng.randrange(40)) for _ in range(rng.choice((3, 3, 3, 2)))]) for _ in range(rng.randrange(10))]
+        assert totals.add_all([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]) == [
+            _add_one(expected, last, *row) for row in rows]
+        last = {source: values for source, values in last.items() if source in {r[1] for r in rows}}
+        totals.end_round()
+        assert totals.sums == expected
+
+
+def _add_one(sums: dict[str, list[float]], last: dict[int, list[float]], labels: str, source: int,
+             values: list[float]) -> bool:
+    """Totals.add's rules for one row, written out: whether all its values counted."""
+    previous = last.get(source)
+    whole = previous is None or len(previous) != len(values) or any(map(float.__lt__, values, previous))
+    added = values if whole else [value - before for value, before in zip(values, previous or [], strict=True)]
+    last[source] = values
+    current = sums.get(labels)
+    if current is None or len(current) != len(values):
+        current = [0.0] * len(values)
+    sums[labels] = [total + value for total, value in zip(current, added, strict=True)]
+    return whole
 
 
 def test_rates_per_second_between_rounds() -> None:
