@@ -24,6 +24,11 @@ def value_of(record: Any, getter: Getter) -> Any:
     return getter(record) if callable(getter) else getattr(record, getter)
 
 
+def reader(getter: Getter) -> Callable[[Any], Any]:
+    """The getter as a function of the record (for getters run over thousands of records)."""
+    return getter if callable(getter) else operator.attrgetter(getter)
+
+
 @dataclass(frozen=True)
 class Family:
     """One metric family over one kind of record.
@@ -67,7 +72,7 @@ class Family:
     @functools.cached_property
     def _label_readers(self) -> list[Callable[[Any], Any]]:
         """The labels' getters as functions (a refresh reads thousands of records' labels)."""
-        return [getter if callable(getter) else operator.attrgetter(getter) for _, getter in self.labels]
+        return [reader(getter) for _, getter in self.labels]
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from aiprobe.histogram import (
     counts_of,
     nearest_exported,
 )
-from aiprobe.metrics import AgentFamily, Family, doc_rows, value_of
+from aiprobe.metrics import AgentFamily, Family, doc_rows, reader, value_of
 from aiprobe.model import Readings
 from aiprobe.registry import faces
 from prometheus_client.core import (
@@ -153,7 +153,7 @@ def _metric(name: str, kind: str, help_text: str, labels: list[str]) -> Any:
 
 def _getters(family: Family) -> list[Callable[[Any], Any]]:
     getters = [getter for _, getter in family.expand] if family.expand else [family.value]
-    return [operator.attrgetter(getter) if isinstance(getter, str) else getter for getter in getters]
+    return [reader(getter) for getter in getters]
 
 
 ValueReader = Callable[[Any], "array[float] | None"]
