@@ -215,6 +215,23 @@ def decode(value: Any) -> Any:
     return value
 
 
+def field_offset(ctype: Any, path: str) -> int:
+    """Where a field of a struct typed from BTF starts: `path` names it through nested structs ("latency.count")."""
+    offset = 0
+    for name in path.split("."):
+        offset += getattr(ctype, name).offset
+        ctype = dict(ctype._fields_)[name]
+    return offset
+
+
+def u64_field(rows: np.ndarray[Any, np.dtype[np.uint8]], ctype: Any, path: str,
+              count: int = 1) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """A u64 field (or `count` of them in a row) of map values of BTF type `ctype`, an (entries, value size)
+    byte array: an (entries, count) view of it, no Python object per entry."""
+    start = field_offset(ctype, path)
+    return rows[:, start:start + 8 * count].view(np.uint64)
+
+
 def dtype_of(ctype: Any, names: tuple[str, ...]) -> np.dtype[Any]:
     """A numpy dtype over these fields of a struct typed from BTF (its size, padding skipped)."""
     formats = []

@@ -23,7 +23,7 @@ from . import __version__
 from .budget import RefreshPacer
 from .config import Config, RuleConfig
 from .containers import CgroupIndex, SocketOwners, Workload, cgroup_of_pid, workload_of
-from .deltas import Rates, Trend, Window
+from .deltas import Matrix, Rates, Trend, Window
 from .kubelet import KubeletLogs
 from .loader import ProbeUnavailable
 from .model import Alert, HostInfo, ProbeStatus, ProcessRow, Readings, Snapshot
@@ -261,6 +261,9 @@ class Agent:
 
     def recent(self, source: tuple[Any, ...], counts: Sequence[float], now: float) -> list[float]:
         return self._windows.recent(source, counts, now)
+
+    def recent_all(self, sources: Sequence[tuple[Any, ...]], counts: Matrix, now: float) -> Matrix:
+        return self._windows.recent_all(sources, counts, now)
 
     def trend(self, source: tuple[Any, ...], counts: Sequence[float],
               now: float) -> tuple[list[float], list[float]]:

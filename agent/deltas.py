@@ -16,6 +16,8 @@ that vanishes (exit, eviction) is forgotten at the end of the round in which it 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
 import time
 from array import array
@@ -110,12 +112,14 @@ class Totals(Generic[Labels]):
         restarted source)."""
         return self.add_all([labels], [source], [values])[0]
 
-    def add_all(self, labels: Sequence[Labels], sources: Sequence[Hashable], values: Sequence[TableRow]) -> list[bool]:
-        """add() for each (labels, source, values) in turn: whether each counted all its values."""
+    def add_all(self, labels: Sequence[Labels], sources: Sequence[Hashable],
+                values: Sequence[TableRow] | Matrix) -> list[bool]:
+        """add() for each (labels, source, values) in turn: whether each counted all its values (`values`: a
+        row per source, or a matrix of them)."""
         whole = [False] * len(sources)
         for rows in _batches(sources, values) if sources else ():
-            counted = self._add_batch([labels[i] for i in rows], [sources[i] for i in rows],
-                                      _matrix([values[i] for i in rows]))
+            table = values[rows] if isinstance(values, np.ndarray) else _matrix([values[i] for i in rows])
+            counted = self._add_batch([labels[i] for i in rows], [sources[i] for i in rows], table)
             for i, counts_all in zip(rows, counted, strict=True):
                 whole[i] = counts_all
         return whole
@@ -149,6 +153,12 @@ class Totals(Generic[Labels]):
             sums = self._sums.setdefault(width, sums)
         sums.add(list(index), added)
         self._seen.update(index)
+
+    def forget(self, sources: Iterable[Hashable]) -> None:
+        """Forget these sources now, not at the end of the round: they will not be added again (their
+        last values were their last)."""
+        for source in sources:
+            self._last.pop(source, None)
 
     def end_round(self) -> None:
         """Forget sources not added since the previous call (a returning one then counts afresh); drop
@@ -203,10 +213,10 @@ class _Sums(Generic[Labels]):
         return len(self.index)
 
 
-def _batches(sources: Sequence[Hashable], values: Sequence[TableRow]) -> Sequence[Sequence[int]]:
+def _batches(sources: Sequence[Hashable], values: Sequence[TableRow] | Matrix) -> Sequence[Sequence[int]]:
     """The rows in runs that numpy takes at once, in their order: one width, each source at most once
     (a source's next row starts the next run, as add() would take it after)."""
-    if len(set(sources)) == len(sources) and len(set(map(len, values))) <= 1:
+    if len(set(sources)) == len(sources) and (isinstance(values, np.ndarray) or len(set(map(len, values))) <= 1):
         return [range(len(sources))]
     runs: list[list[int]] = []
     in_run: set[Hashable] = set()
@@ -246,6 +256,12 @@ class Rates:
             del self._times[source]
 
 
+@functools.cache
+def _zeros(width: int) -> tuple[float, ...]:
+    """The baseline of a source new to its window: one per width, not a list of its own per source."""
+    return (0.0,) * width
+
+
 class _Since:
     """One source's cumulative values of the rounds in a window, and those of the round before them
     (its baseline: zeros for a source first seen in the window)."""
@@ -253,8 +269,8 @@ class _Since:
     __slots__ = ("baseline", "rounds")
 
     def __init__(self, width: int) -> None:
-        self.baseline: Values = [0.0] * width
-        self.rounds: deque[tuple[float, Values]] = deque()
+        self.baseline: Values = _zeros(width)
+        self.rounds: list[tuple[float, Values]] = []  # a few: a list, a tenth of a deque's size
 
 
 class Window:
@@ -268,14 +284,33 @@ class Window:
         self._seen: set[Hashable] = set()
 
     def recent(self, source: Hashable, values: Values, now: float) -> list[float]:
-        self._seen.add(source)
         since = self._sources.get(source)
-        if since is None or restarted(values, since.rounds[-1][1]):
+        baseline = self._baseline(source, since, values, now, since is None or restarted(values, since.rounds[-1][1]))
+        return list(map(operator.sub, values, baseline))
+
+    def recent_all(self, sources: Sequence[Hashable], values: Matrix, now: float) -> Matrix:
+        """recent() of each source, its values a row of `values` (one width): the restarts and the
+        subtraction for all of them at once (thousands of processes a refresh)."""
+        known = list(map(self._sources.get, sources))
+        width = values.shape[1]
+        lasts = [None if since is None else since.rounds[-1][1] for since in known]
+        fresh = [last is None or len(last) != width for last in lasts]
+        last = np.array([row if new else last for row, last, new in zip(values, lasts, fresh, strict=True)], np.float64)
+        restarts = (np.array(fresh, bool) | (values < last.reshape(values.shape)).any(axis=1)).tolist()
+        baselines = list(map(self._baseline, sources, known, values, itertools.repeat(now), restarts))
+        return values - np.array(baselines, np.float64).reshape(values.shape)
+
+    def _baseline(self, source: Hashable, since: _Since | None, values: Values, now: float, restart: bool) -> Values:
+        """The source's values before the window, its `values` now kept for the rounds to come (a
+        restarted source starts a window of its own)."""
+        self._seen.add(source)
+        if since is None or restart:
             since = self._sources[source] = _Since(len(values))
-        since.rounds.append((now, values))
-        while now - since.rounds[0][0] >= self.seconds:
-            since.baseline = since.rounds.popleft()[1]
-        return list(map(operator.sub, values, since.baseline))
+        rounds = since.rounds
+        rounds.append((now, values))
+        while now - rounds[0][0] >= self.seconds:
+            since.baseline = rounds.pop(0)[1]
+        return since.baseline
 
     def end_round(self) -> None:
         """Forget sources not seen this round."""

@@ -21,6 +21,7 @@ Buckets = Sequence[tuple[float, float]]  # cumulative (upper bound in seconds, c
 Slots = Sequence[int] | ctypes.Array[Any] | np.ndarray[Any, np.dtype[np.uint64]]
 # A histogram's cumulative counts at NATIVE_BOUNDS: a row of its refresh's Histograms, shared by all its records.
 NativeCounts = np.ndarray[Any, np.dtype[np.uint64]]
+CountsRow = np.ndarray[Any, np.dtype[np.uint64]]  # a histogram's cumulative counts, in numpy
 NS_PER_SECOND = 1e9
 
 
@@ -130,12 +131,23 @@ class CumulativeBuckets(Sequence[tuple[float, float]]):
     neither the kernel's 433 slots nor the 68 exported buckets of every histogram of every entry become
     tuples at each read."""
 
-    __slots__ = ("bounds", "counts", "native")
+    __slots__ = ("_counts", "array", "bounds", "native")
 
-    def __init__(self, bounds: Sequence[float], counts: Sequence[float], native: NativeCounts | None = None) -> None:
+    def __init__(self, bounds: Sequence[float], counts: Sequence[float] | None, native: NativeCounts | None = None,
+                 array: CountsRow | None = None) -> None:
         self.bounds = bounds
-        self.counts = counts
+        self._counts = counts
         self.native = native  # exported buckets: the cumulative counts at NATIVE_BOUNDS' edges
+        # The counts as a row of their Histograms' matrix: tables of them stack in C, and where `counts` is
+        # None they become a list only when asked for (most records of a refresh are never asked).
+        self.array = array
+
+    @property
+    def counts(self) -> Sequence[float]:
+        if self._counts is None:
+            assert self.array is not None  # one or the other, from the constructor
+            self._counts = self.array.tolist()
+        return self._counts
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -168,20 +180,32 @@ def counts_of(buckets: Buckets) -> Sequence[float]:
     return buckets.counts if isinstance(buckets, CumulativeBuckets) else [count for _, count in buckets]
 
 
+def counts_table(histograms: Sequence[Buckets]) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """The cumulative counts of histograms of one layout, a row each of a float matrix: their arrays
+    stacked where they have them (a refresh's thousands), their counts converted where not."""
+    rows = [buckets.array if isinstance(buckets, CumulativeBuckets) and buckets.array is not None
+            else counts_of(buckets) for buckets in histograms]
+    return np.array(rows, np.float64).reshape(len(rows), -1)
+
+
+def bounds_of(buckets: Buckets) -> Sequence[float]:
+    """The upper bounds of `buckets`, in their order."""
+    return buckets.bounds if isinstance(buckets, CumulativeBuckets) else tuple(le for le, _ in buckets)
+
+
 def with_counts(buckets: Buckets, counts: Sequence[float]) -> CumulativeBuckets:
     """Buckets with the bounds of `buckets` and other cumulative `counts` (a window's)."""
-    bounds = buckets.bounds if isinstance(buckets, CumulativeBuckets) else tuple(le for le, _ in buckets)
-    return CumulativeBuckets(bounds, counts)
+    return CumulativeBuckets(bounds_of(buckets), counts)
 
 
 class KernelBuckets(CumulativeBuckets):
     """kernel_buckets(): full resolution, its counts also kept as the array exported_buckets() picks from."""
 
-    __slots__ = ("cumulative",)
+    __slots__ = ()
+    array: CountsRow
 
-    def __init__(self, cumulative: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
-        super().__init__(_upper_bounds(len(cumulative)), cumulative.tolist())
-        self.cumulative = cumulative
+    def __init__(self, cumulative: CountsRow) -> None:
+        super().__init__(_upper_bounds(len(cumulative)), cumulative.tolist(), array=cumulative)
 
 
 def kernel_buckets(slots: Slots) -> KernelBuckets:
@@ -193,7 +217,7 @@ def kernel_buckets(slots: Slots) -> KernelBuckets:
 def exported_buckets(fine: KernelBuckets) -> CumulativeBuckets:
     """The bounded set of buckets shown to users (EXPORTED_BOUNDS and +Inf) from kernel_buckets():
     exact counts, since each bound is a kernel edge (Histograms picks them, for one here)."""
-    return Histograms(fine.cumulative[np.newaxis])._exported()[0]
+    return Histograms(fine.array[np.newaxis])._exported()[0]
 
 
 _EXPORTED_AND_INF = (*EXPORTED_BOUNDS, math.inf)
@@ -215,8 +239,8 @@ class Histograms:
 
     __slots__ = ("cumulative",)
 
-    def __init__(self, cumulative: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
-        self.cumulative = cumulative  # (histograms, slots): each one's cumulative counts
+    def __init__(self, cumulative: np.ndarray[Any, np.dtype[np.uint64 | np.float64]]) -> None:
+        self.cumulative = cumulative  # (histograms, slots): each one's cumulative counts (a window's: floats)
 
     @classmethod
     def of(cls, rows: Sequence[Any]) -> Histograms:
@@ -240,17 +264,18 @@ class Histograms:
         """Each one's exported_buckets(): nothing observed in one, no_observations() stands for it (gaps of
         one-chunk streams, handshakes)."""
         slots = self.cumulative.shape[1]
-        shown = self.cumulative[:, _slots_at(slots, _EXPORTED_UNITS)].tolist()
+        shown = self.cumulative[:, _slots_at(slots, _EXPORTED_UNITS)]
         native = self.cumulative[:, _slots_at(slots, _NATIVE_UNITS)]
         empty = no_observations()
-        return [CumulativeBuckets(_EXPORTED_AND_INF, counts, native_counts) if counts[-1] else empty
-                for counts, native_counts in zip(shown, native, strict=True)]
+        return [CumulativeBuckets(_EXPORTED_AND_INF, None, native_counts, row) if total else empty
+                for total, native_counts, row in zip(shown[:, -1].tolist(), native, shown, strict=True)]
 
-    def quantiles(self, q: float) -> list[float | None]:
-        """quantile() of each: the same arithmetic, on every histogram at once."""
+    def quantiles(self, q: float, bounds_of_counts: Sequence[float] | None = None) -> list[float | None]:
+        """quantile() of each: the same arithmetic, on every histogram at once. The counts are the kernel's
+        slots', or those of buckets with other upper bounds (`bounds_of_counts`: a window's exported buckets)."""
         cumulative = self.cumulative
         rows, slots = cumulative.shape
-        bounds = np.array(_upper_bounds(slots))
+        bounds = np.array(_upper_bounds(slots) if bounds_of_counts is None else bounds_of_counts)
         total = cumulative[:, -1].astype(np.float64)
         rank = q * total
         index = np.minimum((cumulative < rank[:, None]).sum(axis=1), slots - 1)
@@ -312,7 +337,8 @@ def _slots_at(slots: int, edges: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np
 def no_observations() -> CumulativeBuckets:
     """exported_buckets() of a histogram that holds nothing yet (a listener nothing reached)."""
     nothing = np.zeros(len(NATIVE_BOUNDS), dtype=np.uint64)
-    return CumulativeBuckets(_EXPORTED_AND_INF, (0,) * len(_EXPORTED_AND_INF), nothing)
+    return CumulativeBuckets(_EXPORTED_AND_INF, (0,) * len(_EXPORTED_AND_INF), nothing,
+                             np.zeros(len(_EXPORTED_AND_INF), dtype=np.uint64))
 
 
 def buckets_to_json(buckets: Buckets) -> list[dict[str, Any]]:

@@ -556,6 +556,29 @@ class Map:
                 return
             in_token, out_token = out_token, tokens[out_token is tokens[0]]
 
+    def array_range(self, first: int, count: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Values `first` to `first + count - 1` of an array map that is not per-CPU, as a (count, value
+        size) byte matrix: one batch lookup (arrays have them from 5.6), or where the kernel refuses it
+        one lookup per index, each straight into its row."""
+        values = np.zeros((count, self.value_size), np.uint8)
+        lib = libbpf.lib()
+        if self._batch_ok:
+            previous, last = ctypes.c_uint32(first - 1), ctypes.c_uint32()  # a batch starts after `previous`
+            read, keys = ctypes.c_uint32(count), np.empty(count, np.uint32)
+            rc = lib.bpf_map_lookup_batch(self.fd, ctypes.byref(previous) if first else None, ctypes.byref(last),
+                                          keys.ctypes.data, values.ctypes.data, ctypes.byref(read),
+                                          ctypes.byref(libbpf.sized(libbpf.MapBatchOpts)))
+            if rc >= 0 or rc == -errno.ENOENT:  # ENOENT: the array ends within the range
+                return values[:read.value]
+            try:
+                libbpf.check_rc(rc, f"batch lookup in map {self.name}")
+            except BpfError as exc:
+                self._no_batches(exc)
+        for index, row in enumerate(values, first):
+            libbpf.check_rc(lib.bpf_map_lookup_elem(self.fd, ctypes.byref(ctypes.c_uint32(index)), row.ctypes.data),
+                            f"lookup in map {self.name}")
+        return values
+
     def delete_keys(self, keys: Iterable[Any]) -> None:
         for key in keys:
             self.delete(key)

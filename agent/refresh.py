@@ -17,12 +17,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .histogram import CumulativeBuckets, counts_of, with_counts
+from .histogram import CumulativeBuckets, Histograms, bounds_of, counts_of, counts_table, with_counts
 from .model import ProcessRow, Readings
 
 if TYPE_CHECKING:
     from .config import Config, RuleConfig
     from .containers import Workload
+    from .deltas import Matrix
     from .model import Histogram, Identity
     from .rules import Signal
 
@@ -56,6 +57,9 @@ class Refresh(Protocol):
     def recent(self, source: tuple[Any, ...], counts: Sequence[float], now: float) -> list[float]:
         """What the last SIGNAL_WINDOW_SECONDS added to cumulative counts, by the source's identity."""
 
+    def recent_all(self, sources: Sequence[tuple[Any, ...]], counts: Matrix, now: float) -> Matrix:
+        """recent() of many sources at once, each one's counts a row of `counts`."""
+
     def trend(self, source: tuple[Any, ...], counts: Sequence[float],
               now: float) -> tuple[list[float], list[float]]:
         """What the SIGNAL_WINDOW_SECONDS before the last and the last added to cumulative counts."""
@@ -70,6 +74,17 @@ def recent_buckets(refresh: Refresh, kind: str, identity: Identity, buckets: His
                    now: float) -> CumulativeBuckets:
     """The cumulative buckets of what the window saw of a source's histogram."""
     return with_counts(buckets, refresh.recent((kind, identity), counts_of(buckets), now))
+
+
+def recent_p99s(refresh: Refresh, kind: str, records: Sequence[Any], histogram_of: Callable[[Any], Histogram],
+                now: float) -> tuple[list[float | None], list[float]]:
+    """Of each record's histogram (one layout for all), the p99 of what the window saw, and how many it saw:
+    the windows and quantiles of all of them at once (thousands of processes a refresh)."""
+    if not records:
+        return [], []
+    histograms = list(map(histogram_of, records))
+    recent = refresh.recent_all([(kind, record.identity()) for record in records], counts_table(histograms), now)
+    return Histograms(recent).quantiles(0.99, bounds_of(histograms[0])), recent[:, -1].tolist()
 
 
 def trend_buckets(refresh: Refresh, kind: str, identity: Identity, buckets: Histogram,

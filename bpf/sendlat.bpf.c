@@ -102,11 +102,12 @@ struct {
 	__type(value, __u32);
 } proc_slots SEC(".maps");
 
-/* The `procs` indexes not in use: user space pushes every one before it attaches, and the zeroed
- * indexes of exited processes after. A queue rather than a counter of the next index: taking from a
- * counter needs a fetch-and-add, an instruction 5.10 refuses. */
+/* The `procs` indexes not in use: user space pushes every one before it attaches (the lowest last), and
+ * the zeroed indexes of exited processes after. A stack rather than a counter of the next index: taking
+ * from a counter needs a fetch-and-add, an instruction 5.10 refuses. The lowest free index goes first, so
+ * the indexes in use stay packed at the start of `procs`, which user space reads by ranges. */
 struct {
-	__uint(type, BPF_MAP_TYPE_QUEUE);
+	__uint(type, BPF_MAP_TYPE_STACK);
 	__uint(max_entries, MAX_PROCS);
 	__type(value, __u32);
 } free_procs SEC(".maps");

@@ -26,13 +26,13 @@ import operator
 import re
 import threading
 import time
-from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
+import numpy as np
 from aiprobe.config import Config
-from aiprobe.deltas import Totals
+from aiprobe.deltas import Matrix, Totals
 from aiprobe.exporters import protobuf
 from aiprobe.exporters.series_budget import Folding, Row, most_kept
 from aiprobe.histogram import (
@@ -40,7 +40,7 @@ from aiprobe.histogram import (
     CumulativeBuckets,
     NativeCounts,
     bucket_indices,
-    counts_of,
+    counts_table,
     nearest_exported,
 )
 from aiprobe.metrics import AgentFamily, Family, doc_rows, reader, value_of
@@ -156,35 +156,43 @@ def _getters(family: Family) -> list[Callable[[Any], Any]]:
     return [reader(getter) for getter in getters]
 
 
-ValueReader = Callable[[Any], "array[float] | None"]
+# A table of records -> the values each adds, a row each of a float matrix, and which records have a row
+# (None: all of them; the others, the probe filled none of the family's values in).
+TableReader = Callable[[list[Any]], tuple[Matrix, list[int] | None]]
 
 
-def value_reader(family: Family, shown: Sequence[int] = ()) -> ValueReader:
-    """Reads the numbers one record adds to its label set (histograms: sum, then the counts of the
-    buckets at `shown` and +Inf, or of all its buckets where the family has no bucket set); None when
-    the probe filled none. An array: the delta engine keeps them per source until the next refresh,
-    thousands of sources under process churn. Built once per family: it runs per record and refresh."""
+def table_reader(family: Family, shown: Sequence[int] = ()) -> TableReader:
+    """Reads the numbers each record adds to its label set (histograms: sum, then the counts of the buckets
+    at `shown` and +Inf, or of all its buckets where the family has no bucket set), a column at a time:
+    a refresh reads thousands of records per family. Built once per family."""
     if family.kind == "histogram":
         return _histogram_reader(family, shown)
     getters, scale = _getters(family), family.scale
 
-    def read(record: Any) -> array[float] | None:
-        values = [getter(record) for getter in getters]
-        if None in values:
-            return None
-        return array("d", [float(value) * scale for value in values])
+    def read(records: list[Any]) -> tuple[Matrix, list[int] | None]:
+        columns = [list(map(getter, records)) for getter in getters]
+        kept = None
+        if any(None in column for column in columns):
+            kept = [i for i, values in enumerate(zip(*columns, strict=True)) if None not in values]
+            columns = [[column[i] for i in kept] for column in columns]
+        return np.array(columns, np.float64).reshape(len(columns), -1).T * scale, kept
     return read
 
 
-def _histogram_reader(family: Family, shown: Sequence[int]) -> ValueReader:
+def _histogram_reader(family: Family, shown: Sequence[int]) -> TableReader:
     buckets_of, sum_of = _getters(family)[0], operator.attrgetter(family.sum_field)
-    pick: Callable[[Sequence[float]], Iterable[float]] = operator.itemgetter(*shown, -1) if family.buckets else iter
+    picked = [*shown, -1] if family.buckets else slice(None)
 
-    def read(record: Any) -> array[float] | None:
-        buckets = buckets_of(record)
-        if not buckets:  # none filled (a process whose sockets never filled)
-            return None
-        return array("d", [sum_of(record), *pick(counts_of(buckets))])
+    def read(records: list[Any]) -> tuple[Matrix, list[int] | None]:
+        histograms = list(map(buckets_of, records))
+        kept = None
+        if not all(histograms):  # none filled in some (processes whose sockets never filled)
+            kept = [i for i, buckets in enumerate(histograms) if buckets]
+            records, histograms = [records[i] for i in kept], [histograms[i] for i in kept]
+        if not records:
+            return np.zeros((0, 0)), kept
+        sums = np.fromiter(map(sum_of, records), np.float64, len(records))
+        return np.hstack((sums[:, np.newaxis], counts_table(histograms)[:, picked])), kept
     return read
 
 
@@ -385,7 +393,10 @@ class NativeTotals:
     def end_refresh(self, seen: dict[Hashable, _Source], shown: set[tuple[str, ...]]) -> None:
         """After a refresh's sources (`seen`): feeds those that left, and drops the label sets the
         shown totals dropped (idle: both count from zero should they return)."""
-        self._feed([*self._done, *(self._latest[identity] for identity in self._latest.keys() - seen.keys())])
+        ended = [*self._done, *(self._latest[identity] for identity in self._latest.keys() - seen.keys())]
+        self._feed(ended)
+        # Those that left or restarted are fed for the last time (a source that changed labels goes on).
+        self.totals.forget({source.key for source in ended} - {source.key for source in seen.values()})
         self._done, self._latest = [], seen
         self._refresh += 1
         self.totals.drop(self.totals.labels() - shown)
@@ -422,7 +433,7 @@ class _FamilyView:
         self.totals: Totals[tuple[str, ...]] = Totals(config.idle_series_seconds)
         self.bounds = shown_bounds(family, config)  # a histogram's finite `le` bounds
         self._shown = bucket_indices(self.bounds) if family.buckets else ()
-        self._read = value_reader(family, self._shown)
+        self._read = table_reader(family, self._shown)
         self.series = family.series(config) if family.series is not None else None
         # A histogram with a bucket set is native too, in protobuf.
         self.native = NativeTotals(config.idle_series_seconds) if family.buckets and self.by_identity else None
@@ -475,10 +486,8 @@ class _FamilyView:
     def _summed(self, records: list[Any]) -> list[Row]:
         """Gauges (and counters the record keeps monotonic itself): values summed per label set."""
         sums: dict[tuple[str, ...], list[float]] = {}
-        for record in records:
-            values = self._read(record)
-            if values is None:
-                continue
+        table, kept = self._read(records)
+        for record, values in zip(records if kept is None else _rows(records, kept), table.tolist(), strict=True):
             current = sums.setdefault(self.label_values(record), [0.0] * len(values))
             for i, value in enumerate(values):
                 current[i] += value
@@ -497,10 +506,10 @@ class _FamilyView:
         if not self.by_identity:
             return
         self._absorbed = records
-        values: list[Any] = list(map(self._read, records))
+        values, kept = self._read(records)
         labels, identities = keys.of(self, records)
-        if None in values:  # records the probe filled none of this family's values in
-            records, labels, identities, values = _filled(values, records, labels, identities)
+        if kept is not None:  # records the probe filled none of this family's values in
+            records, labels, identities = _rows(records, kept), _rows(labels, kept), _rows(identities, kept)
         started = self.totals.add_all(labels, identities, values)
         self.totals.end_round()
         if (native := self.native) is not None:
@@ -510,10 +519,11 @@ class _FamilyView:
             native.end_refresh(seen, self.totals.labels())
 
 
-def _filled(values: list[Any], *columns: list[Any]) -> list[list[Any]]:
-    """Each of the columns (`values` last), less the rows whose values are None."""
-    kept = [i for i, row in enumerate(values) if row is not None]
-    return [[column[i] for i in kept] for column in (*columns, values)]
+T = TypeVar("T")
+
+
+def _rows(column: list[T], kept: list[int]) -> list[T]:
+    return [column[i] for i in kept]
 
 
 class RecordKeys:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import random
 
+import numpy as np
 import pytest
 from aiprobe.config import Config
 from aiprobe.deltas import Deltas, Rates, Totals, Trend, Window
 from aiprobe.exporters.prometheus import AgentCollector
+from aiprobe.histogram import Histograms, quantile
 from aiprobe.model import Readings
 from aiprobe.probes.sendlat.records import ProcessSendLatency, SendLatencySnapshot
 
@@ -80,6 +83,32 @@ def _add_one(sums: dict[str, list[float]], last: dict[int, list[float]], labels:
         current = [0.0] * len(values)
     sums[labels] = [total + value for total, value in zip(current, added, strict=True)]
     return whole
+
+
+def test_windows_taken_at_once_are_those_taken_one_at_a_time() -> None:
+    """Window.recent_all (numpy over a table) against recent() source by source, to the bit, and the p99s
+    of the windows' buckets against quantile(): sources new, gone, restarting, changing layout, rounds
+    leaving the window."""
+    rng = random.Random(11)
+    at_once, one_by_one = Window(10.0), Window(10.0)
+    bounds = (0.001, 0.01, 0.1, 1.0, math.inf)
+    totals: dict[int, list[float]] = {}
+    for now in range(0, 120, 3):
+        sources = [source for source in range(12) if rng.random() < 0.9]  # most stay for several windows
+        width = 5 if now < 60 or now > 90 else 3  # a layout change for all, then back
+        for source in sources:
+            old = totals.get(source, [])
+            counts = sorted(rng.randrange(5) for _ in range(width))
+            restart = len(old) != width or rng.random() < 0.1
+            totals[source] = counts if restart else [o + c for o, c in zip(old, counts, strict=True)]
+        table = np.array([totals[source] for source in sources], np.float64)
+        recent = at_once.recent_all(sources, table, float(now))
+        expected = [one_by_one.recent(source, totals[source], float(now)) for source in sources]
+        assert recent.tolist() == expected
+        assert Histograms(recent).quantiles(0.99, bounds[-width:]) == [
+            quantile(list(zip(bounds[-width:], row, strict=True)), 0.99) for row in expected]
+        at_once.end_round()
+        one_by_one.end_round()
 
 
 def test_rates_per_second_between_rounds() -> None:

@@ -78,6 +78,26 @@ def test_batch_lookup_of_big_values_takes_several_batches_and_misses_nothing() -
         assert all(value.count == index and value.slots[index % 433] == 1 for index, value in entries.items())
 
 
+def test_array_ranges_read_what_lookups_read() -> None:
+    """sendlat's `procs` read by ranges (one batch lookup each, or where the kernel refuses batches one
+    lookup per index) holds, row for row, what a lookup of each index returns: at the start, inside, at
+    the end of the array."""
+    with BpfObject("sendlat", programs=[]) as obj:
+        place_state(obj)
+        obj.load()
+        procs = obj.maps["procs"]
+        for index in (0, 1, 700, procs.max_entries - 1):
+            value = procs.value_type()
+            value.bytes, value.latency.slots[index % 433] = index + 1, 7
+            procs.update(index, value)
+        for first, count in ((0, 3), (699, 2), (procs.max_entries - 2, 2)):
+            expected = [bytes(procs.lookup(index)) for index in range(first, first + count)]
+            assert [row.tobytes() for row in procs.array_range(first, count)] == expected
+            procs._batch_ok = False  # as on a kernel without batch lookups
+            assert [row.tobytes() for row in procs.array_range(first, count)] == expected
+            procs._batch_ok = True
+
+
 def test_uprobe_events_arrive_through_ring_buffer() -> None:
     events: list[dict] = []
     with BpfObject("features", programs=["probe_uprobe"]) as obj:

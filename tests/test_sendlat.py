@@ -27,7 +27,7 @@ from aiprobe.histogram import EXPORTED_BOUNDS, FAST_BOUNDS, exported_buckets, hi
 from aiprobe.loader import ProbeUnavailable, Strategy
 from aiprobe.probes.sendlat import loops
 from aiprobe.probes.sendlat import probe as sendlat_probe
-from aiprobe.probes.sendlat.hooks import send_stall
+from aiprobe.probes.sendlat.hooks import send_stalls
 from aiprobe.probes.sendlat.probe import (
     MAX_SAMPLE_EVERY,
     SPEC,
@@ -442,7 +442,7 @@ def test_asyncio_server_whose_client_stops_reading_is_unwritable_that_long(probe
                                                      "aiprobe_tcp_socket_unwritable_seconds"])
     # The agent's send-stall rule sees the stall through the unwritable time alone: its value is the pause,
     # not the sends' p99 (held to the bound above: a guest twice as slow stretched it to 55 ms).
-    stall = send_stall(record, Agent(Config()), time.monotonic())
+    [stall] = send_stalls([record], Agent(Config()), time.monotonic())
     assert stall.evidence["send_p99_seconds"] < PAUSE_SECONDS / 10 < stall.value
     assert stall.value == pytest.approx(paused, rel=0.30)
 

@@ -3,12 +3,14 @@ request-error rules, its columns of the process table, and the snapshot's `strea
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
-from ...histogram import quantile
+import numpy as np
+
 from ...model import Readings
-from ...refresh import SIGNAL_WINDOW_SECONDS, Hooks, ProcessRows, Refresh, Section, recent_buckets, target
+from ...refresh import SIGNAL_WINDOW_SECONDS, Hooks, ProcessRows, Refresh, Section, recent_p99s, target
 from ...rules import Signal
 from .records import (
     CAUSES,
@@ -42,8 +44,7 @@ class SendLatencyHooks(Hooks):
 
     def signals(self, reading: SendLatencySnapshot, readings: Readings, refresh: Refresh,
                 now: float) -> list[Signal]:
-        stalls = (send_stall(send, refresh, now) for send in reading.processes)
-        return [stall for stall in stalls if stall is not None]
+        return send_stalls(reading.processes, refresh, now)
 
     def process_rows(self, reading: SendLatencySnapshot, rows: ProcessRows) -> None:
         for send in reading.processes:
@@ -54,24 +55,34 @@ class SendLatencyHooks(Hooks):
             entry.send_errors, entry.send_unwritable_p99_seconds = dict(send.errors), send.unwritable_p99_seconds
 
 
-def send_stall(proc: ProcessSendLatency, refresh: Refresh, now: float) -> Signal | None:
-    """The worse of two p99s over the window: how long sends blocked, and how long sockets stayed
-    unwritable (asynchronous servers never block in a send: their stalls show only there)."""
-    recent = recent_buckets(refresh, "send", proc.identity(), proc.histogram, now)
+def send_stalls(procs: list[ProcessSendLatency], refresh: Refresh, now: float) -> list[Signal]:
+    """Per process, the worse of two p99s over the window: how long sends blocked, and how long sockets
+    stayed unwritable (asynchronous servers never block in a send: their stalls show only there). Only
+    the processes whose stall could hold the rule, firing or clearing, have a signal: the rule engine reads
+    a missing one as one that does not hold, and thousands of quiet senders need none."""
+    send_p99s, sends = recent_p99s(refresh, "send", procs, _SENT, now)
     # Most processes never find a socket full: no window kept for them.
-    waits = recent_buckets(refresh, "unwritable", proc.identity(), proc.unwritable_histogram, now) \
-        if proc.unwritable_count else []
-    sends = recent[-1][1] if recent else 0
-    send_p99 = quantile(recent, 0.99) if sends >= MIN_SENDS_FOR_P99 else None
-    unwritable_p99 = quantile(waits, 0.99)
-    worst = max((p99 for p99 in (send_p99, unwritable_p99) if p99 is not None), default=None)
-    if worst is None:
-        return None
-    return Signal("network_send_stall", target(proc), worst, {
-        "send_p99_seconds": None if send_p99 is None else round(send_p99, 6), "sends": int(sends),
-        "unwritable_p99_seconds": None if unwritable_p99 is None else round(unwritable_p99, 6),
-        "unwritable_periods": int(waits[-1][1]) if waits else 0, "window_seconds": SIGNAL_WINDOW_SECONDS,
-        "pid": proc.pid, "threshold_seconds": refresh.rule("network_send_stall").threshold})
+    waiting = [i for i, proc in enumerate(procs) if proc.unwritable_count]
+    wait_p99s, periods = recent_p99s(refresh, "unwritable", [procs[i] for i in waiting], _WAITED, now)
+    send_p99 = np.where(np.array(sends) >= MIN_SENDS_FOR_P99, np.array(send_p99s, np.float64), np.nan)
+    unwritable_p99 = np.full(len(procs), np.nan)
+    unwritable_p99[waiting] = np.array(wait_p99s, np.float64)
+    worst = np.fmax(send_p99, unwritable_p99)  # NaN where neither was seen
+    rule = refresh.rule("network_send_stall")
+    periods_of = dict(zip(waiting, periods, strict=True))
+    return [Signal("network_send_stall", target(procs[i]), worst[i].item(), {
+        "send_p99_seconds": _rounded(send_p99[i]), "sends": int(sends[i]),
+        "unwritable_p99_seconds": _rounded(unwritable_p99[i]), "unwritable_periods": int(periods_of.get(i, 0)),
+        "window_seconds": SIGNAL_WINDOW_SECONDS, "pid": procs[i].pid, "threshold_seconds": rule.threshold})
+        for i in np.flatnonzero(worst > min(rule.threshold, rule.clear_threshold)).tolist()]
+
+
+def _rounded(seconds: np.float64) -> float | None:
+    return None if np.isnan(seconds) else round(seconds.item(), 6)
+
+
+_SENT = operator.attrgetter("histogram")
+_WAITED = operator.attrgetter("unwritable_histogram")
 
 
 class StreamsHooks(Hooks):

@@ -10,18 +10,19 @@ turns the maps into model records (`SendLatencySnapshot`); `aiprobe sendlat` pri
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ... import btf, libbpf, procfs
 from ...budget import CpuBudget
 from ...features import helper_available, sk_storage_in_tracing
-from ...histogram import FAST_BOUNDS, NS_PER_SECOND, Summary, no_observations, summaries_of
+from ...histogram import FAST_BOUNDS, NS_PER_SECOND, Histograms, Summary, no_observations, summaries_of
 from ...loader import (
     BpfObject,
     Lazy,
@@ -69,6 +70,9 @@ SOCKET_ENTRIES = {
     "client_sockets": 16384,  # connections the host opened (56 bytes each: 1.75 MiB)
     "sockets": 4096,  # sockets unwritable at once (8 bytes each: 0.25 MiB)
 }
+# `procs` entries read, decoded and summed at a time (1.8 MB of values): a refresh's memory stays flat
+# however many processes send (5,000 short-lived senders: test_hostile).
+READ_AT_ONCE = 512
 # Indexes of the `counters` array (enum sendlat_counter in bpf/sendlat.h).
 _LOST_EVENTS, _PROCS_FULL, _THREADS_FULL = range(3)
 
@@ -234,7 +238,10 @@ def _endpoints(flow: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _proc_slots(index_of: Map) -> Iterator[tuple[bytes, int, int, int]]:
+_Slot = tuple[bytes, int, int, int]  # a `proc_slots` entry: raw key, tgid, cgroup id, `procs` index
+
+
+def _proc_slots(index_of: Map) -> Iterator[_Slot]:
     """(raw key, tgid, cgroup id, `procs` index) of each entry of `proc_slots`, a batch decoded at a
     time in C (10k sending processes: no Python object per field)."""
     fields = btf.dtype_of(index_of.key_type, ("tgid", "cgroup_id"))
@@ -244,28 +251,50 @@ def _proc_slots(index_of: Map) -> Iterator[tuple[bytes, int, int, int]]:
                        decoded["cgroup_id"].tolist(), np.frombuffer(values, np.uint32, count).tolist(), strict=True)
 
 
-def _process(tgid: int, cgroup_id: int, value: Any, latency: Summary, waits: Any,
-             waited: Summary | None) -> ProcessSendLatency:
-    """One process from its `procs` and `unwritable` entries (BTF ctypes structs, read field by
-    field: decoding 433 slots item by item costs a millisecond a process) and their histograms."""
-    return ProcessSendLatency(
-        pid=tgid,
-        comm=comm_text(bytes(value.comm)),
-        cgroup_id=cgroup_id,
-        count=value.latency.count + value.untimed_sends,
-        bytes=value.bytes,
-        sum_seconds=value.latency.sum_ns / NS_PER_SECOND,
-        p50_seconds=latency.p50,
-        p99_seconds=latency.p99,
-        histogram=latency.buckets,
-        start_ticks=procfs.ticks_of_boottime(value.start_boottime_ns),
-        timed=value.latency.count,
-        errors={name: count for name, count in zip(SEND_ERRORS, value.errors[:], strict=True) if count},
-        unwritable_count=waits.count if waits is not None else 0,
-        unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
-        unwritable_p99_seconds=waited.p99 if waited is not None else None,
-        unwritable_histogram=waited.buckets if waited is not None else no_observations(),
-    )
+def _processes(slots: list[_Slot], rows: np.ndarray[Any, np.dtype[np.uint8]], value_type: Any,
+               waits_of: dict[int, Any], waited_of: dict[int, Summary]) -> list[ProcessSendLatency]:
+    """The processes of these `proc_slots` entries from their `procs` values (byte rows), each field of all
+    of them decoded at once, and their `unwritable` entries (BTF ctypes structs, by `procs` index) and summaries."""
+    def column(path: str) -> list[int]:
+        return cast(list[int], btf.u64_field(rows, value_type, path)[:, 0].tolist())
+
+    comm_at, comm_size = btf.field_offset(value_type, "comm"), value_type.comm.size
+    comms = rows[:, comm_at:comm_at + comm_size].copy().view(f"S{comm_size}")[:, 0].tolist()  # as comm_text takes it
+    errors = btf.u64_field(rows, value_type, "errors", len(SEND_ERRORS)).tolist()
+    latencies = Histograms.of_field(rows, value_type, "latency", range(len(rows))).summaries()
+    return [
+        ProcessSendLatency(
+            pid=tgid,
+            comm=comm_text(comm),
+            cgroup_id=cgroup_id,
+            count=timed + untimed,
+            bytes=sent,
+            sum_seconds=sum_ns / NS_PER_SECOND,
+            p50_seconds=latency.p50,
+            p99_seconds=latency.p99,
+            histogram=latency.buckets,
+            start_ticks=procfs.ticks_of_boottime(started),
+            timed=timed,
+            errors={name: count for name, count in zip(SEND_ERRORS, failed, strict=True) if count},
+            unwritable_count=waits.count if (waits := waits_of.get(index)) is not None else 0,
+            unwritable_sum_seconds=waits.sum_ns / NS_PER_SECOND if waits is not None else 0.0,
+            unwritable_p99_seconds=waited.p99 if (waited := waited_of.get(index)) is not None else None,
+            unwritable_histogram=waited.buckets if waited is not None else no_observations(),
+        )
+        for (_, tgid, cgroup_id, index), comm, timed, untimed, sent, sum_ns, started, failed, latency in zip(
+            slots, comms, column("latency.count"), column("untimed_sends"), column("bytes"),
+            column("latency.sum_ns"), column("start_boottime_ns"), errors, latencies, strict=True)
+    ]
+
+
+def _in_ranges(slots: list[_Slot]) -> list[list[_Slot]]:
+    """`proc_slots` entries (in index order) in runs whose indexes span at most READ_AT_ONCE: one read each."""
+    runs: list[list[_Slot]] = []
+    for slot in slots:
+        if not runs or slot[3] - runs[-1][0][3] >= READ_AT_ONCE:
+            runs.append([])
+        runs[-1].append(slot)
+    return runs
 
 
 def _flow(key: dict[str, Any], value: dict[str, Any]) -> FlowSendStats:
@@ -283,10 +312,10 @@ def _slow_send(event: dict[str, Any]) -> SlowSend:
 
 
 def _attach(obj: BpfObject, strategy: Strategy) -> None:
-    """Every `procs` index made free and, where threads or sockets are hashes, their exits and closes
-    followed, before the first send is seen."""
+    """Every `procs` index made free (the lowest on top of the stack) and, where threads or sockets are hashes,
+    their exits and closes followed, before the first send is seen."""
     free = obj.maps["free_procs"]
-    for index in range(obj.maps["procs"].max_entries):
+    for index in reversed(range(obj.maps["procs"].max_entries)):
         free.push(index)
     for name in (THREAD_EXIT, SOCKET_CLOSE):
         if obj.programs[name].autoload:
@@ -422,20 +451,22 @@ class SendLatencyProbe(Probe):
         exited, sends = [], {}
         waits_of = {index.value: waits for index, waits in unwritable.items()}  # few: one read, not one per process
         waited_of = dict(zip(waits_of, summaries_of([waits.slots for waits in waits_of.values()]), strict=True))
-        entries = [(raw_key, tgid, cgroup_id, index, stats) for raw_key, tgid, cgroup_id, index in _proc_slots(index_of)
-                   if (stats := procs.lookup(index)) is not None]
-        latencies = summaries_of([stats.latency.slots for *_, stats in entries])
+        slots = sorted(_proc_slots(index_of), key=operator.itemgetter(3))
         processes = []
-        for (raw_key, tgid, cgroup_id, index, stats), latency in zip(entries, latencies, strict=True):
-            process = _process(tgid, cgroup_id, stats, latency, waits_of.get(index), waited_of.get(index))
-            processes.append(process)
+        for run in _in_ranges(slots):
+            first = run[0][3]
+            rows = procs.array_range(first, run[-1][3] - first + 1)[[index - first for *_, index in run]]
+            processes += _processes(run, rows, procs.value_type, waits_of, waited_of)
+        for (raw_key, tgid, _, index), process in zip(slots, processes, strict=True):
             sends[index] = moved = process.count + sum(process.errors.values())
             if self._sends.get(index, moved) == moved and procfs.exited(tgid):
                 exited.append((raw_key, index))
         self._sends = sends
         self._entries["procs"] = len(processes)
         for raw_key, index in exited:
-            # No thread of the process is left to use the index: zero it, then hand it back.
+            # No thread of the process is left to use the index: zero it, then hand it back (the next
+            # process to take it is new at the next read).
+            del sends[index]
             index_of.delete(raw_key)
             procs.update(index, procs.value_type())
             unwritable.delete(index)
