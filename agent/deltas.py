@@ -20,7 +20,6 @@ import functools
 import itertools
 import operator
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, cast
@@ -230,9 +229,7 @@ def _batches(sources: Sequence[Hashable], values: Sequence[TableRow] | Matrix) -
 
 
 def _matrix(values: list[TableRow]) -> Matrix:
-    """Rows of one width as a float matrix: the readers' array('d') joined as they lie in memory."""
-    if values and all(isinstance(row, array) and row.typecode == "d" for row in values):
-        return np.frombuffer(b"".join(cast("list[array[float]]", values))).reshape(len(values), -1)
+    """Rows of one width as a float matrix."""
     return np.array(values, dtype=np.float64).reshape(len(values), -1)
 
 

@@ -174,7 +174,7 @@ def table_reader(family: Family, shown: Sequence[int] = ()) -> TableReader:
         kept = None
         if any(None in column for column in columns):
             kept = [i for i, values in enumerate(zip(*columns, strict=True)) if None not in values]
-            columns = [[column[i] for i in kept] for column in columns]
+            columns = [_rows(column, kept) for column in columns]
         return np.array(columns, np.float64).reshape(len(columns), -1).T * scale, kept
     return read
 
@@ -188,7 +188,7 @@ def _histogram_reader(family: Family, shown: Sequence[int]) -> TableReader:
         kept = None
         if not all(histograms):  # none filled in some (processes whose sockets never filled)
             kept = [i for i, buckets in enumerate(histograms) if buckets]
-            records, histograms = [records[i] for i in kept], [histograms[i] for i in kept]
+            records, histograms = _rows(records, kept), _rows(histograms, kept)
         if not records:
             return np.zeros((0, 0)), kept
         sums = np.fromiter(map(sum_of, records), np.float64, len(records))
