@@ -6,6 +6,7 @@ program vs an empty one), because these machines are shared and absolute timings
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,19 +47,38 @@ def attached(case: Case) -> Iterator[None]:
         case.detach()
 
 
-def alternate(cases: Sequence[Case], rounds: int, measure: Callable[[], T]) -> dict[str, list[T]]:
+def alternate(cases: Sequence[Case], rounds: int, measure: Callable[[], T],
+              enough: Callable[[dict[str, list[T]]], bool] | None = None, max_rounds: int = 0) -> dict[str, list[T]]:
     """`measure()` under each case in turn, `rounds` times, the order reversed every other round so
-    a drift in machine load favours no case; the values by case name."""
+    a drift in machine load favours no case; then, where `enough` is given, more rounds until it holds
+    for the values so far or `max_rounds` ran. The values by case name."""
     runs: dict[str, list[T]] = {case.name: [] for case in cases}
-    for round_ in range(rounds):
+    round_ = 0
+    while round_ < rounds or (enough is not None and round_ < max_rounds and not enough(runs)):
         for case in cases if round_ % 2 == 0 else cases[::-1]:
             with attached(case):
                 runs[case.name].append(measure())
+        round_ += 1
     return runs
 
 
 def spread(values: list[float]) -> str:
     return f"median of {len(values)} rounds, range {min(values):.0f}..{max(values):.0f}"
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.90) -> tuple[float, float]:
+    """An interval holding the median of what the rounds sample with at least `confidence`, whatever its
+    distribution: the k-th smallest and k-th largest values, k the largest with P(Binomial(n, 1/2) < k)
+    <= (1 - confidence) / 2 (from 5 values at 90%); the whole range where there are too few for that."""
+    ordered, n = sorted(values), len(values)
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n
+        if below > (1 - confidence) / 2:
+            break
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
 
 
 @contextmanager

@@ -14,35 +14,49 @@ A streamed request is one response of EVENTS events, sent as fast as the server 
 
 Configurations alternate round by round (the order reversed every other round): no agent, the
 whole agent (`aiprobe agent`, default config, started afresh for each of its rounds), empty programs
-on the hooks where the whole agent's programs run per request here (the floor: see EmptyPrograms), the
-whole agent without the requests part (`count_requests = false`: what counting requests adds), and
-each probe alone (`probes = [NAME]`; netstat always runs). Per round: the server's CPU time (every
-process of the serving side: nginx's master and worker, the upstream) and the agent's, over the load,
-each divided by the requests the load generator completed. CPU time is each thread's sum_exec_runtime
-(/proc/PID/task/TID/schedstat): the accounting /proc/PID/stat's utime+stime are scaled from, in ns
-rather than 10 ms ticks, which an agent's few ms per round need.
+on the hooks where the whole agent's programs run per request here (the floor: see EmptyPrograms), and
+the whole agent without the requests part (`count_requests = false`: what counting requests adds); with
+GATEWAY_BENCH_KNOCKOUTS=1, each probe alone too (`probes = [NAME]`; netstat always runs), which triples
+the time a round takes. Per round: the server's CPU time (every process of the serving side: nginx's
+master and worker, the upstream) and the agent's, over the load, each divided by the requests the load
+generator completed. CPU time is each thread's sum_exec_runtime (/proc/PID/task/TID/schedstat): the
+accounting /proc/PID/stat's utime+stime are scaled from, in ns rather than 10 ms ticks, which an
+agent's few ms per round need.
 
-Per case and configuration: aiprobe's share of the server's own CPU, (server CPU added + agent CPU)
-per request / the server's CPU per request without the agent, the median over the rounds of the
-share within each round's pair (the target is 0.03). Then, in a pass of its own each (the kernel's
-BPF run-time statistics add two clock reads to every program run), the programs of the floor, of the
-whole agent and of it without requests: runs per request, ns per run, and run time per request, each
-from the programs' own counters, so each of ours reads against the empty program on its hook under the
-same load. Those count every run on the host: the load generator's sends and receives run the same
-programs (wrk's request is one of the two sends per request of nginx's small body), and so does any
-other process's. A program's run time is not what it costs the server: taken out, work the statistics
-put at ~200 ns per run saved nginx nothing measurable, and other work put at ~170 ns saved it ~250 ns
-(cache misses move between a program and the stack around it). The shares are the measure; these are
-the breakdown.
+The figures, per case and configuration (issue 43's measure):
+- aiprobe's CPU per request, in ns: the server's CPU per request added against the same round's
+  no-agent sample, plus the agent's own CPU per request; the median over the rounds, with the floor's
+  beside it. What a small request is judged by (target: 600 ns for the whole agent).
+- aiprobe's share of the server's CPU: that cost over the no-agent server CPU per request of the same
+  round; the median over the rounds. What a stream is judged by (target: 0.03).
+Each with its 90% interval: the interval of the rounds' median that holds whatever their distribution
+(benchmarks.median_interval; with 5 rounds, their whole range). How noisy they are: on this 2-core
+machine the no-agent rounds of nginx's small body spread about 5-13 us per request between quiet and
+busy moments, the streams' about 6%, and configurations that run nothing per request read anywhere in
+-0.04..+0.02 of a stream's CPU with 5 rounds. So rounds are added, after GATEWAY_BENCH_ROUNDS (5),
+until the whole agent's share is known to +-0.01 (its interval within 0.01 of its median), up to
+GATEWAY_BENCH_MAX_ROUNDS (30). Run it on a quiet machine: another job's load lands in the server's
+CPU per request, in the rounds of whichever configuration it overlaps.
+
+Then, in a pass of its own each (the kernel's BPF run-time statistics add two clock reads to every
+program run), the programs of the floor, of the whole agent and of it without requests: runs per
+request, ns per run, and run time per request, each from the programs' own counters, so each of ours
+reads against the empty program on its hook under the same load. Those count every run on the host: the
+load generator's sends and receives run the same programs (wrk's request is one of the two sends per
+request of nginx's small body), and so does any other process's. A program's run time is not what it
+costs the server: taken out, work the statistics put at ~200 ns per run saved nginx nothing measurable,
+and other work put at ~170 ns saved it ~250 ns (cache misses move between a program and the stack around
+it). The CPU figures are the measure; these are the breakdown.
 
 Every agent watches the gateway's interface only (`interfaces = [its name]`; the default config
 leaves loopback out, as it does here): an agent attached to every interface of a shared machine would
 touch other people's interfaces (and their tests' "nothing left attached").
 
-GATEWAY_BENCH_ROUNDS, GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (5 rounds
-of 2 s loads, each after 2 s of load unmeasured; 20 events per streamed response): about 15 minutes on
-2 cores. GATEWAY_BENCH_CASES (comma-separated, e.g. "grpc" or "nginx,uvicorn") runs only the cases
-whose names contain one of its words, case-insensitively.
+GATEWAY_BENCH_SECONDS and GATEWAY_BENCH_EVENTS override the defaults (2 s loads, each after 2 s of load
+unmeasured; 20 events per streamed response). A round of the four configurations takes about 30 s: 5
+rounds per case, 10 minutes in all; 30 rounds for each case, an hour. GATEWAY_BENCH_CASES
+(comma-separated, e.g. "grpc" or "nginx,uvicorn") runs only the cases whose names contain one of its
+words, case-insensitively.
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks import Result, alternate, attached, bpf_stats, programs_of, spread
+from benchmarks import Result, alternate, attached, bpf_stats, median_interval, programs_of, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -73,13 +87,17 @@ from helpers import VethPair, bpftool_json, free_port, make_veth_pair, remove_ve
 
 from benchmarks.bench_agent import _start_agent, _stop  # noqa: E402
 
-ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "5"))
+ROUNDS = int(os.environ.get("GATEWAY_BENCH_ROUNDS", "5"))  # at least
+MAX_ROUNDS = int(os.environ.get("GATEWAY_BENCH_MAX_ROUNDS", "30"))
+KNOCKOUTS = os.environ.get("GATEWAY_BENCH_KNOCKOUTS", "") not in ("", "0")
 SECONDS = int(os.environ.get("GATEWAY_BENCH_SECONDS", "2"))  # of load per round (wrk takes whole seconds)
 EVENTS = int(os.environ.get("GATEWAY_BENCH_EVENTS", "20"))  # per streamed response
 SELECTED = [word.strip().lower() for word in os.environ.get("GATEWAY_BENCH_CASES", "").split(",") if word.strip()]
 CONNECTIONS = 50  # wrk's, as issue 26 measured
 GRPC_STREAMS = 4  # the gRPC server's thread pool: more would only queue
-TARGET = 0.03
+TARGET_SHARE = 0.03  # of the server's CPU per request, for a stream (issue 43)
+TARGET_NS = 600  # server CPU added and agent CPU per request, for a small request (issue 43)
+PRECISION = 0.01  # the whole agent's share: rounds are added until its 90% interval is within this
 FIXTURES = ROOT / "tests" / "fixtures"
 NO_AGENT = "no agent"
 FLOOR = "empty programs on the agent's hooks"
@@ -257,8 +275,9 @@ class EmptyPrograms(Configuration):
 
 
 def _configurations(at: Gateway) -> list[Configuration]:
-    return ([Configuration(NO_AGENT, at), EmptyPrograms(FLOOR, at), Configuration(WHOLE, at), _without_requests(at)]
-            + [Configuration(f"{name} alone", at, [name]) for name in selectable_names()])
+    knockouts = [Configuration(f"{name} alone", at, [name]) for name in selectable_names()] if KNOCKOUTS else []
+    return [Configuration(NO_AGENT, at), EmptyPrograms(FLOOR, at), Configuration(WHOLE, at), _without_requests(at),
+            *knockouts]
 
 
 def _without_requests(at: Gateway) -> Configuration:
@@ -407,23 +426,52 @@ CASES: dict[str, Callable[[Gateway], AbstractContextManager[Served]]] = {
 
 # --- the figures ---
 
+def _costs(samples: list[Sample], bare: list[Sample]) -> list[float]:
+    """Per round, what aiprobe cost the server per request: its CPU added (against the round's no-agent
+    sample) and the agent's own."""
+    return [s.server - b.server + s.agent for s, b in zip(samples, bare, strict=True)]
+
+
+def _shares_of(samples: list[Sample], bare: list[Sample]) -> list[float]:
+    """Per round, that cost as a share of the server's CPU per request without the agent."""
+    return [cost / b.server for cost, b in zip(_costs(samples, bare), bare, strict=True)]
+
+
+def _precise(runs: dict[str, list[Sample]]) -> bool:
+    """Whether the whole agent's share is known to within PRECISION (its median's 90% interval)."""
+    shares = _shares_of(runs[WHOLE], runs[NO_AGENT])
+    low, high = median_interval(shares)
+    median = statistics.median(shares)
+    return max(median - low, high - median) <= PRECISION
+
+
+def _interval(values: list[float], unit: str = "") -> str:
+    low, high = median_interval(values)
+    digits = 0 if unit else 3
+    return f"90% interval {low:.{digits}f}..{high:.{digits}f}{unit}"
+
+
 def _shares(case: str, runs: dict[str, list[Sample]]) -> tuple[list[Result], float]:
-    """Each configuration's share of the server's CPU against the no-agent rounds; and the server's
-    CPU per request without the agent."""
+    """Each configuration's cost per request (ns) and share of the server's CPU against the no-agent
+    rounds, each the median over the rounds of the figure within each round's pair, with its 90%
+    interval; the floor's cost beside each. And the server's CPU per request without the agent."""
     bare = runs.pop(NO_AGENT)
     base = [s.server for s in bare]
     rates = [s.requests / SECONDS for s in bare]
+    floor = statistics.median(_costs(runs[FLOOR], bare))
     results = [Result("gateway", f"{case}, {NO_AGENT}: server CPU per request", statistics.median(base), "ns",
                       f"{spread(base)}; {statistics.median(rates):.0f} req/s")]
     for name, samples in runs.items():
-        added = [s.server - b for s, b in zip(samples, base, strict=True)]
-        agent = [s.agent for s in samples]
-        share = [(a + g) / b for a, g, b in zip(added, agent, base, strict=True)]
-        results.append(Result(
-            "gateway", f"{case}, {name}: aiprobe's share of the server's CPU", statistics.median(share), "ratio",
-            f"server {statistics.median(s.server for s in samples):.0f} ns/req, added {statistics.median(added):+.0f}, "
-            f"agent {statistics.median(agent):.0f} ns/req (medians of {len(samples)} rounds); "
-            f"target <= {TARGET} (issue 26)"))
+        costs, shares = _costs(samples, bare), _shares_of(samples, bare)
+        added = [s.server - b.server for s, b in zip(samples, bare, strict=True)]
+        results += [
+            Result("gateway", f"{case}, {name}: aiprobe's CPU per request", statistics.median(costs), "ns",
+                   f"{_interval(costs, ' ns')}; server added {statistics.median(added):+.0f}, agent "
+                   f"{statistics.median(s.agent for s in samples):.0f} ns/req; the floor (empty programs on the "
+                   f"same hooks) {floor:+.0f} ns; target <= {TARGET_NS} ns for a small request (issue 43)"),
+            Result("gateway", f"{case}, {name}: aiprobe's share of the server's CPU", statistics.median(shares),
+                   "ratio", f"{_interval(shares)}, medians of {len(samples)} rounds; target <= {TARGET_SHARE} "
+                   "for a stream (issue 43)")]
     return results, statistics.median(base)
 
 
@@ -458,7 +506,7 @@ def measure(case: str, serve: Callable[[Gateway], AbstractContextManager[Served]
     with gateway() as at, serve(at) as served:
         configurations = _configurations(at)
         served.load()  # warm-up: connections, caches, the CPU's frequency
-        runs = alternate(configurations, ROUNDS, lambda: _sample(served, configurations))
+        runs = alternate(configurations, ROUNDS, lambda: _sample(served, configurations), _precise, MAX_ROUNDS)
         results, server_ns = _shares(case, runs)
         for configuration in (EmptyPrograms(FLOOR, at), Configuration(WHOLE, at), _without_requests(at)):
             results += _run_times(case, served, configuration, server_ns)

@@ -421,15 +421,16 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct task_
 				     bool trusted, long ret, __u64 start_ns)
 {
 	struct sendlat_proc_stats *stats = proc_of(thread, task);
-	__u64 duration_ns = 0;
+	__u64 duration_ns = 0, now;
 	bool slow;
 
 	if (!stats) {
 		counter_inc(&counters, COUNTER_PROCS_FULL);
 		return;
 	}
+	now = start_ns ? bpf_ktime_get_ns() : 0;	/* one clock read for the send's time and its stream's */
 	if (trusted)
-		stream_send_end(sk, ret, start_ns, thread->tgid, thread->cgroup_id);
+		stream_send_end(sk, ret, start_ns, now, thread->tgid, thread->cgroup_id);
 	if (ret <= 0) {
 		if (ret)
 			failed_send(thread, stats, sk, trusted, ret);
@@ -445,7 +446,7 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct task_
 			socket_unwritable(thread, sk);
 	}
 	if (start_ns) {
-		duration_ns = bpf_ktime_get_ns() - start_ns;
+		duration_ns = now - start_ns;
 		hist_add(&stats->latency, duration_ns);
 	}
 	slow = start_ns && duration_ns >= slow_threshold_ns;

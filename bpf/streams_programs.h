@@ -78,13 +78,14 @@ static __always_inline void request_end(struct stream_socket *s, struct stream_t
 	__sync_fetch_and_add(&stats->response_bytes, t->response_bytes);
 }
 
-/* A response ended (at its last write): one that wrote a body byte, or its status (headers alone). */
-static __always_inline void timing_end(struct stream_socket *s, struct stream_timing *t)
+/* A response ended (at its last write): one that wrote a body byte, or its status (headers alone).
+ * `stats`: its endpoint's, where the caller has them (NULL: looked up here). */
+static __always_inline void timing_end(struct stream_socket *s, struct stream_timing *t, struct stream_stats *stats)
 {
-	struct stream_stats *stats = bpf_map_lookup_elem(&stream_stats, &s->key);
-
 	if (t->chunks || t->status)
 		request_end(s, t);
+	if (t->chunks && !stats)
+		stats = bpf_map_lookup_elem(&stream_stats, &s->key);
 	if (stats && t->chunks && !hist_add_span(&stats->duration, t->request_ns, t->last_write_ns))
 		__sync_fetch_and_add(&stats->durations_unknown, 1);
 	t->chunks = 0;
@@ -94,12 +95,12 @@ static __always_inline void timing_end(struct stream_socket *s, struct stream_ti
 }
 
 /* The connection's response in progress ended (a response of headers alone has its status). */
-static __always_inline void stream_end(struct stream_socket *s)
+static __always_inline void stream_end(struct stream_socket *s, struct stream_stats *stats)
 {
 	if (s->phase != STREAM_RESPONSE && !s->t.status)
 		return;
 	s->phase = STREAM_IDLE;
-	timing_end(s, &s->t);
+	timing_end(s, &s->t, stats);
 }
 
 /* The server's side of the connection is done writing: it left ESTABLISHED (its own close, a reset),
@@ -130,10 +131,10 @@ static __always_inline void connection_changed(struct sock *sk, int oldstate, in
 		client_closed(sk);
 		return;
 	}
-	stream_end(s);
+	stream_end(s, NULL);
 	for (int i = 0; i < H2_STREAMS; i++) {
 		if (s->h2[i].id) {
-			timing_end(s, &s->h2[i].t);
+			timing_end(s, &s->h2[i].t, NULL);
 			s->h2[i].id = 0;
 		}
 	}
@@ -563,7 +564,7 @@ static __always_inline void stream_received(struct sock *sk, int ret, int flags)
 	/* The response in progress ends before this read becomes the next request: timed from its own
 	 * request, not from this one (which would make it negative). */
 	if (!is_h2(s))
-		stream_end(s);
+		stream_end(s, NULL);
 	s->t.request_ns = now;
 	if (!s->classified || is_h2(s))
 		h2_received(s, ret, now);
@@ -705,7 +706,7 @@ struct h2_write {
 static long h2_write_frame(__u32 i, struct h2_write *w)
 {
 	struct stream_socket *s = w->s;
-	struct stream_stats *stats;
+	struct stream_stats *stats = NULL;
 	struct h2_stream *stream;
 	__u8 carries;
 
@@ -725,7 +726,7 @@ static long h2_write_frame(__u32 i, struct h2_write *w)
 	if (carries & H2_CARRIES_END) {
 		if (!stream->t.chunks)
 			stream->t.last_write_ns = w->now;	/* headers alone */
-		timing_end(s, &stream->t);
+		timing_end(s, &stream->t, stats);
 		stream->id = 0;
 	}
 	return 0;
@@ -741,12 +742,13 @@ static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, l
 	LOOP(H2_WRITE_FRAMES, h2_write_frame, &w);
 }
 
-/* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret`; `start_ns`: its start if timed. */
-static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 start_ns, __u32 tgid, __u64 cgroup_id)
+/* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret` at `now` (0: not read yet, as the send
+ * was not timed); `start_ns`: its start if timed. */
+static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 start_ns, __u64 now, __u32 tgid,
+					    __u64 cgroup_id)
 {
+	struct stream_stats *stats = NULL;
 	struct stream_socket *s;
-	struct stream_stats *stats;
-	__u64 now;
 	__u8 write;
 
 	if (!streams_enabled || !(s = stream_socket_of(sk, false)))
@@ -754,7 +756,8 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	write = s->write;
 	s->write = WRITE_BODY;
 	hpack_send_end(&s->hpack, ret == s->sending);
-	now = bpf_ktime_get_ns();
+	if (!now)
+		now = bpf_ktime_get_ns();
 	if (ret <= 0) {
 		if (ret == -EAGAIN && !s->full_since_ns)
 			s->full_since_ns = now;
@@ -776,7 +779,7 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	if (write == WRITE_HEADERS)
 		goto body;	/* the headers alone: not a chunk */
 	if (write == WRITE_LAST_CHUNK) {
-		stream_end(s);
+		stream_end(s, NULL);
 		s->phase = STREAM_IDLE;	/* also a response without a body write: no stream */
 		goto done;
 	}
@@ -793,7 +796,7 @@ body:
 	/* The write that ends a body of known length ends its response (a body of none: its headers'). */
 	s->body_left -= ret;
 	if (s->body == BODY_LENGTH && s->body_left <= 0) {
-		stream_end(s);
+		stream_end(s, stats);
 		s->phase = STREAM_IDLE;
 	}
 done:
