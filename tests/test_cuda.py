@@ -230,10 +230,14 @@ def test_cpu_hog_next_to_a_gpu_thread_raises_its_runqueue_delay(cuda_libs, drive
         alone, _ = _runqueue_delay(probe, cpu, cuda_libs.libdir, drivers)
         # Two busy loops on the same CPU leave the launch loop a third of it at most, so it waits
         # about twice as long as it runs, whatever else the machine is doing.
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        # Each says so once it spins: an interpreter's start takes seconds in an emulated guest, where a
+        # launch loop that finished before the hogs began read 0.19 s against 0.16 s alone.
+        hogs = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
         try:
             for hog in hogs:
                 os.sched_setaffinity(hog.pid, {cpu})
+                assert hog.stdout is not None and hog.stdout.readline().strip() == "spinning"
             contended, preemptions = _runqueue_delay(probe, cpu, cuda_libs.libdir, drivers)
         finally:
             for hog in hogs:
