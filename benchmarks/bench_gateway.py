@@ -38,6 +38,11 @@ until the whole agent's share is known to +-0.01 (its interval within 0.01 of it
 GATEWAY_BENCH_MAX_ROUNDS (30). Run it on a quiet machine: another job's load lands in the server's
 CPU per request, in the rounds of whichever configuration it overlaps.
 
+The load is a closed loop: the load generator's sends and receives run the same programs, so an agent
+slows it too, and a server that finds fewer requests waiting at each wakeup spends more CPU on each.
+That lands in "server added" (without an agent, a busy loop sharing wrk's CPU cut nginx's rate by ~40%
+and raised its CPU per request by ~1.3 us), so each configuration's rate is printed beside its cost.
+
 Then, in a pass of its own each (the kernel's BPF run-time statistics add two clock reads to every
 program run), the programs of the floor, of the whole agent and of it without requests: runs per
 request, ns per run, and run time per request, each from the programs' own counters, so each of ours
@@ -451,16 +456,20 @@ def _interval(values: list[float], unit: str = "") -> str:
     return f"90% interval {low:.{digits}f}..{high:.{digits}f}{unit}"
 
 
+def _rate(samples: list[Sample]) -> str:
+    """The requests per second the load generator completed, the median over the rounds."""
+    return f"{statistics.median(s.requests / SECONDS for s in samples):.0f}"
+
+
 def _shares(case: str, runs: dict[str, list[Sample]]) -> tuple[list[Result], float]:
     """Each configuration's cost per request (ns) and share of the server's CPU against the no-agent
     rounds, each the median over the rounds of the figure within each round's pair, with its 90%
     interval; the floor's cost beside each. And the server's CPU per request without the agent."""
     bare = runs.pop(NO_AGENT)
     base = [s.server for s in bare]
-    rates = [s.requests / SECONDS for s in bare]
     floor = statistics.median(_costs(runs[FLOOR], bare))
     results = [Result("gateway", f"{case}, {NO_AGENT}: server CPU per request", statistics.median(base), "ns",
-                      f"{spread(base)}; {statistics.median(rates):.0f} req/s")]
+                      f"{spread(base)}; {_rate(bare)} req/s")]
     for name, samples in runs.items():
         costs, shares = _costs(samples, bare), _shares_of(samples, bare)
         added = [s.server - b.server for s, b in zip(samples, bare, strict=True)]
@@ -468,7 +477,8 @@ def _shares(case: str, runs: dict[str, list[Sample]]) -> tuple[list[Result], flo
             Result("gateway", f"{case}, {name}: aiprobe's CPU per request", statistics.median(costs), "ns",
                    f"{_interval(costs, ' ns')}; server added {statistics.median(added):+.0f}, agent "
                    f"{statistics.median(s.agent for s in samples):.0f} ns/req; the floor (empty programs on the "
-                   f"same hooks) {floor:+.0f} ns; target <= {TARGET_NS} ns for a small request (issue 43)"),
+                   f"same hooks) {floor:+.0f} ns; {_rate(samples)} req/s; target <= {TARGET_NS} ns for a small "
+                   "request (issue 43)"),
             Result("gateway", f"{case}, {name}: aiprobe's share of the server's CPU", statistics.median(shares),
                    "ratio", f"{_interval(shares)}, medians of {len(samples)} rounds; target <= {TARGET_SHARE} "
                    "for a stream (issue 43)")]

@@ -8,7 +8,6 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "common.h"
-#include "loop.h"
 #include "requests.h"
 
 /* A load the compiler must make where it is written (no copy kept from a store or an earlier load). */
@@ -23,38 +22,6 @@ static __always_inline bool is_http1(const char *bytes, __u64 len)
 {
 	return len >= 8 && first4(bytes) == BYTES4('H', 'T', 'T', 'P') && bytes[4] == '/' && bytes[5] == '1' &&
 	       bytes[6] == '.';
-}
-
-/* The search for "event-stream" in the peeked bytes: "event-st", then "ream". */
-struct sse_search {
-	const char *bytes;
-	__u32 len;
-	bool found;
-};
-
-static long sse_search_at(__u32 i, struct sse_search *search)
-{
-	const __u64 event_st = 0x74732d746e657665ULL;	/* "event-st" little-endian */
-	__u64 word;
-	__u32 tail;
-
-	if (i + 12 > search->len || i > HTTP1_PEEK_BYTES - 12)
-		return 1;
-	__builtin_memcpy(&word, search->bytes + i, 8);
-	if (word != event_st)
-		return 0;
-	__builtin_memcpy(&tail, search->bytes + i + 8, 4);
-	search->found = tail == BYTES4('r', 'e', 'a', 'm');
-	return search->found;
-}
-
-/* Whether the headers name text/event-stream. */
-static __always_inline bool has_event_stream(const char *bytes, __u32 len)
-{
-	struct sse_search search = { .bytes = bytes, .len = len };
-
-	LOOP(HTTP1_PEEK_BYTES - 11, sse_search_at, &search);
-	return search.found;
 }
 
 /* --- searching bytes a word at a time --- */
@@ -172,6 +139,44 @@ static __always_inline long head_search_at(__u32 i, void *ctx)
 static __always_inline __u32 peek_index(__u32 at)
 {
 	return opaque(at) & (HTTP1_PEEK_BYTES - 1);
+}
+
+/* The search of a head for "event-stream" (the content type text/event-stream), by its 'v's, which few
+ * other bytes of a head are: "ev" starts one byte before each. Its length and index are in `head` (map
+ * memory), as the head search's. */
+struct sse_search {
+	const char *bytes;
+	struct http1_head *head;
+	bool found;
+};
+
+static __always_inline long sse_search_at(__u32 i, void *ctx)
+{
+	const __u64 event_st = 0x74732d746e657665ULL;	/* "event-st" little-endian */
+	struct sse_search *search = ctx;
+	__u32 start = peek_index(i - 1), tail;
+	__u64 word;
+
+	if (i + 11 > READ_ONCE(search->head->len))
+		return 1;	/* the bytes end before "ream" would */
+	if (!i || start > HTTP1_PEEK_BYTES - 12)
+		return 0;
+	__builtin_memcpy(&word, search->bytes + start, 8);
+	if (word != event_st)
+		return 0;
+	__builtin_memcpy(&tail, search->bytes + start + 8, 4);
+	search->found = tail == BYTES4('r', 'e', 'a', 'm');
+	return search->found;
+}
+
+/* Whether a head's first `len` bytes name text/event-stream. `head` is map memory for the search. */
+static __always_inline bool has_event_stream(const char *bytes, __u32 len, struct http1_head *head)
+{
+	struct sse_search search = { .bytes = bytes, .head = head };
+
+	head->len = len;
+	each_byte(bytes, (HTTP1_PEEK_BYTES - 12) / 8 + 1, 'v', &head->at, sse_search_at, &search);
+	return search.found;
 }
 
 /* The first non-space byte of a header's value at `at` (up to 2 spaces skipped). */

@@ -24,12 +24,16 @@
 enum stream_phase { STREAM_IDLE, STREAM_REQUEST, STREAM_RESPONSE };
 enum stream_write { WRITE_BODY, WRITE_HEADERS, WRITE_LAST_CHUNK };
 
+/* stream_timing.cuda_sync_ns where it was not read: above any time read later, so never a stall's evidence. */
+#define SYNCS_UNREAD (~0ULL)
+
 /* The timing of one response: a connection's (HTTP/1.x, TLS, TCP) or an HTTP/2 stream's. */
 struct stream_timing {
 	__u64 request_ns;	/* last request bytes received */
 	__u64 last_write_ns;
 	__u64 run_delay_ns;	/* writer's sched_info.run_delay at its last write */
-	__u64 cuda_sync_ns;	/* its process's time inside CUDA synchronizations then (cuda_sync_ns()) */
+	__u64 cuda_sync_ns;	/* its process's time inside CUDA synchronizations then (cuda_sync_ns()); SYNCS_UNREAD:
+				 * not read, as the cuda probe did not run */
 	__u32 writer_tid;
 	__u32 chunks;		/* 0: no body byte written yet */
 	/* The requests part (requests.h): */
@@ -73,6 +77,9 @@ struct stream_socket {
 __u32 streams_enabled SEC(".data.streams") = 0;
 __u64 stall_threshold_ns SEC(".data.streams") = 250 * 1000 * 1000;
 __u32 requests_enabled SEC(".data.streams") = 0;	/* the requests part (with streams_enabled) */
+/* While the cuda probe shares map cuda_sync_time (bpf/cuda_sync.h), which it alone writes: else the map is
+ * the streams' own and empty, and a write does not look its process up in it. */
+__u32 cuda_syncs_shared SEC(".data.streams") = 0;
 
 SOCKET_STATE_MAP(stream_sockets, struct stream_socket);
 

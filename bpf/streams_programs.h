@@ -159,15 +159,14 @@ int BPF_PROG(streams_set_state, struct sock *sk, int oldstate, int newstate)
 /* --- reading a response's first bytes --- */
 
 /* Whether the scratch's first `len` bytes name text/event-stream. A global function: the verifier
- * checks the search once, not once per state of the send that calls it (the bounded build walks its
- * turns one by one); the bytes are the per-CPU scratch's, as a global function takes pointers only
- * from 5.12 on. */
+ * checks the search once, not once per state of the send that calls it; the bytes are the per-CPU
+ * scratch's, as a global function takes pointers only from 5.12 on. */
 __noinline int peek_is_event_stream(__u32 len)
 {
 	__u32 zero = 0;
 	struct stream_peek *peek = bpf_map_lookup_elem(&stream_peek, &zero);
 
-	return peek && has_event_stream(peek->bytes, len);
+	return peek && has_event_stream(peek->bytes, len, &peek->head);
 }
 
 /* The protocol of a response's first `len` bytes, read into `peek`. */
@@ -628,8 +627,8 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 	event->unwritable_ns = s->full_since_ns ? now - since : 0;
 	event->blocked_send_ns = start_ns ? at_most(now - start_ns, gap) : 0;
 	event->runqueue_ns = tid == t->writer_tid ? at_most(run_delay_of_current() - t->run_delay_ns, gap) : 0;
-	sync_now = cuda_sync_ns(s->key.tgid, now);
-	/* Less than at the last write: the cuda probe restarted, its counts anew. */
+	sync_now = cuda_syncs_shared ? cuda_sync_ns(s->key.tgid, now) : 0;
+	/* Less than at the last write: the cuda probe restarted, its counts anew (or started since: unread). */
 	event->cuda_sync_ns = sync_now > t->cuda_sync_ns ? at_most(sync_now - t->cuda_sync_ns, gap) : 0;
 	/* A cause explains a stall when its evidence covers at least half of it. Evidence overlaps (a
 	 * socket stays full while the process synchronizes): the largest explains the stall, and on a
@@ -690,7 +689,7 @@ static __always_inline void timing_write(struct sock *sk, struct stream_socket *
 	t->last_write_ns = now;
 	t->writer_tid = (__u32)bpf_get_current_pid_tgid();
 	t->run_delay_ns = run_delay_of_current();
-	t->cuda_sync_ns = cuda_sync_ns(s->key.tgid, now);
+	t->cuda_sync_ns = cuda_syncs_shared ? cuda_sync_ns(s->key.tgid, now) : SYNCS_UNREAD;
 }
 
 /* An HTTP/2 write, through bpf_loop (one frame per turn: the verifier sees one turn, not H2_FRAMES

@@ -135,6 +135,48 @@ def endpoint_of(probe: StreamsProbe, server: subprocess.Popen) -> tuple[StreamEn
     return mine[0], snapshot
 
 
+def serve_head(listener: socket.socket, head: bytes) -> None:
+    """One response on one connection: the request read, `head`, then two events, then the close."""
+    connection, _ = listener.accept()
+    with connection:
+        connection.recv(4096)
+        connection.sendall(head)
+        for i in range(2):
+            connection.sendall(f"data: {i}\n\n".encode())
+
+
+SSE_TYPE = b"Content-Type: text/event-stream\r\n"
+# Heads that name the SSE content type at each place a word holds it (pads of 0-7 bytes before), after
+# a header full of 'v's (the search visits each 'v', 4 a word), and ending where the bytes read end; and
+# heads that name it nowhere (its start without its end, another type).
+HEADS = {**{f"pad {n}": (b"X-Pad: " + b"a" * n + b"\r\n" + SSE_TYPE, "sse") for n in range(8)},
+         "after v's": (b"X-V: " + b"v" * 40 + b"\r\n" + SSE_TYPE, "sse"),
+         # "event-stream" in the last 12 bytes of the 512 read (bpf/http1.h, HTTP1_PEEK_BYTES), then 1 past
+         "at the end of what is read": (b"X-Pad: " + b"a" * 455 + b"\r\n" + SSE_TYPE, "sse"),
+         "past what is read": (b"X-Pad: " + b"a" * 456 + b"\r\n" + SSE_TYPE, "http"),
+         "cut short": (b"X-Note: event-strea\r\nContent-Type: text/plain\r\n", "http"),
+         "another type": (b"Content-Type: application/json\r\nX-Events: every event\r\n", "http")}
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("name", HEADS)
+def test_the_sse_content_type_is_found_wherever_the_head_puts_it(probe: StreamsProbe, name: str) -> None:
+    headers, protocol = HEADS[name]
+    head = b"HTTP/1.1 200 OK\r\n" + headers + b"\r\n"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        server = threading.Thread(target=serve_head, args=(listener, head))
+        server.start()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(b"GET /stream HTTP/1.1\r\nHost: test\r\n\r\n")
+            while client.recv(65536):
+                pass
+        server.join(timeout=30)
+    time.sleep(0.2)
+    mine = [e for e in probe.read().endpoints if e.pid == os.getpid() and e.port == port]
+    assert [e.protocol for e in mine] == [protocol], (name, len(head), mine)
+
+
 @pytest.mark.bpf
 def test_sse_stream_ttfb_gaps_chunks_and_one_server_stall(probe: StreamsProbe) -> None:
     with sse_server("--pause-at", str(PAUSE_AT), "--pause-ms", str(PAUSE * 1e3)) as server:

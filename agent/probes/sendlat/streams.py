@@ -178,11 +178,14 @@ class StreamsProbe(InStreamLogic):
             raise ValueError("stall_threshold_ms must be positive")
         self.stall_threshold_ms = stall_threshold_ms
         self._stalls: RingRecords[StreamStall] | None = None
+        self._syncs_shared: bool | None = None  # as last told to the programs (None: not since start)
 
     def start(self) -> None:
         host = self._runnable_host()
         self._stalls = RingRecords(host.obj, "stream_stalls", "stream_stall_event", _stall, MAX_PENDING_STALLS)
         self._set(stall_threshold_ns=round(self.stall_threshold_ms * 1e6), streams_enabled=1)
+        self._syncs_shared = None
+        self._share_cuda_syncs()
 
     def status(self) -> ProbeStatus:
         loaded = self._host_loaded()
@@ -196,6 +199,15 @@ class StreamsProbe(InStreamLogic):
         """Whether the cuda probe runs beside: it writes the synchronization times that make stalls `gpu`
         (map cuda_sync_time, shared; without it the map is the streams' own, and stays empty)."""
         return "cuda" in self._obj().sharing("cuda_sync_time")
+
+    def _share_cuda_syncs(self) -> bool:
+        """cuda_syncs_seen(), told to the programs as it changes (each read: the cuda probe starts and
+        stops on its own): they look a writing process up in cuda_sync_time only while it is written."""
+        seen = self.cuda_syncs_seen()
+        if seen != self._syncs_shared:
+            self._set(cuda_syncs_shared=int(seen))
+            self._syncs_shared = seen
+        return seen
 
     def _stall_records(self) -> RingRecords[StreamStall]:
         if self._stalls is None:
@@ -224,7 +236,7 @@ class StreamsProbe(InStreamLogic):
             stall_threshold_seconds=self.stall_threshold_ms / 1e3,
             endpoints=endpoints, stalls=stalls, lost_stalls=self.events_lost(),
             uncounted_streams=self._counter("endpoints_full"), untimed_h2_streams=self._counter("h2_untimed"),
-            cuda_syncs_seen=self.cuda_syncs_seen(), tls_handshakes=handshakes,
+            cuda_syncs_seen=self._share_cuda_syncs(), tls_handshakes=handshakes,
         )
 
     def events_lost(self) -> int:

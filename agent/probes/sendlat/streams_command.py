@@ -60,8 +60,8 @@ def command(duration: float | None, threshold_ms: float, as_json: bool) -> None:
     require_privileges()
     with contextlib.ExitStack() as stack:
         host = stack.enter_context(SendLatencyProbe(per_flow=False))
+        _cuda_syncs(stack)  # first: the streams part, as it starts, finds the synchronization times shared
         probe = stack.enter_context(StreamsProbe(host, stall_threshold_ms=threshold_ms))
-        _cuda_syncs(stack)
         status = probe.status()
         click.echo(f"Tracing responses of TCP servers ({status.strategy}: {status.span}); Ctrl-C to end.", err=True)
         if not as_json:
