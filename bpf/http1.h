@@ -43,7 +43,8 @@ static __always_inline __u32 lowest_byte(__u64 flags)
 }
 
 /* Bytes equal to `c` visited in a word: enough for the '\n's of a head of CRLF lines (2 bytes at least
- * each). */
+ * each), and for its 'v's, which a head holds few of (more than 4 in the word of "event-stream"'s, only
+ * hostile, miss it: that response reads as `http`). */
 #define BYTE_VISITS_PER_WORD 4
 
 /* Each byte equal to `c` in the first `words` words of `bytes` (a map value's first bytes), lowest first,
