@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import errno
 import itertools
+import logging
 import os
 import re
 import struct
@@ -27,6 +28,7 @@ from pathlib import Path
 from . import libbpf
 from .system import TRACEFS
 
+log = logging.getLogger(__name__)
 GROUP = "aiprobe"
 PERF_TYPE_TRACEPOINT = 2
 PERF_FLAG_FD_CLOEXEC = 8
@@ -74,9 +76,10 @@ def remove_event(name: str) -> None:
             _pending.add(name)
 
 
-def remove_pending(wait: float = 2.0) -> None:
+def remove_pending(wait: float = 15.0) -> None:
     """Remove the events remove_event() had to leave, retrying for up to `wait` seconds: called once
-    all links are closed, so the kernel's grace periods overlap instead of adding up."""
+    all links are closed, so the kernel's grace periods overlap instead of adding up. They take
+    milliseconds on an idle host, seconds on a loaded or emulated one."""
     deadline = time.monotonic() + wait
     while _pending and time.monotonic() < deadline:
         for name in list(_pending):
@@ -84,6 +87,9 @@ def remove_pending(wait: float = 2.0) -> None:
             remove_event(name)
         if _pending:
             time.sleep(0.01)
+    if _pending:
+        log.warning("the kernel still held %d uprobe events after %.0f s (%s); the next agent removes them",
+                    len(_pending), wait, ", ".join(sorted(_pending)))
 
 
 def remove_stale_events() -> None:

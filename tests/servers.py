@@ -35,7 +35,10 @@ def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = No
 
 
 class Server:
-    """A subprocess with a URL; `stop()` sends SIGTERM and returns the exit status."""
+    """A subprocess with a URL; `stop()` sends SIGTERM and returns the exit status, killing it after
+    `stop_timeout` seconds."""
+
+    stop_timeout = 10.0
 
     def __init__(self, cmd: list[str], url: str, ready_path: str, log: Path, env: dict | None = None,
                  ready_timeout: float = 2 * PATIENCE) -> None:
@@ -48,11 +51,11 @@ class Server:
             self.stop()
             raise RuntimeError(f"{cmd[0]} did not become ready: {log.read_text()[-2000:]}")
 
-    def stop(self, timeout: float = 10.0) -> int | None:
+    def stop(self) -> int | None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout)
+                self.process.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -67,6 +70,10 @@ class Server:
 
 
 class Agent(Server):
+    # Detaching waits for the kernel (RCU grace periods, uprobe events a perf event still holds):
+    # seconds on a loaded host, more in an emulated guest. Killed sooner, it would leave what it holds.
+    stop_timeout = 60.0
+
     def __init__(self, workdir: Path, config: str = "", env: dict | None = None, *, https: bool = False,
                  args: tuple[str, ...] = (), listen_host: str = "127.0.0.1", alert_log: str | None = None,
                  prefix: Sequence[str] = (), ready_timeout: float = 2 * PATIENCE) -> None:
