@@ -354,6 +354,14 @@ class MapTable:
         """The values as an (entries, value size) byte array over the buffer (no copy)."""
         return np.frombuffer(self.buffer, np.uint8).reshape(len(self.keys), ctypes.sizeof(self.value_type))
 
+    def delete(self, source: Map, entries: Iterable[int]) -> None:
+        """Delete these entries (by position) from `source`, the map read, each value here replaced by
+        the one the delete found: what was added to it after the read still counts."""
+        size = ctypes.sizeof(self.value_type)
+        for i in entries:
+            if (final := source.pop(self.keys[i])) is not None:
+                self.buffer[i * size:(i + 1) * size] = bytes(final)
+
 
 class Map:
     """A BPF map with keys and values typed from BTF (raw byte arrays where BTF has none)."""

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiprobe import procfs
 from aiprobe.btf import decode, kernel_enum_names
 from aiprobe.config import Config
 from aiprobe.containers import cgroup2_root
@@ -557,6 +558,45 @@ def test_survives_a_sender_killed_mid_send(probe: SendLatencyProbe, peer: str) -
         sent = send(peer, to, 5, 10)
     [record] = records_of(probe.read(), sent.pid)
     assert record.count == 5
+
+
+SEND_THEN_WAIT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+for _ in range(10):
+    s.sendall(bytes(1000))
+print("sent", flush=True)
+sys.stdin.readline()
+for _ in range(30):
+    s.sendall(bytes(1000))
+"""
+
+
+def test_a_process_that_sends_and_exits_while_a_read_checks_it_is_counted_whole(
+        probe: SendLatencyProbe, peer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read asks whether the process of an entry that did not move since the read before (or is new)
+    is gone, after it read the entry. One that sent more and exited in between (seen in an emulated
+    guest: 10 sends of 40 counted) is counted whole: its entry is read again once it is gone."""
+    with sink(peer, "127.0.0.1") as to:
+        sender = subprocess.Popen([sys.executable, "-c", SEND_THEN_WAIT, "127.0.0.1", str(to.port)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert sender.stdout is not None and sender.stdin is not None
+        assert sender.stdout.readline() == "sent\n"
+        exited = procfs.exited
+
+        def finishes_as_it_is_checked(pid: int) -> bool:
+            if pid == sender.pid and sender.poll() is None:
+                sender.stdin.write("\n")
+                sender.stdin.flush()
+                sender.wait()
+            return exited(pid)
+
+        monkeypatch.setattr(procfs, "exited", finishes_as_it_is_checked)
+        snapshot = probe.read()
+    [record] = records_of(snapshot, sender.pid)
+    assert (record.count, record.bytes) == (40, 40_000)
+    [flow] = [f for f in snapshot.flows if f.pid == sender.pid]
+    assert (flow.count, flow.bytes) == (40, 40_000)
 
 
 @pytest.mark.bpf

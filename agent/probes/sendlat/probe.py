@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import operator
-import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -457,10 +456,14 @@ class SendLatencyProbe(Probe):
             first = run[0][3]
             rows = procs.array_range(first, run[-1][3] - first + 1)[[index - first for *_, index in run]]
             processes += _processes(run, rows, procs.value_type, waits_of, waited_of)
-        for (raw_key, tgid, _, index), process in zip(slots, processes, strict=True):
+        for position, ((raw_key, tgid, _, index), process) in enumerate(zip(slots, processes, strict=True)):
             sends[index] = moved = process.count + sum(process.errors.values())
             if self._sends.get(index, moved) == moved and procfs.exited(tgid):
                 exited.append((raw_key, index))
+                # Read again now that it is gone: what it sent after the read above (it may have sent
+                # all it did and exited since) goes into its last record, not away with the entry.
+                processes[position], = _processes([slots[position]], procs.array_range(index, 1),
+                                                  procs.value_type, waits_of, waited_of)
         self._sends = sends
         self._entries["procs"] = len(processes)
         for raw_key, index in exited:
@@ -474,11 +477,14 @@ class SendLatencyProbe(Probe):
         return processes
 
     def _read_and_prune(self, obj: BpfObject, map_name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Every entry; those of exited processes deleted, as the delete found them (what the process
+        sent after the read, before it exited, still counts)."""
         stats = obj.maps[map_name]
-        entries = [(key, btf.decode(key), btf.decode(value)) for key, value in stats.items()]
-        self._entries[map_name] = len(entries)
-        stats.delete_keys(raw for raw, key, _ in entries if not os.path.exists(f"/proc/{key['tgid']}"))
-        return [(key, value) for _, key, value in entries]
+        table = stats.table()
+        keys = [btf.decode(stats.key_type.from_buffer_copy(packed)) for packed in table.keys]
+        self._entries[map_name] = len(keys)
+        table.delete(stats, [i for i, key in enumerate(keys) if procfs.exited(key["tgid"])])
+        return [(key, btf.decode(value)) for key, value in zip(keys, table.values(), strict=True)]
 
     def events_lost(self) -> int:
         dropped = self._slow_sends.dropped if self._slow_sends is not None else 0

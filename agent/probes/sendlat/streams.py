@@ -138,12 +138,12 @@ class InStreamLogic(Probe):
 
     def _entries_of(self, name: str) -> tuple[MapTable, list[tuple[dict[str, Any], Any]]]:
         """Map `name` read whole, and its (decoded key, value) entries; those of exited processes are deleted
-        from it (reported this once more)."""
+        from it (reported this once more, as the delete found them)."""
         stats, known = self._obj().maps[name], self._keys.get(name, {})
         table = stats.table()
         keys = [known.get(packed) or btf.decode(stats.key_type.from_buffer_copy(packed)) for packed in table.keys]
         self._keys[name] = dict(zip(table.keys, keys, strict=True))
-        stats.delete_keys(packed for packed, key in zip(table.keys, keys, strict=True) if self._gone(key["tgid"]))
+        table.delete(stats, [i for i, key in enumerate(keys) if self._gone(key["tgid"])])
         return table, list(zip(keys, table.values(), strict=True))
 
     def _gone(self, pid: int) -> bool:
