@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aiprobe.loader import BpfObject, Program
+from aiprobe.probes.flows.kernel import size_flow_table
 from aiprobe.probes.flows.probe import FlowsProbe
 
 from benchmarks import Result
@@ -77,7 +78,7 @@ def _new_flows(obj: BpfObject, hook: str) -> Result:
 
 def _full_table(hook: str) -> Result:
     with BpfObject("flows", programs=HOOKS[hook]) as obj:
-        obj.maps["flows"].max_entries = FULL_TABLE
+        size_flow_table(obj, FULL_TABLE)
         obj.load()
         ours, empty = (obj.programs[name] for name in HOOKS[hook])
         for i in range(FULL_TABLE):
@@ -183,7 +184,7 @@ def run() -> list[Result]:
     results = []
     for hook in HOOKS:
         with BpfObject("flows", programs=HOOKS[hook]) as obj:
-            obj.maps["flows"].max_entries = NEW_FLOWS + 16
+            size_flow_table(obj, NEW_FLOWS + 16)
             obj.load()
             results += [_existing_flow(obj, hook), _new_flows(obj, hook)]
         results.append(_full_table(hook))

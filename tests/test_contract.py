@@ -98,7 +98,7 @@ def test_probe_names_exist_in_its_object(spec) -> None:
 
 
 def test_the_scan_sees_lookups() -> None:
-    assert names_looked_up("probes.flows") == {"maps": {"flows", "unattributed", "lost"},
+    assert names_looked_up("probes.flows") == {"maps": {"flows", "flow_counts", "free_slots", "unattributed", "lost"},
                                         "programs": {"flows_xdp", "flows_ingress", "flows_egress"}}
     assert {"procs", "proc_slots", "unwritable", "free_procs", "flows", "counters", "slow_sends"} <= \
         names_looked_up("probes.sendlat")["maps"]

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiprobe.btf import decode
@@ -35,6 +36,7 @@ from aiprobe.libbpf import BpfError
 from aiprobe.loader import BpfObject, tc_clsact_detach
 from aiprobe.probes.flows import probe as flows_probe
 from aiprobe.probes.flows.hooks import SNAPSHOT_FLOWS
+from aiprobe.probes.flows.kernel import KernelFlows
 from aiprobe.probes.flows.probe import (
     DIRECTIONS,
     MIN_RATE_WINDOW_NS,
@@ -256,7 +258,7 @@ def test_xdp_program_attaches_and_counts_whole_frames_at_mtu(veth: VethPair, mtu
                      veth.host_ip4, str(payload)])
         packets = _stat(veth.host, "rx_packets") - before[0]
         rx_bytes = _stat(veth.host, "rx_bytes") - before[1]
-        ((_, counters),) = [(k, c) for k, c in obj.maps["flows"].items() if k.protocol == 17]
+        ((_, counters),) = [(k, c) for k, c in KernelFlows(obj).items() if k.protocol == 17]
     frame = 14 + 20 + 8 + payload
     assert (counters.packets, counters.bytes) == (5, 5 * frame)
     # veth's XDP path counts received bytes after the Ethernet header was pulled: 14 bytes short per frame.
@@ -826,7 +828,7 @@ PASS_VERDICTS = {"flows_xdp": 2, "flows_ingress": 0xFFFFFFFF, "flows_egress": 0x
 
 
 def _flow_entries(obj: BpfObject) -> list[dict]:
-    return [decode(key) for key, _ in obj.maps["flows"].items()]
+    return [decode(key) for key, _ in KernelFlows(obj).items()]
 
 
 def _unattributed(obj: BpfObject) -> dict[str, int]:
@@ -871,7 +873,7 @@ def test_well_formed_frames_make_exactly_the_right_flow(case: str, ingress: str)
         for program in (ingress, "flows_egress"):
             assert obj.programs[program].test_run(frame, repeat=3).retval == PASS_VERDICTS[program]
         keys = sorted(_flow_entries(obj), key=lambda k: k["direction"])
-        values = [counters.packets for _, counters in obj.maps["flows"].items()]
+        values = [counters.packets for _, counters in KernelFlows(obj).items()]
     pack = lambda a: ipaddress.ip_address(a).packed.ljust(16, b"\0")  # noqa: E731
     assert len(keys) == 2 and values == [3, 3]
     ingress, egress = keys
@@ -889,7 +891,7 @@ def test_tcp_flags_are_counted() -> None:
         for flags in (0x02, 0x12, 0x10, 0x11, 0x04, 0x14):  # SYN, SYN-ACK, ACK, FIN-ACK, RST, RST-ACK
             obj.programs["flows_xdp"].test_run(
                 frames.ethernet(frames.ETH_P_IP, frames.ipv4(V4A, V4B, frames.TCP, frames.tcp(80, 443, flags))))
-        ((_, counters),) = obj.maps["flows"].items()
+        ((_, counters),) = KernelFlows(obj).items()
     assert [getattr(counters, f) for f in ("packets", "tcp_syn", "tcp_fin", "tcp_rst")] == [6, 2, 1, 2]
 
 
@@ -917,6 +919,36 @@ def test_more_flows_than_the_table_holds_are_counted_not_lost(veth: VethPair) ->
     assert "LOST" in header_lines({"probes": {"flows": status.to_dict()}})[-1]
     # Flows evicted or never inserted still count toward the interface.
     assert 2 * flows <= _totals(second, veth.host, "egress")[1] <= sent + 2
+
+
+def test_a_socket_whose_flow_was_deleted_leaves_the_flow_that_took_its_slot_alone(veth: VethPair) -> None:
+    """A socket's egress frames count through the slot it cached (bpf/flows.bpf.c). Once user space
+    deletes its flow (as it expires idle ones) and the next new flow takes the slot, the socket's
+    frames make a flow of their own: each flow counts exactly its own datagrams."""
+    frame = 14 + 20 + 8 + UDP_PAYLOAD
+    with FlowsProbe([veth.host]) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as old, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as new:
+        flows = KernelFlows(probe.loaded.obj)
+
+        def egress(port: int) -> list[tuple[Any, Any]]:
+            return [(key, counters) for key, counters in flows.items()
+                    if (key.direction, key.protocol, key.remote_port) == (1, 17, port)]
+
+        for _ in range(3):
+            old.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        ((key, counters),) = egress(9)
+        freed = flows.slots.lookup(key).value
+        assert counters.packets == 3 and flows.pop(key).packets == 3
+        for _ in range(5):
+            new.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 10))
+        ((key, _),) = egress(10)
+        assert flows.slots.lookup(key).value == freed  # the next new flow took the slot
+        for _ in range(7):
+            old.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        (_, old_counters), = egress(9)
+        (_, new_counters), = egress(10)
+    assert (old_counters.packets, old_counters.bytes) == (7, 7 * frame)
+    assert (new_counters.packets, new_counters.bytes) == (5, 5 * frame)
 
 
 def test_frames_no_table_can_hold_are_counted_as_lost() -> None:

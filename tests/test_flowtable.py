@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from aiprobe.btf import dtype_of
 from aiprobe.loader import BpfObject
+from aiprobe.probes.flows.kernel import KernelFlows
 from aiprobe.probes.flows.probe import MIN_RATE_WINDOW_NS, TopFlows
 from aiprobe.probes.flows.records import FlowRecord, FlowsSnapshot, InterfaceTotals
 from aiprobe.probes.flows.table import KEY_FIELDS, VALUE_FIELDS, FlowTable
@@ -24,8 +25,8 @@ HEAVY, MIDDLE, LIGHT = 5001, 5002, 5003  # local ports of three flows
 def layouts() -> tuple[np.dtype, np.dtype]:
     obj = BpfObject("flows")
     try:
-        flows_map = obj.maps["flows"]
-        return dtype_of(flows_map.key_type, KEY_FIELDS), dtype_of(flows_map.value_type, VALUE_FIELDS)
+        flows = KernelFlows(obj)
+        return dtype_of(flows.key_type, KEY_FIELDS), dtype_of(flows.value_type, VALUE_FIELDS)
     finally:
         obj.close()
 

@@ -55,7 +55,6 @@ from ...loader import (
     BpfObject,
     Link,
     Loaded,
-    Map,
     ProbeUnavailable,
     Program,
     Strategy,
@@ -71,6 +70,7 @@ from ...netlink import LinkInfo, LinkWatcher, current_links, xdp_program_id
 from ...registry import Loading, Probe, ProbeSpec
 from ...supervisor import ATTACHMENTS, Backoff, attach_reason
 from .hooks import SNAPSHOT_FLOWS, FlowsHooks
+from .kernel import KernelFlows, size_flow_table
 from .records import FlowRecord, FlowsSnapshot, InterfaceAttachment, InterfaceTotals
 from .settings import FlowsSettings
 from .table import KEY_FIELDS, SUMMED, VALUE_FIELDS, FlowTable, raw_keys
@@ -426,8 +426,8 @@ FIRST_SEEN = VALUE_FIELDS.index("first_seen_ns")
 class _Gone:
     """Raw keys of the flows a read deletes."""
 
-    expired: list[bytes] = field(default_factory=list)
-    orphans: list[bytes] = field(default_factory=list)  # of interfaces no longer watched
+    expired: list[bytes]
+    orphans: list[bytes]  # of interfaces no longer watched
 
 
 @dataclass
@@ -511,9 +511,9 @@ class FlowsProbe(Probe):
         except BaseException:
             watcher.stop()
             raise
-        flows_map = self.loaded.obj.maps["flows"]
-        self._table = FlowTable(dtype_of(flows_map.key_type, KEY_FIELDS),
-                                dtype_of(flows_map.value_type, VALUE_FIELDS), time.monotonic_ns())
+        self._flows = KernelFlows(self.loaded.obj)
+        self._table = FlowTable(dtype_of(self._flows.key_type, KEY_FIELDS),
+                                dtype_of(self._flows.value_type, VALUE_FIELDS), time.monotonic_ns())
         # Fixed at start, so first_seen is the same float in every read (it tells flow incarnations apart).
         self._to_wall = time.time() - time.monotonic()
         self._watcher = watcher
@@ -537,7 +537,7 @@ class FlowsProbe(Probe):
         with_xdp = bool(self.filter.xdp) if xdp is None else xdp
 
         def configure(obj: BpfObject, _strategy: Strategy) -> None:
-            obj.maps["flows"].max_entries = self.max_flows
+            size_flow_table(obj, self.max_flows)
             if with_xdp:
                 enable_xdp(obj)
 
@@ -674,17 +674,17 @@ class FlowsProbe(Probe):
         """The latest read with its recorded flows read again and the interface totals moved on by
         their increase (read_for_scrape). Rates stay those of the latest read."""
         assert self.loaded is not None and self._last_snapshot is not None
-        last, flows_map = self._last_snapshot, self.loaded.obj.maps["flows"]
+        last = self._last_snapshot
         totals = {t.identity(): dataclasses.replace(t) for t in last.interfaces}
-        records = [self._reread_flow(flows_map, key, first_seen_ns, record, totals)
+        records = [self._reread_flow(key, first_seen_ns, record, totals)
                    for key, first_seen_ns, record in self._recorded]
         self._served = dataclasses.replace(last, timestamp=time.time(), flows=records,
                                            interfaces=list(totals.values()))
         return self._served
 
-    def _reread_flow(self, flows_map: Map, key: bytes, first_seen_ns: int, record: FlowRecord,
+    def _reread_flow(self, key: bytes, first_seen_ns: int, record: FlowRecord,
                      totals: dict[Identity, InterfaceTotals]) -> FlowRecord:
-        now = flows_map.lookup(key)
+        now = self._flows.lookup(key)
         if now is None or now.first_seen_ns != first_seen_ns:
             return record  # deleted (or deleted and made again) since: the next read() says so
         side = totals[(record.interface, record.direction)]
@@ -705,8 +705,8 @@ class FlowsProbe(Probe):
         baseline = table.begin(now_ns, MIN_RATE_WINDOW_NS)
         since, idle_before = ledger.since(), ledger.idle_cutoff(started - int(self.idle_timeout * 1e9))
         obj.set_data(".data.clock", flows_clock=started)  # what frames from now on stamp as last_seen
-        gone = self._scan(obj.maps["flows"], names, since, idle_before)
-        self._delete(obj.maps["flows"], gone)
+        gone = self._scan(names, since, idle_before)
+        self._delete(gone)
         ledger.started.append(started)
         table.end(now_ns)
         interval = max(now_ns - baseline.at_ns, 1) / 1e9
@@ -727,45 +727,44 @@ class FlowsProbe(Probe):
         self._served = self._last_snapshot
         return self._last_snapshot
 
-    def _scan(self, flows_map: Map, names: dict[int, str], since: int, idle_before: int) -> _Gone:
-        """One pass over the flow table in raw batches, as arrays: Python touches an entry only when
-        its last_seen is `since` or later (it changed), before `idle_before` (it expired), or when it
-        belongs to an interface no longer watched. Per read, work in proportion to what changed."""
-        gone, table = _Gone(), self._table
+    def _scan(self, names: dict[int, str], since: int, idle_before: int) -> _Gone:
+        """One pass over the flow table, as arrays: Python touches an entry only when its last_seen
+        is `since` or later (it changed), before `idle_before` (it expired), or when it belongs to an
+        interface no longer watched. Per read, work in proportion to what changed."""
+        table = self._table
+        keys, counters = self._flows.read(table.value_dtype)
+        key_bytes = memoryview(keys)
+        last_seen = counters["last_seen_ns"]
+        table.update(key_bytes, counters, np.flatnonzero(last_seen >= since))
+        ifindexes = np.frombuffer(keys, table.key_dtype)["ifindex"]
         watched = np.fromiter(names, np.int64, len(names))
-        for count, keys, values in flows_map.raw_items():
-            key_bytes = memoryview(keys).cast("B")
-            counters = np.frombuffer(values, table.value_dtype, count)
-            last_seen = counters["last_seen_ns"]
-            table.update(key_bytes, counters, np.flatnonzero(last_seen >= since))
-            ifindexes = np.frombuffer(keys, table.key_dtype, count)["ifindex"]
-            size = table.key_dtype.itemsize
-            gone.expired += raw_keys(key_bytes, size, np.flatnonzero(last_seen < idle_before))
-            gone.orphans += raw_keys(key_bytes, size, np.flatnonzero(~np.isin(ifindexes, watched)))
-        return gone
+        size = table.key_dtype.itemsize
+        return _Gone(expired=raw_keys(key_bytes, size, np.flatnonzero(last_seen < idle_before)),
+                     orphans=raw_keys(key_bytes, size, np.flatnonzero(~np.isin(ifindexes, watched))))
 
-    def _delete(self, flows_map: Map, gone: _Gone) -> None:
+    def _delete(self, gone: _Gone) -> None:
         """Delete flows of interfaces no longer watched, expire idle flows, and if the table is nearly
         full, evict the stalest. What expired and evicted flows counted moves to the interface totals,
         so nothing they counted is lost."""
         table = self._table
         for key in gone.orphans:
-            flows_map.delete(key)
+            self._flows.pop(key)
         table.drop(gone.orphans)
-        self._retire(flows_map, gone.expired)
+        self._retire(gone.expired)
         if len(table) > EVICT_ABOVE * self.max_flows:
             stalest = table.stalest(len(table) - int(EVICT_TO * self.max_flows))
-            self._retire(flows_map, stalest)
+            self._retire(stalest)
             self._ledger.evictions += len(stalest)
 
-    def _retire(self, flows_map: Map, keys: list[bytes]) -> None:
+    def _retire(self, keys: list[bytes]) -> None:
         """Delete flows, their counts as deleted going to their interface: nothing counted after a read is lost."""
         table = self._table
         finals = np.zeros(len(keys), table.value_dtype)
         for i, key in enumerate(keys):
-            # Before 5.14 a frame counted between its lookup and delete is lost, which the flows
-            # deleted here (idle, or the stalest) all but never have.
-            final = flows_map.pop(key)
+            # A frame counted between the delete and its slot's zeroing (before 5.14, between the
+            # lookup and the delete too) is lost, which the flows deleted here (idle, or the stalest)
+            # all but never have.
+            final = self._flows.pop(key)
             if final is not None:
                 finals[i] = np.frombuffer(bytes(final), table.value_dtype, 1)[0]
             elif key in table.slots:  # deleted by someone else meanwhile: as last read
