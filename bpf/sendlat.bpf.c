@@ -430,7 +430,7 @@ static __always_inline void end_send(struct sendlat_thread *thread, struct task_
 	}
 	now = start_ns ? bpf_ktime_get_ns() : 0;	/* one clock read for the send's time and its stream's */
 	if (trusted)
-		stream_send_end(sk, ret, start_ns, now, thread->tgid, thread->cgroup_id);
+		stream_send_end(sk, task, ret, start_ns, now, thread->tgid, thread->cgroup_id);
 	if (ret <= 0) {
 		if (ret)
 			failed_send(thread, stats, sk, trusted, ret);

@@ -598,25 +598,31 @@ int BPF_PROG(streams_fexit_recv, struct sock *sk)
 
 /* --- the server's writes --- */
 
-static __always_inline __u64 run_delay_of_current(void)
-{
-	struct task_struct *task = current_task();
-
-	return TASK_READ(task, sched_info.run_delay);
-}
+/* A send that returned bytes, as its timings and stalls note it: its writer's thread and run delay are
+ * read once, from the task the program already has, not through two more helper calls per write. */
+struct stream_sent {
+	struct sock *sk;
+	struct stream_socket *s;
+	__u64 now;
+	__u64 start_ns;		/* the send's start where it was timed, else 0 */
+	__u64 run_delay_ns;	/* the writer's sched_info.run_delay */
+	long ret;		/* bytes not counted yet (HTTP/2: the write's first stream counts them) */
+	__u32 tid;		/* the writer's */
+};
 
 static __always_inline __u64 at_most(__u64 value, __u64 limit)
 {
 	return value < limit ? value : limit;
 }
 
-static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s, struct stream_timing *t,
-				       struct stream_stats *stats, __u32 stream_id, __u64 now, __u64 gap, __u64 start_ns)
+static __always_inline void emit_stall(struct stream_sent *w, struct stream_timing *t, struct stream_stats *stats,
+				       __u32 stream_id, __u64 gap)
 {
+	struct stream_socket *s = w->s;
+	struct sock *sk = w->sk;
 	struct stream_stall_event *event;
-	__u64 since, network, sync_now;
+	__u64 since, network, sync_now, now = w->now;
 	__u8 cause = STALL_SERVER;
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
 	event = bpf_ringbuf_reserve(&stream_stalls, sizeof(*event), 0);
 	if (!event) {
@@ -625,8 +631,8 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 	}
 	since = s->full_since_ns > t->last_write_ns ? s->full_since_ns : t->last_write_ns;
 	event->unwritable_ns = s->full_since_ns ? now - since : 0;
-	event->blocked_send_ns = start_ns ? at_most(now - start_ns, gap) : 0;
-	event->runqueue_ns = tid == t->writer_tid ? at_most(run_delay_of_current() - t->run_delay_ns, gap) : 0;
+	event->blocked_send_ns = w->start_ns ? at_most(now - w->start_ns, gap) : 0;
+	event->runqueue_ns = w->tid == t->writer_tid ? at_most(w->run_delay_ns - t->run_delay_ns, gap) : 0;
 	sync_now = cuda_syncs_shared ? cuda_sync_ns(s->key.tgid, now) : 0;
 	/* Less than at the last write: the cuda probe restarted, its counts anew (or started since: unread). */
 	event->cuda_sync_ns = sync_now > t->cuda_sync_ns ? at_most(sync_now - t->cuda_sync_ns, gap) : 0;
@@ -643,7 +649,7 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 	__sync_fetch_and_add(&stats->stalls[cause], 1);
 	event->cause = cause;
 	event->tgid = s->key.tgid;
-	event->tid = tid;
+	event->tid = w->tid;
 	event->cgroup_id = s->key.cgroup_id;
 	event->protocol = s->key.protocol;
 	event->family = sk->__sk_common.skc_family;
@@ -665,13 +671,12 @@ static __always_inline void emit_stall(struct sock *sk, struct stream_socket *s,
 }
 
 
-/* A write of `ret` bytes of response `t` (stream `stream_id` on HTTP/2): the first byte ends the TTFB,
- * later ones a gap. */
-static __always_inline void timing_write(struct sock *sk, struct stream_socket *s, struct stream_timing *t,
-					 struct stream_stats *stats, __u32 stream_id, long ret, __u64 now,
-					 __u64 start_ns)
+/* Write `w` of response `t` (stream `stream_id` on HTTP/2): the first byte ends the TTFB, later ones a
+ * gap. */
+static __always_inline void timing_write(struct stream_sent *w, struct stream_timing *t, struct stream_stats *stats,
+					 __u32 stream_id)
 {
-	__u64 gap;
+	__u64 gap, now = w->now;
 
 	if (!t->chunks) {
 		__sync_fetch_and_add(&stats->streams, 1);
@@ -680,29 +685,21 @@ static __always_inline void timing_write(struct sock *sk, struct stream_socket *
 		gap = now - t->last_write_ns;
 		hist_add(&stats->gap, gap);
 		if (gap >= stall_threshold_ns)
-			emit_stall(sk, s, t, stats, stream_id, now, gap, start_ns);
+			emit_stall(w, t, stats, stream_id, gap);
 	}
 	t->chunks++;
-	t->response_bytes += ret;
+	t->response_bytes += w->ret;
 	__sync_fetch_and_add(&stats->chunks, 1);
-	__sync_fetch_and_add(&stats->bytes, ret);
+	__sync_fetch_and_add(&stats->bytes, w->ret);
 	t->last_write_ns = now;
-	t->writer_tid = (__u32)bpf_get_current_pid_tgid();
-	t->run_delay_ns = run_delay_of_current();
-	t->cuda_sync_ns = cuda_syncs_shared ? cuda_sync_ns(s->key.tgid, now) : SYNCS_UNREAD;
+	t->writer_tid = w->tid;
+	t->run_delay_ns = w->run_delay_ns;
+	t->cuda_sync_ns = cuda_syncs_shared ? cuda_sync_ns(w->s->key.tgid, now) : SYNCS_UNREAD;
 }
 
-/* An HTTP/2 write, through bpf_loop (one frame per turn: the verifier sees one turn, not H2_FRAMES
- * copies of the timing and stall code). */
-struct h2_write {
-	struct sock *sk;
-	struct stream_socket *s;
-	__u64 now;
-	__u64 start_ns;
-	long ret;
-};
-
-static long h2_write_frame(__u32 i, struct h2_write *w)
+/* One frame of an HTTP/2 write, through bpf_loop (one frame per turn: the verifier sees one turn, not
+ * H2_FRAMES copies of the timing and stall code). */
+static long h2_write_frame(__u32 i, struct stream_sent *w)
 {
 	struct stream_socket *s = w->s;
 	struct stream_stats *stats = NULL;
@@ -719,7 +716,7 @@ static long h2_write_frame(__u32 i, struct h2_write *w)
 	 * kept from the last: a pointer kept across turns doubles what a bounded loop's verifier walks. */
 	if ((carries & H2_CARRIES_DATA) && !(stream->t.chunks && stream->t.last_write_ns == w->now) &&
 	    (stats = stream_endpoint(&s->key))) {
-		timing_write(w->sk, s, &stream->t, stats, stream->id, w->ret, w->now, w->start_ns);
+		timing_write(w, &stream->t, stats, stream->id);
 		w->ret = 0;
 	}
 	if (carries & H2_CARRIES_END) {
@@ -734,19 +731,18 @@ static long h2_write_frame(__u32 i, struct h2_write *w)
 /* A chunk of each stream the write carries DATA for; the streams it ends end. Bytes are the write's,
  * counted once (with its first stream). The endpoint's entry is made at the first DATA, when the
  * protocol (http2 or grpc) is known. */
-static __always_inline void h2_write(struct sock *sk, struct stream_socket *s, long ret, __u64 now, __u64 start_ns)
+static __always_inline void h2_write(struct stream_sent *w)
 {
-	struct h2_write w = { .sk = sk, .s = s, .now = now, .start_ns = start_ns, .ret = ret };
-
-	LOOP(H2_WRITE_FRAMES, h2_write_frame, &w);
+	LOOP(H2_WRITE_FRAMES, h2_write_frame, w);
 }
 
-/* A TCP sendmsg of thread (tgid, cgroup_id) on `sk` returned `ret` at `now` (0: not read yet, as the send
- * was not timed); `start_ns`: its start if timed. */
-static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 start_ns, __u64 now, __u32 tgid,
-					    __u64 cgroup_id)
+/* A TCP sendmsg of `task`, of thread (tgid, cgroup_id), on `sk` returned `ret` at `now` (0: not read yet,
+ * as the send was not timed); `start_ns`: its start if timed. */
+static __always_inline void stream_send_end(struct sock *sk, struct task_struct *task, long ret, __u64 start_ns,
+					    __u64 now, __u32 tgid, __u64 cgroup_id)
 {
 	struct stream_stats *stats = NULL;
+	struct stream_sent w;
 	struct stream_socket *s;
 	__u8 write;
 
@@ -766,8 +762,10 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 	s->key.tgid = tgid;
 	s->key.cgroup_id = cgroup_id;
 	s->key.port = sk->__sk_common.skc_num;
+	w = (struct stream_sent){ .sk = sk, .s = s, .now = now, .start_ns = start_ns, .ret = ret,
+				   .tid = TASK_READ(task, pid), .run_delay_ns = TASK_READ(task, sched_info.run_delay) };
 	if (is_h2(s)) {
-		h2_write(sk, s, ret, now, start_ns);
+		h2_write(&w);
 		s->frames = 0;
 		goto done;
 	}
@@ -790,7 +788,7 @@ static __always_inline void stream_send_end(struct sock *sk, long ret, __u64 sta
 		stats = bpf_map_lookup_elem(&stream_stats, &s->key);
 	}
 	if (stats)
-		timing_write(sk, s, &s->t, stats, 0, ret, now, start_ns);
+		timing_write(&w, &s->t, stats, 0);
 body:
 	/* The write that ends a body of known length ends its response (a body of none: its headers'). */
 	s->body_left -= ret;

@@ -951,6 +951,54 @@ def test_a_socket_whose_flow_was_deleted_leaves_the_flow_that_took_its_slot_alon
     assert (new_counters.packets, new_counters.bytes) == (5, 5 * frame)
 
 
+PEER_CONNECTED_UDP = """
+import socket, sys
+host, port, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", port))
+s.connect((host, port))  # a connected socket's datagrams carry its hash
+s.settimeout(float(sys.argv[5]))
+for _ in range(count):
+    s.send(bytes(size))
+for _ in range(count):
+    s.recv(65536)
+"""
+
+
+def test_hints_that_point_at_another_flow_leave_it_alone(veth: VethPair) -> None:
+    """A frame without a sending socket counts through the slot its hash's hint holds when that is its
+    flow's (flow_hints, bpf/flows.bpf.c). With every hint pointing at one flow's slot, the frames of
+    another flow count exactly as their own each way, and the inbound flow's hint ends up holding its
+    slot (outbound frames have their socket's cache)."""
+    frame, port = 14 + 20 + 8 + UDP_PAYLOAD, 40010
+    with FlowsProbe([veth.host]) as probe, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as decoy, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        flows, hints = KernelFlows(probe.loaded.obj), probe.loaded.obj.maps["flow_hints"]
+        for _ in range(3):
+            decoy.sendto(bytes(UDP_PAYLOAD), (veth.peer_ip4, 9))
+        (decoy_key,) = [key for key, _ in flows.items() if key.remote_port == 9]
+        decoy_slot = flows.slots.lookup(decoy_key).value
+        for index in range(hints.max_entries):
+            hints.update(index, decoy_slot)
+        sock.bind((veth.host_ip4, port))
+        sock.connect((veth.peer_ip4, port))
+        sock.settimeout(PATIENCE)
+        peer = subprocess.Popen(veth.ns_cmd([sys.executable, "-c", PEER_CONNECTED_UDP, veth.host_ip4, str(port),
+                                             str(COUNT), str(UDP_PAYLOAD), str(PATIENCE)]))
+        for _ in range(COUNT):
+            sock.recv(65536)
+        for _ in range(COUNT):
+            sock.send(bytes(UDP_PAYLOAD))
+        assert peer.wait(PATIENCE) == 0
+        counted = {(key.direction, key.remote_port): (counters.packets, counters.bytes)
+                   for key, counters in flows.items() if key.protocol == socket.IPPROTO_UDP}
+        (inbound,) = [key for key, _ in flows.items() if (key.direction, key.remote_port) == (0, port)]
+        slot = flows.slots.lookup(inbound).value
+        held = {hints.lookup(index).value for index in range(hints.max_entries)}
+    assert counted == {(1, 9): (3, 3 * frame), (0, port): (COUNT, COUNT * frame), (1, port): (COUNT, COUNT * frame)}
+    assert slot != decoy_slot and slot in held
+
+
 def test_frames_no_table_can_hold_are_counted_as_lost() -> None:
     arp = frames.ethernet(frames.ETH_P_ARP, bytes(28))
     with BpfObject("flows", programs=list(OUR_TC_PROGRAMS)) as obj:
