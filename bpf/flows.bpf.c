@@ -375,7 +375,7 @@ static __always_inline bool take_slot(__u32 *index)
 /* Cold path: a flow the table lacks gets a zeroed slot and its key is inserted with BPF_NOEXIST; a
  * CPU that lost the race to insert it gives its slot back and takes the winner's, so two CPUs that
  * see a flow's first packets at once both count exactly. The slot gets its key only once the flow is
- * in the table: a socket's cache never matches a slot given back. False: the table is full. */
+ * in the table: a cache (a socket's, a hint) never matches a slot given back. False: the table is full. */
 static __noinline bool new_flow(struct flow_key *key, __u32 *index)
 {
 	struct flow_counters *counters;

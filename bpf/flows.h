@@ -48,9 +48,9 @@ struct flow_counters {
 	__u32 tcp_fin;
 	__u32 tcp_rst;
 	__u32 pad;
-	/* Whose counters these are (their slot in flow_counts is found by this key in flows): a socket's
-	 * cached slot counts its frame only where this is the frame's key. Zeroed (family 0: no frame's)
-	 * while the slot is free. */
+	/* Whose counters these are (their slot in flow_counts is found by this key in flows): a slot cached
+	 * by a socket or a hint counts a frame only where this is the frame's key. Zeroed (family 0: no
+	 * frame's) while the slot is free. */
 	struct flow_key key;
 };
 

@@ -1,6 +1,6 @@
 """The kernel's flow table as user space reads and changes it (bpf/flows.bpf.c): `flows` maps each
 flow's key to its slot in `flow_counts`, the array of counters; a flow user space deletes gives its
-slot back, zeroed (a socket that cached the slot then finds another key there), through `free_slots`."""
+slot back, zeroed (a socket or a hint that cached the slot then finds another key there), through `free_slots`."""
 
 from __future__ import annotations
 
